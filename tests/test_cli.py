@@ -1,0 +1,86 @@
+"""The ``tops`` command line."""
+
+import re
+
+import pytest
+
+from tests import fakes
+from tops_core.cli import main
+
+
+@pytest.fixture
+def kernels(registry):
+    fakes.register("portable", priority={"cpu": 100, "tpu": 50})
+    fakes.register("kernel", platforms={"tpu"}, interpretable=True, backward=None, priority={"tpu": 200},
+                   dtypes={"bfloat16", "float32"}, features={"g", "g_gamma", "initial_state", "output_final_state"},
+                   ndims={"g_gamma": {1}})
+    return registry
+
+
+def test_list_prints_a_support_matrix_and_details(kernels, capsys):
+    assert main(["list", "simple_gla"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("simple_gla: 2 implementation(s)")
+    header = next(line for line in out.splitlines() if line.strip().startswith("implementation"))
+    assert header.split() == ["implementation", "cpu", "gpu", "tpu", "bf16", "f16", "f32", "f64", "cu_seqlens", "g",
+                              "g_gamma", "initial_state", "output_final_state", "backward"]
+    kernel_row = next(line for line in out.splitlines() if line.strip().startswith("fake.kernel"))
+    assert kernel_row.split() == ["fake.kernel", "i", "i", "y", "y", "-", "y", "-", "-", "y", "y", "y", "y", "-"]
+    assert "priority: cpu 100, tpu 50" in out and "g_gamma.ndim in {1}" in out
+    assert "config: FakeConfig(chunk_size=64)" in out
+
+
+def test_list_all_ops(kernels, capsys):
+    main(["list"])
+    out = capsys.readouterr().out
+    assert "kda: 0 implementation(s)" in out and "simple_gla: 2 implementation(s)" in out
+
+
+def test_explain_describes_a_call_and_prints_both_decisions(kernels, capsys):
+    assert main(["explain", "simple_gla", "--shape", "2,4096,8,128,128", "--with", "g_gamma,output_final_state"]) == 0
+    out = capsys.readouterr().out
+    assert "simple_gla forward: B=2 T=4096 H=8 K=128 V=128 bfloat16 on cpu; with g_gamma (ndim 1), output_final_state" in out
+    assert re.search(r"x fake.kernel +rejected: runs on tpu, this call is on cpu \(interpret mode is off", out)
+    assert out.count("selected: fake.portable") == 2
+
+
+def test_explain_for_another_platform_and_interpret_mode(kernels, capsys):
+    main(["explain", "simple_gla", "--with", "g_gamma", "--platform", "tpu"])
+    out = capsys.readouterr().out
+    forward, backward = out.split("simple_gla backward")
+    assert "selected: fake.kernel" in forward and "selected: fake.portable" in backward
+    main(["explain", "simple_gla", "--with", "g_gamma", "--interpret"])
+    assert "selected: fake.kernel [interpreted]" in capsys.readouterr().out
+
+
+def test_explain_reports_when_nothing_supports_the_call(kernels, capsys):
+    assert main(["explain", "simple_gla", "--shape", "1,64,2,64,64", "--with", "cu_seqlens", "--num-seqs", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "no implementation of simple_gla supports this forward call" in out
+    assert "N=3" in out and "does not support cu_seqlens" in out
+
+
+def test_explain_force_strict_deny_and_ndim(kernels, capsys):
+    main(["explain", "simple_gla", "--with", "g_gamma", "--ndim", "g_gamma=0", "--platform", "tpu", "--deny", "fake.portable"])
+    out = capsys.readouterr().out
+    assert "g_gamma.ndim=0 not supported" in out and "denied by policy" in out
+    main(["explain", "simple_gla", "--force", "fake.portable", "--platform", "tpu"])
+    assert "decided by: forced by --force" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["explain", "simple_gla", "--shape", "2,64"], "--shape must be B,T,H,K,V"),
+    (["explain", "simple_gla", "--with", "alibi"], "unknown feature(s) ['alibi']"),
+    (["explain", "simple_gla", "--with", "g", "--ndim", "g=1"], "--ndim takes NAME=RANK"),
+    (["explain", "simple_gla", "--with", "cu_seqlens"], "cu_seqlens requires B == 1"),
+])
+def test_explain_rejects_malformed_descriptions(kernels, argv, message):
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert message in str(raised.value)
+
+
+def test_plugins_lists_in_process_plugins(kernels, capsys):
+    main(["plugins"])
+    out = capsys.readouterr().out
+    assert "fake" in out and "(in-process)" in out and "fake.kernel (simple_gla)" in out

@@ -1,0 +1,40 @@
+"""tops: fast linear-attention kernels behind one call that picks the best implementation.
+
+    import tops_core
+    o, ht = tops_core.op("simple_gla").forward(q, k, v, g_gamma=gamma, output_final_state=True)
+"""
+
+from tops_core.callspec import CallSpec
+from tops_core.capabilities import Capabilities, DimRule
+from tops_core.dispatch import Decision, NoImplementationError
+from tops_core.hookspecs import hookimpl
+from tops_core.implementation import Implementation
+from tops_core.ops import op
+from tops_core.ops.base import ContractError, Explanation
+from tops_core.ops.kda import KDAGrads
+from tops_core.ops.simple_gla import SimpleGLAGrads
+from tops_core.policy import use
+from tops_core.registry import API_VERSION, PluginError, default_registry
+
+__version__ = "0.1.0"
+
+
+def register(implementation: Implementation, plugin: str = "local") -> Implementation:
+    """Register one implementation in-process (a user's own kernel, a test) as ``<plugin>.<name>``."""
+    return default_registry().register(implementation, plugin)
+
+
+def register_plugin(plugin: object, name: str):
+    """Register a plugin object in-process, through the same path as entry-point plugins."""
+    return default_registry().register_plugin(plugin, name)
+
+
+def unregister_plugin(name: str) -> None:
+    default_registry().unregister_plugin(name)
+
+
+__all__ = [
+    "API_VERSION", "CallSpec", "Capabilities", "ContractError", "Decision", "DimRule", "Explanation",
+    "Implementation", "KDAGrads", "NoImplementationError", "PluginError", "SimpleGLAGrads",
+    "default_registry", "hookimpl", "op", "register", "register_plugin", "unregister_plugin", "use",
+]

@@ -1,0 +1,54 @@
+"""The call spec: the static facts about one call that implementation selection depends on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    """A hashable description of a call, made only of static facts (never a traced value).
+
+    ``features`` names the optional inputs that are present and the boolean options that are on
+    (for simple_gla: ``g``, ``g_gamma``, ``initial_state``, ``cu_seqlens``,
+    ``output_final_state``). ``ndims`` records the rank of inputs whose rank may vary
+    (``g_gamma`` may be a scalar or ``[H]``).
+    """
+
+    op: str
+    platform: str
+    dtype: str
+    batch: int
+    seq_len: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    num_seqs: int
+    features: frozenset[str] = frozenset()
+    ndims: tuple[tuple[str, int], ...] = ()
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
+        object.__setattr__(self, "features", frozenset(self.features))
+        object.__setattr__(self, "ndims", tuple(sorted(dict(self.ndims).items())))
+
+    def ndim(self, name: str) -> int | None:
+        return dict(self.ndims).get(name)
+
+    def describe(self) -> str:
+        shape = f"B={self.batch} T={self.seq_len} H={self.heads} K={self.key_dim} V={self.value_dim}"
+        if "cu_seqlens" in self.features:
+            shape += f" N={self.num_seqs}"
+        parts = [f"{shape} {self.dtype} on {self.platform}"]
+        if self.interpret:
+            parts.append("interpret mode")
+        features = []
+        for name in sorted(self.features):
+            ndim = self.ndim(name)
+            features.append(name if ndim is None else f"{name} (ndim {ndim})")
+        parts.append("with " + ", ".join(features) if features else "no optional inputs")
+        return "; ".join(parts)

@@ -1,0 +1,97 @@
+"""What a plugin registers: one implementation of one op."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tops_core.callspec import PLATFORMS, CallSpec
+from tops_core.capabilities import Capabilities
+
+Priority = Mapping[str, int] | Callable[[CallSpec], tuple[int, str]]
+"""Either a per-platform table (``{"tpu": 200, "cpu": 10}``; missing platforms rank 0), or a
+function of the call spec returning ``(priority, why)`` for choices that depend on the shape."""
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Implementation:
+    """One implementation of an op, as a plugin registers it.
+
+    ``forward`` and ``backward`` follow the op's ``Forward`` and ``Backward`` protocols (see
+    ``tops_core.ops.simple_gla``); ``backward=None`` declares a forward-only kernel, which the
+    dispatcher pairs with another implementation's backward. ``config`` is a frozen dataclass
+    instance of tuning knobs (chunk size, ``num_steps`` ...) passed to both as ``config=``; users
+    override fields when forcing the implementation. ``name`` is the plugin-local name; the
+    registry qualifies it as ``<plugin>.<name>``.
+    """
+
+    op: str
+    name: str
+    forward: Callable[..., Any]
+    backward: Callable[..., Any] | None = None
+    capabilities: Capabilities = Capabilities()
+    priority: Priority = dataclasses.field(default_factory=dict)
+    config: Any = None
+    description: str = ""
+
+    def reasons(self, spec: CallSpec, direction: str) -> list[str]:
+        """Why this implementation cannot serve the call in ``direction``; empty when it can."""
+        reasons = self.capabilities.reasons(spec)
+        if direction == "backward" and self.backward is None:
+            reasons.insert(0, "forward only (no backward)")
+        return reasons
+
+    def rank(self, spec: CallSpec) -> tuple[int, str]:
+        """The priority of this implementation for the call, and why."""
+        if callable(self.priority):
+            value, why = self.priority(spec)
+            return int(value), why
+        platform = "tpu" if self.capabilities.interpreted(spec) else spec.platform
+        value = int(self.priority.get(platform, 0))
+        return value, f"declared priority {value} on {platform}"
+
+    def configure(self, overrides: tuple[tuple[str, Any], ...]) -> Any:
+        """The default config with user overrides applied; unknown fields are a TypeError."""
+        if not overrides:
+            return self.config
+        if self.config is None:
+            raise TypeError(f"{self.name} takes no config, got overrides {dict(overrides)}")
+        fields = {f.name for f in dataclasses.fields(self.config)}
+        unknown = sorted(set(dict(overrides)) - fields)
+        if unknown:
+            raise TypeError(f"{self.name} config has no field(s) {unknown}; fields: {sorted(fields)}")
+        return dataclasses.replace(self.config, **dict(overrides))
+
+    def check(self, op_features: frozenset[str], op_ndims: frozenset[str]) -> None:
+        """Raise TypeError/ValueError when the declaration is malformed."""
+        local = self.name.rsplit(".", 1)[-1]
+        if not _NAME.match(local):
+            raise ValueError(f"implementation name must match {_NAME.pattern}, got {self.name!r}")
+        if not callable(self.forward):
+            raise TypeError(f"{self.name}: forward must be callable, got {self.forward!r}")
+        if self.backward is not None and not callable(self.backward):
+            raise TypeError(f"{self.name}: backward must be callable or None, got {self.backward!r}")
+        if not isinstance(self.capabilities, Capabilities):
+            raise TypeError(f"{self.name}: capabilities must be a tops_core.Capabilities, got {type(self.capabilities).__name__}")
+        unknown = self.capabilities.features - op_features
+        if unknown:
+            raise ValueError(f"{self.name}: unknown features {sorted(unknown)} for op {self.op}; known: {sorted(op_features)}")
+        unknown = {name for name, _ in self.capabilities.ndims} - op_ndims
+        if unknown:
+            raise ValueError(f"{self.name}: ndims declared for {sorted(unknown)}, but op {self.op} has variable rank only for {sorted(op_ndims)}")
+        if not callable(self.priority):
+            if not isinstance(self.priority, Mapping):
+                raise TypeError(f"{self.name}: priority must be a mapping platform -> int or a callable")
+            for platform, value in self.priority.items():
+                if platform not in PLATFORMS or not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"{self.name}: priority entries must be platform -> int with platform in {PLATFORMS}, got {platform!r}: {value!r}")
+        if self.config is not None and not (
+            dataclasses.is_dataclass(self.config)
+            and not isinstance(self.config, type)
+            and type(self.config).__dataclass_params__.frozen
+        ):
+            raise TypeError(f"{self.name}: config must be a frozen dataclass instance or None, got {self.config!r}")

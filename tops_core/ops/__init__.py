@@ -1,0 +1,15 @@
+"""Op contracts, one module per op. Adding an op: write its contract module and list it here."""
+
+from tops_core.ops.base import OpContract
+from tops_core.ops.kda import KDA
+from tops_core.ops.simple_gla import SimpleGLA
+
+CONTRACTS: dict[str, OpContract] = {contract.name: contract for contract in (SimpleGLA(), KDA())}
+
+
+def op(name: str) -> OpContract:
+    """The op contract named ``name``: call ``.forward``, ``.backward`` or ``.explain`` on it."""
+    try:
+        return CONTRACTS[name]
+    except KeyError:
+        raise ValueError(f"unknown op {name!r}; known ops: {', '.join(sorted(CONTRACTS))}") from None

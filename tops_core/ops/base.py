@@ -1,0 +1,253 @@
+"""The machinery every op shares: selection, differentiation and contract checks.
+
+An op contract (one module per op) validates a call into a ``Prepared`` call and knows how to
+call an implementation's forward and backward; this base turns that into a ``jax.custom_vjp``
+function whose forward and backward implementations are selected separately. The residuals
+are the original inputs: a backward recomputes what it needs, so any backward pairs with any
+forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from tops_core.callspec import CallSpec
+from tops_core.dispatch import Decision, NoImplementationError, select
+from tops_core.ops import validation
+from tops_core.ops.validation import is_concrete
+from tops_core.policy import ForceRequest, Policy, current_policy
+from tops_core.registry import default_registry
+
+
+class ContractError(RuntimeError):
+    """An implementation returned results that break the op contract (shape, dtype, missing gradient)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A validated call: array inputs by name (``None`` when absent), static options, and the call spec."""
+
+    arrays: Mapping[str, Any]
+    options: tuple[tuple[str, Any], ...]
+    spec: CallSpec
+
+    def option(self, name: str) -> Any:
+        return dict(self.options)[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """The forward and backward decisions for one call; ``str()`` gives the full trace."""
+
+    forward: Decision
+    backward: Decision | None
+    backward_error: str | None = None
+
+    def __str__(self) -> str:
+        backward = self.backward.explain() if self.backward is not None else self.backward_error
+        return f"{self.forward.explain()}\n{backward}"
+
+
+def platform_of(arrays: list[Any]) -> str:
+    """The platform a call runs on: the device of its first concrete input, else JAX's default."""
+    platform = None
+    for x in arrays:
+        if isinstance(x, jax.Array) and is_concrete(x):
+            platform = next(iter(x.devices())).platform
+            break
+    if platform is None:
+        device = jax.config.jax_default_device
+        platform = device.platform if isinstance(device, jax.Device) else jax.default_backend()
+    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+
+
+def spec_dtype(x: jax.Array) -> str:
+    return jnp.dtype(x.dtype).name
+
+
+def state_dtype(input_dtype: Any) -> jnp.dtype:
+    """Final states and other accumulators: float32, or float64 for float64 inputs."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(input_dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+class OpContract:
+    """Base of every op contract; subclasses define the public ``forward``/``backward``/``explain``.
+
+    Class attributes: ``name``; ``features`` (optional inputs and options a call spec can name);
+    ``variable_ndims`` (inputs whose rank may vary); ``differentiable`` (array inputs that get a
+    gradient, field ``d<name>`` of ``grads_type``).
+    """
+
+    name: ClassVar[str]
+    features: ClassVar[frozenset[str]]
+    variable_ndims: ClassVar[frozenset[str]] = frozenset()
+    differentiable: ClassVar[tuple[str, ...]]
+    grads_type: ClassVar[type]
+
+    # -- what each op defines --------------------------------------------------------------
+
+    def call_forward(self, fn: Any, prepared: Prepared, config: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def call_backward(self, fn: Any, prepared: Prepared, do: Any, dht: Any, config: Any) -> Any:
+        raise NotImplementedError
+
+    def expected_outputs(self, prepared: Prepared) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct | None]:
+        """Shape and dtype of ``o`` (like ``v``) and of the final state (``None`` when not requested)."""
+        v = prepared.arrays["v"]
+        o = jax.ShapeDtypeStruct(tuple(v.shape), v.dtype)
+        if not prepared.option("output_final_state"):
+            return o, None
+        return o, jax.ShapeDtypeStruct(self._state_shape(prepared.spec), state_dtype(v.dtype))
+
+    # -- shared by the contracts ------------------------------------------------------------
+
+    def make_prepared(
+        self, arrays: dict[str, Any], options: tuple[tuple[str, Any], ...], num_seqs: int,
+        ndims: dict[str, int], interpret: bool,
+    ) -> Prepared:
+        """Bundle a validated call with its spec; a feature is on when its array is given or its option is True."""
+        values = dict(options)
+        features = {f for f in self.features if arrays.get(f) is not None or values.get(f) is True}
+        q, v = arrays["q"], arrays["v"]
+        B, T, H, K = q.shape
+        spec = CallSpec(
+            op=self.name, platform=platform_of(list(arrays.values())), dtype=spec_dtype(q),
+            batch=B, seq_len=T, heads=H, key_dim=K, value_dim=v.shape[-1], num_seqs=num_seqs,
+            features=frozenset(features), ndims=tuple(ndims.items()), interpret=interpret,
+        )
+        return Prepared(arrays, options, spec)
+
+    def check_cotangents(self, prepared: Prepared, do: Any, dht: Any) -> tuple[jax.Array, jax.Array | None]:
+        """Validate the cotangents of an explicit ``backward`` call."""
+        spec = prepared.spec
+        do = validation.floating("do", validation.array("do", do))
+        validation.shape("do", do, (spec.batch, spec.seq_len, spec.heads, spec.value_dim), "[B, T, H, V]")
+        dht = validation.array("dht", dht, required=False)
+        if dht is not None:
+            validation.shape("dht", validation.floating("dht", dht), self._state_shape(spec), "[N, H, K, V]")
+        return do, dht
+
+    @staticmethod
+    def _state_shape(spec: CallSpec) -> tuple[int, int, int, int]:
+        return (spec.num_seqs, spec.heads, spec.key_dim, spec.value_dim)
+
+    # -- selection -------------------------------------------------------------------------
+
+    def policy(self, implementation: ForceRequest = None) -> Policy:
+        return current_policy(self.name, implementation)
+
+    def decide(self, spec: CallSpec, direction: str = "forward", policy: Policy | None = None) -> Decision:
+        """Select an implementation for a call spec (cached per spec, direction and policy)."""
+        if spec.op != self.name:
+            raise ValueError(f"call spec is for {spec.op!r}, not {self.name!r}")
+        policy = self.policy() if policy is None else policy
+        registry = default_registry()
+        key = (spec, direction, policy)
+        decision = registry.decisions.get(key)
+        if decision is None:
+            decision = select(registry.implementations(self.name), spec, direction, policy)
+            registry.decisions[key] = decision
+        return decision
+
+    def implementations(self) -> list:
+        return default_registry().implementations(self.name)
+
+    def _explain(self, prepared: Prepared, policy: Policy) -> Explanation:
+        forward = self.decide(prepared.spec, "forward", policy)
+        try:
+            backward = self.decide(prepared.spec, "backward", policy)
+        except NoImplementationError as error:
+            return Explanation(forward, None, str(error))
+        return Explanation(forward, backward)
+
+    # -- execution -------------------------------------------------------------------------
+
+    def _forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
+        static = _Static(self, prepared.options, prepared.spec, policy, default_registry().generation)
+        return _compiled(static, dict(prepared.arrays))
+
+    def _run_forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
+        decision = self.decide(prepared.spec, "forward", policy)
+        outputs = self.call_forward(decision.implementation.forward, prepared, decision.config)
+        self._check_outputs(decision.implementation.name, prepared, outputs)
+        return outputs
+
+    def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any) -> Any:
+        decision = self.decide(prepared.spec, "backward", policy)
+        grads = self.call_backward(decision.implementation.backward, prepared, do, dht, decision.config)
+        self._check_grads(decision.implementation.name, prepared.arrays, grads)
+        return grads
+
+    def _check_outputs(self, impl: str, prepared: Prepared, outputs: Any) -> None:
+        if not (isinstance(outputs, tuple) and len(outputs) == 2):
+            raise ContractError(f"{impl} forward must return (o, final_state), got {type(outputs).__name__}")
+        for label, got, want in zip(("o", "final_state"), outputs, self.expected_outputs(prepared)):
+            if want is None:
+                if got is not None:
+                    raise ContractError(f"{impl} returned a {label} that was not requested")
+                continue
+            if got is None or tuple(got.shape) != want.shape or jnp.dtype(got.dtype) != want.dtype:
+                described = None if got is None else f"{tuple(got.shape)} {jnp.dtype(got.dtype).name}"
+                raise ContractError(f"{impl} returned {label} {described}; the contract says {want.shape} {want.dtype.name}")
+
+    def _check_grads(self, impl: str, arrays: Mapping[str, Any], grads: Any) -> None:
+        if not isinstance(grads, self.grads_type):
+            raise ContractError(f"{impl} backward must return {self.grads_type.__name__}, got {type(grads).__name__}")
+        for name in self.differentiable:
+            x, dx = arrays[name], getattr(grads, "d" + name)
+            if x is None:
+                if dx is not None:
+                    raise ContractError(f"{impl} returned d{name} for an absent {name}")
+                continue
+            if dx is None:
+                raise ContractError(f"{impl} returned no d{name}; every given input gets a gradient")
+            if tuple(dx.shape) != tuple(x.shape) or jnp.dtype(dx.dtype) != jnp.dtype(x.dtype):
+                raise ContractError(
+                    f"{impl} returned d{name} {tuple(dx.shape)} {jnp.dtype(dx.dtype).name}; "
+                    f"expected {tuple(x.shape)} {jnp.dtype(x.dtype).name} like {name}"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The hashable, non-differentiable half of a call: what the custom VJP closes over."""
+
+    contract: OpContract
+    options: tuple[tuple[str, Any], ...]
+    spec: CallSpec
+    policy: Policy
+    registry_generation: int
+
+    def prepared(self, arrays: Mapping[str, Any]) -> Prepared:
+        return Prepared(arrays, self.options, self.spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable(static: _Static, arrays: dict[str, Any]) -> tuple[Any, Any]:
+    return static.contract._run_forward(static.prepared(arrays), static.policy)
+
+
+def _differentiable_fwd(static: _Static, arrays: dict[str, Any]):
+    return static.contract._run_forward(static.prepared(arrays), static.policy), arrays
+
+
+def _differentiable_bwd(static: _Static, arrays: dict[str, Any], cotangents: tuple[Any, Any]):
+    do, dht = cotangents
+    contract = static.contract
+    grads = contract._run_backward(static.prepared(arrays), static.policy, do, dht)
+    return ({name: getattr(grads, "d" + name) if name in contract.differentiable else None for name in arrays},)
+
+
+_differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+# Eager calls of a custom_vjp function re-trace it every time (about a millisecond); under jit
+# they cost one cached dispatch. Inside an outer jit/grad/vmap the inner jit is simply inlined.
+# The registry generation is part of the static key, so a new registration re-traces.
+_compiled = jax.jit(_differentiable, static_argnums=0)

@@ -1,0 +1,180 @@
+"""kda: Kimi Delta Attention (SPEC.md "kda").
+
+For each sequence and head, with ``S_0 = initial_state`` (zeros if None)::
+
+    S_t' = diag(exp(g_t)) S_{t-1}                          # decay each key row
+    S_t  = S_t' + beta_t * k_t^T (v_t - k_t S_t')           # delta rule
+    o_t  = scale * q_t S_t
+
+with ``q, k`` L2-normalised over ``K`` first when ``use_qk_l2norm``. Implementations follow
+``Forward`` and ``Backward`` below; the arguments arrive validated, as for simple_gla.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+
+from tops_core.ops import validation
+from tops_core.ops.base import Explanation, OpContract, Prepared
+from tops_core.policy import ForceRequest
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KDAGrads:
+    """Gradients of kda; ``dinitial_state`` is None exactly when no initial state was given."""
+
+    dq: Array
+    dk: Array
+    dv: Array
+    dg: Array
+    dbeta: Array
+    dinitial_state: Array | None = None
+
+
+class Forward(Protocol):
+    def __call__(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        g: Array,
+        beta: Array,
+        *,
+        scale: float,
+        initial_state: Array | None,
+        output_final_state: bool,
+        cu_seqlens: Array | None,
+        use_qk_l2norm: bool,
+        config: Any,
+    ) -> tuple[Array, Array | None]:
+        """Return ``o`` ``[B, T, H, V]`` (dtype of ``v``) and the final state ``[N, H, K, V]`` or None."""
+
+
+class Backward(Protocol):
+    def __call__(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        g: Array,
+        beta: Array,
+        do: Array,
+        *,
+        scale: float,
+        initial_state: Array | None,
+        dht: Array | None,
+        cu_seqlens: Array | None,
+        use_qk_l2norm: bool,
+        config: Any,
+    ) -> KDAGrads:
+        """Return the exact VJP for cotangents ``do`` and ``dht`` (None: no final-state cotangent)."""
+
+
+class KDA(OpContract):
+    name = "kda"
+    features = frozenset({"initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm"})
+    differentiable = ("q", "k", "v", "g", "beta", "initial_state")
+    grads_type = KDAGrads
+
+    def forward(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        g: Array,
+        beta: Array,
+        scale: float | None = None,
+        initial_state: Array | None = None,
+        output_final_state: bool = False,
+        cu_seqlens: Array | None = None,
+        use_qk_l2norm: bool = False,
+        *,
+        implementation: ForceRequest = None,
+    ) -> tuple[Array, Array | None]:
+        """Compute ``(o, final_state)``; differentiable with ``jax.grad``, and works under ``jit``/``vmap``."""
+        policy = self.policy(implementation)
+        prepared = self.prepare(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, policy.interpret)
+        return self._forward(prepared, policy)
+
+    def backward(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        g: Array,
+        beta: Array,
+        do: Array,
+        scale: float | None = None,
+        initial_state: Array | None = None,
+        dht: Array | None = None,
+        cu_seqlens: Array | None = None,
+        use_qk_l2norm: bool = False,
+        *,
+        implementation: ForceRequest = None,
+    ) -> KDAGrads:
+        """The explicit VJP: gradients for cotangents ``do`` (and ``dht``, the final state's)."""
+        policy = self.policy(implementation)
+        prepared = self.prepare(q, k, v, g, beta, scale, initial_state, dht is not None, cu_seqlens, use_qk_l2norm, policy.interpret)
+        do, dht = self.check_cotangents(prepared, do, dht)
+        return self._run_backward(prepared, policy, do, dht)
+
+    def explain(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        g: Array,
+        beta: Array,
+        scale: float | None = None,
+        initial_state: Array | None = None,
+        output_final_state: bool = False,
+        cu_seqlens: Array | None = None,
+        use_qk_l2norm: bool = False,
+        *,
+        implementation: ForceRequest = None,
+    ) -> Explanation:
+        """Which implementations the forward and backward of this call would use, and why."""
+        policy = self.policy(implementation)
+        prepared = self.prepare(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, policy.interpret)
+        return self._explain(prepared, policy)
+
+    def prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, interpret) -> Prepared:
+        """Validate a call (SPEC.md "Invalid input") and derive its call spec."""
+        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v)
+        g = validation.floating("g", validation.array("g", g))
+        validation.shape("g", g, (B, T, H, K), "[B, T, H, K]")
+        beta = validation.floating("beta", validation.array("beta", beta))
+        validation.shape("beta", beta, (B, T, H), "[B, T, H]")
+        cu_seqlens, N = validation.cu_seqlens(cu_seqlens, B, T)
+        initial_state = validation.array("initial_state", initial_state, required=False)
+        if initial_state is not None:
+            validation.shape("initial_state", validation.floating("initial_state", initial_state), (N, H, K, V), "[N, H, K, V]")
+        options = (
+            ("scale", validation.scale(scale, K)),
+            ("output_final_state", validation.flag("output_final_state", output_final_state)),
+            ("use_qk_l2norm", validation.flag("use_qk_l2norm", use_qk_l2norm)),
+        )
+        arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+        return self.make_prepared(arrays, options, N, {}, interpret)
+
+    def call_forward(self, fn: Forward, prepared: Prepared, config: Any):
+        a = prepared.arrays
+        return fn(
+            a["q"], a["k"], a["v"], a["g"], a["beta"], scale=prepared.option("scale"),
+            initial_state=a["initial_state"], output_final_state=prepared.option("output_final_state"),
+            cu_seqlens=a["cu_seqlens"], use_qk_l2norm=prepared.option("use_qk_l2norm"), config=config,
+        )
+
+    def call_backward(self, fn: Backward, prepared: Prepared, do: Array, dht: Array | None, config: Any):
+        a = prepared.arrays
+        return fn(
+            a["q"], a["k"], a["v"], a["g"], a["beta"], do, scale=prepared.option("scale"),
+            initial_state=a["initial_state"], dht=dht, cu_seqlens=a["cu_seqlens"],
+            use_qk_l2norm=prepared.option("use_qk_l2norm"), config=config,
+        )

@@ -1,0 +1,181 @@
+"""simple_gla: gated linear attention with a scalar gate per head (SPEC.md "simple_gla").
+
+For each sequence and head, with ``S_0 = initial_state`` (zeros if None)::
+
+    a_t = g[t] + g_gamma            (a missing term counts as 0)
+    S_t = exp(a_t) * S_{t-1} + k_t^T v_t          # [K, V]
+    o_t = scale * q_t S_t                          # [V]
+
+Implementing it: register ``Implementation(op="simple_gla", forward=..., backward=...)`` whose
+callables follow ``Forward`` and ``Backward`` below. They receive validated arguments (shapes
+consistent, ``scale`` a float, ``cu_seqlens`` int32 with ``B == 1``), never a call their
+capabilities reject, and their results are checked against the contract (shapes, dtypes, a
+gradient for every given input). ``g_gamma`` is ``[H]`` or a scalar (declare the ranks you
+accept with ``Capabilities(ndims={"g_gamma": {...}})``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+
+from tops_core.ops import validation
+from tops_core.ops.base import Explanation, OpContract, Prepared
+from tops_core.policy import ForceRequest
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SimpleGLAGrads:
+    """Gradients of simple_gla; a field is None exactly when its input was not given."""
+
+    dq: Array
+    dk: Array
+    dv: Array
+    dg: Array | None = None
+    dg_gamma: Array | None = None
+    dinitial_state: Array | None = None
+
+
+class Forward(Protocol):
+    def __call__(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        *,
+        g: Array | None,
+        g_gamma: Array | None,
+        scale: float,
+        initial_state: Array | None,
+        output_final_state: bool,
+        cu_seqlens: Array | None,
+        config: Any,
+    ) -> tuple[Array, Array | None]:
+        """Return ``o`` ``[B, T, H, V]`` (dtype of ``v``) and the final state ``[N, H, K, V]`` (float32, float64 for float64 inputs) or None."""
+
+
+class Backward(Protocol):
+    def __call__(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        do: Array,
+        *,
+        g: Array | None,
+        g_gamma: Array | None,
+        scale: float,
+        initial_state: Array | None,
+        dht: Array | None,
+        cu_seqlens: Array | None,
+        config: Any,
+    ) -> SimpleGLAGrads:
+        """Return the exact VJP for cotangents ``do`` and ``dht`` (None: no final-state cotangent)."""
+
+
+class SimpleGLA(OpContract):
+    name = "simple_gla"
+    features = frozenset({"g", "g_gamma", "initial_state", "cu_seqlens", "output_final_state"})
+    variable_ndims = frozenset({"g_gamma"})
+    differentiable = ("q", "k", "v", "g", "g_gamma", "initial_state")
+    grads_type = SimpleGLAGrads
+
+    def forward(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        g: Array | None = None,
+        g_gamma: Array | None = None,
+        scale: float | None = None,
+        initial_state: Array | None = None,
+        output_final_state: bool = False,
+        cu_seqlens: Array | None = None,
+        *,
+        implementation: ForceRequest = None,
+    ) -> tuple[Array, Array | None]:
+        """Compute ``(o, final_state)``; differentiable with ``jax.grad``, and works under ``jit``/``vmap``."""
+        policy = self.policy(implementation)
+        prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, policy.interpret)
+        return self._forward(prepared, policy)
+
+    def backward(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        do: Array,
+        g: Array | None = None,
+        g_gamma: Array | None = None,
+        scale: float | None = None,
+        initial_state: Array | None = None,
+        dht: Array | None = None,
+        cu_seqlens: Array | None = None,
+        *,
+        implementation: ForceRequest = None,
+    ) -> SimpleGLAGrads:
+        """The explicit VJP: gradients for cotangents ``do`` (and ``dht``, the final state's)."""
+        policy = self.policy(implementation)
+        prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, dht is not None, cu_seqlens, policy.interpret)
+        do, dht = self.check_cotangents(prepared, do, dht)
+        return self._run_backward(prepared, policy, do, dht)
+
+    def explain(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        g: Array | None = None,
+        g_gamma: Array | None = None,
+        scale: float | None = None,
+        initial_state: Array | None = None,
+        output_final_state: bool = False,
+        cu_seqlens: Array | None = None,
+        *,
+        implementation: ForceRequest = None,
+    ) -> Explanation:
+        """Which implementations the forward and backward of this call would use, and why."""
+        policy = self.policy(implementation)
+        prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, policy.interpret)
+        return self._explain(prepared, policy)
+
+    def prepare(self, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, interpret) -> Prepared:
+        """Validate a call (SPEC.md "Invalid input") and derive its call spec."""
+        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v)
+        g = validation.array("g", g, required=False)
+        if g is not None:
+            validation.shape("g", validation.floating("g", g), (B, T, H), "[B, T, H]")
+        g_gamma = validation.array("g_gamma", g_gamma, required=False)
+        if g_gamma is not None:
+            validation.floating("g_gamma", g_gamma)
+            if g_gamma.ndim != 0:
+                validation.shape("g_gamma", g_gamma, (H,), "[H] (or a scalar)")
+        cu_seqlens, N = validation.cu_seqlens(cu_seqlens, B, T)
+        initial_state = validation.array("initial_state", initial_state, required=False)
+        if initial_state is not None:
+            validation.shape("initial_state", validation.floating("initial_state", initial_state), (N, H, K, V), "[N, H, K, V]")
+        output_final_state = validation.flag("output_final_state", output_final_state)
+        arrays = dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=initial_state, cu_seqlens=cu_seqlens)
+        options = (("scale", validation.scale(scale, K)), ("output_final_state", output_final_state))
+        ndims = {"g_gamma": g_gamma.ndim} if g_gamma is not None else {}
+        return self.make_prepared(arrays, options, N, ndims, interpret)
+
+    def call_forward(self, fn: Forward, prepared: Prepared, config: Any):
+        a = prepared.arrays
+        return fn(
+            a["q"], a["k"], a["v"], g=a["g"], g_gamma=a["g_gamma"], scale=prepared.option("scale"),
+            initial_state=a["initial_state"], output_final_state=prepared.option("output_final_state"),
+            cu_seqlens=a["cu_seqlens"], config=config,
+        )
+
+    def call_backward(self, fn: Backward, prepared: Prepared, do: Array, dht: Array | None, config: Any):
+        a = prepared.arrays
+        return fn(
+            a["q"], a["k"], a["v"], do, g=a["g"], g_gamma=a["g_gamma"], scale=prepared.option("scale"),
+            initial_state=a["initial_state"], dht=dht, cu_seqlens=a["cu_seqlens"], config=config,
+        )

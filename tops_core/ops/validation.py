@@ -1,0 +1,108 @@
+"""Argument checks shared by the op contracts; every message names the argument, what it got and what was expected."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOATS = "bfloat16, float16, float32 or float64"
+
+
+def is_concrete(x: Any) -> bool:
+    """True when the value can be inspected now (not a tracer under jit/grad/vmap)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def array(name: str, value: Any, *, required: bool = True) -> jax.Array | None:
+    if value is None:
+        if required:
+            raise TypeError(f"{name} is required, got None")
+        return None
+    if isinstance(value, jax.Array):
+        return value
+    if isinstance(value, np.ndarray):
+        return jnp.asarray(value)
+    raise TypeError(f"{name} must be a jax or numpy array, got {type(value).__name__}")
+
+
+def floating(name: str, x: jax.Array) -> jax.Array:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype ({FLOATS}), got {x.dtype}")
+    return x
+
+
+def shape(name: str, x: jax.Array, expected: tuple[int, ...], layout: str) -> jax.Array:
+    if x.ndim != len(expected):
+        raise ValueError(f"{name} must have rank {len(expected)} ({layout}), got shape {tuple(x.shape)}")
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {layout} = {tuple(expected)}, got {tuple(x.shape)}")
+    return x
+
+
+def rank(name: str, x: jax.Array, ndim: int, layout: str) -> jax.Array:
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim} ({layout}), got shape {tuple(x.shape)}")
+    return x
+
+
+def positive_dims(name: str, x: jax.Array, layout: str) -> None:
+    if any(d < 1 for d in x.shape):
+        raise ValueError(f"{name} must have every dimension >= 1 ({layout}), got shape {tuple(x.shape)}")
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def scale(value: Any, key_dim: int) -> float:
+    """The attention scale: ``K ** -0.5`` when None, else a real Python/numpy number."""
+    if value is None:
+        return float(key_dim) ** -0.5
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"scale must be a real number (a static Python float, not an array), got {value!r}")
+    return float(value)
+
+
+def cu_seqlens(value: Any, batch: int, seq_len: int) -> tuple[jax.Array | None, int]:
+    """Validate packed boundaries; returns them as int32 and the number of sequences N."""
+    if value is None:
+        return None, batch
+    cu = array("cu_seqlens", value)
+    if not jnp.issubdtype(cu.dtype, jnp.integer):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 array, got {cu.dtype}")
+    rank("cu_seqlens", cu, 1, "[N + 1]")
+    if cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must hold at least 2 boundaries ([N + 1] with N >= 1), got shape {tuple(cu.shape)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens requires B == 1 (sequences packed along T), got B = {batch}")
+    if is_concrete(cu):
+        host = np.asarray(cu)
+        if host[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {host.tolist()}")
+        if np.any(np.diff(host) < 0):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {host.tolist()}")
+        if host[-1] != seq_len:
+            raise ValueError(f"cu_seqlens must end at T = {seq_len}, got {host.tolist()}")
+    return cu.astype(jnp.int32), cu.shape[0] - 1
+
+
+def qkv(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array, tuple[int, int, int, int, int]]:
+    """Check ``q, k: [B, T, H, K]`` and ``v: [B, T, H, V]`` of one floating dtype; returns them and (B, T, H, K, V)."""
+    q, k, v = array("q", q), array("k", k), array("v", v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        floating(name, x)
+        rank(name, x, 4, "[B, T, H, K]" if name != "v" else "[B, T, H, V]")
+    positive_dims("q", q, "[B, T, H, K]")
+    B, T, H, K = q.shape
+    shape("k", k, (B, T, H, K), "[B, T, H, K] like q")
+    if tuple(v.shape[:3]) != (B, T, H) or v.shape[3] < 1:
+        raise ValueError(f"v must have shape [B, T, H, V] with B, T, H = {(B, T, H)} like q, got {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    return q, k, v, (B, T, H, K, v.shape[3])

@@ -1,0 +1,159 @@
+"""Selection policy: which implementation a user forces, denies, and how strict dispatch is.
+
+Three sources, strongest first: an ``implementation=`` argument on the call, the innermost
+``tops_core.use(...)`` context, then environment variables:
+
+- ``TOPS_FORCE="simple_gla=xla.chunk,kda=ref.recurrent"``: force per op;
+- ``TOPS_DENY="tpu_pallas.*"``: never select these (names or shell patterns);
+- ``TOPS_STRICT=1``: never fall back past the forced or the highest-priority implementation;
+- ``TOPS_INTERPRET=1``: accept TPU kernels off TPU, run in Pallas' TPU interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import fnmatch
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+ForceRequest = str | tuple[str, Mapping[str, Any]] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Force:
+    """An implementation the user asked for, with config overrides, and where the request came from."""
+
+    implementation: str
+    config: tuple[tuple[str, Any], ...] = ()
+    source: str = "argument"
+
+    @classmethod
+    def parse(cls, request: ForceRequest, source: str) -> Force | None:
+        if request is None:
+            return None
+        if isinstance(request, str):
+            return cls(request, (), source)
+        if (
+            isinstance(request, tuple)
+            and len(request) == 2
+            and isinstance(request[0], str)
+            and isinstance(request[1], Mapping)
+        ):
+            config = tuple(sorted(request[1].items()))
+            try:
+                hash(config)
+            except TypeError:
+                raise TypeError(f"config overrides for {request[0]!r} must be hashable values, got {request[1]!r}") from None
+            return cls(request[0], config, source)
+        raise TypeError(
+            "an implementation must be given as a name such as 'xla.chunk' or as "
+            f"(name, {{config overrides}}), got {request!r}"
+        )
+
+    def describe(self) -> str:
+        overrides = ", ".join(f"{k}={v!r}" for k, v in self.config)
+        return f"{self.implementation}({overrides})" if overrides else self.implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The resolved policy for one op; hashable, so it can key the decision cache."""
+
+    force: Force | None = None
+    deny: frozenset[str] = frozenset()
+    strict: bool = False
+    interpret: bool = False
+
+    def denies(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.deny)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    forces: tuple[tuple[str, Force], ...] = ()
+    deny: frozenset[str] = frozenset()
+    strict: bool | None = None
+    interpret: bool | None = None
+
+
+_scope: contextvars.ContextVar[_Scope] = contextvars.ContextVar("tops_policy_scope", default=_Scope())
+
+
+@contextlib.contextmanager
+def use(
+    *,
+    deny: Iterable[str] | None = None,
+    strict: bool | None = None,
+    interpret: bool | None = None,
+    **ops: ForceRequest,
+) -> Iterator[None]:
+    """Force implementations per op and set policy flags inside a ``with`` block.
+
+    ``tops_core.use(simple_gla="xla.chunk")``, with config overrides
+    ``tops_core.use(simple_gla=("tpu_pallas.fused", {"num_steps": 2}))``; ``None`` lifts an
+    outer force. Deny patterns accumulate with outer scopes; flags left ``None`` are inherited.
+    """
+    outer = _scope.get()
+    forces = dict(outer.forces)
+    for op_name, request in ops.items():
+        force = Force.parse(request, "tops_core.use()")
+        if force is None:
+            forces.pop(op_name, None)
+        else:
+            forces[op_name] = force
+    if isinstance(deny, str):
+        deny = [deny]
+    inner = _Scope(
+        forces=tuple(sorted(forces.items())),
+        deny=outer.deny | frozenset(deny or ()),
+        strict=outer.strict if strict is None else bool(strict),
+        interpret=outer.interpret if interpret is None else bool(interpret),
+    )
+    token = _scope.set(inner)
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def _env_force(op_name: str) -> Force | None:
+    for item in _env_list("TOPS_FORCE"):
+        key, sep, impl = item.partition("=")
+        if not sep or not impl.strip():
+            raise ValueError(f"TOPS_FORCE entries must look like 'op=plugin.impl', got {item!r}")
+        if key.strip() == op_name:
+            return Force(impl.strip(), (), "TOPS_FORCE")
+    return None
+
+
+def interpret_enabled() -> bool:
+    """Whether interpret mode is on in the current scope (``use(interpret=...)``, else TOPS_INTERPRET)."""
+    scope = _scope.get()
+    return scope.interpret if scope.interpret is not None else _env_flag("TOPS_INTERPRET")
+
+
+def current_policy(op_name: str, implementation: ForceRequest = None) -> Policy:
+    """Resolve the policy for one call of ``op_name``."""
+    scope = _scope.get()
+    force = Force.parse(implementation, "argument")
+    if force is None:
+        force = dict(scope.forces).get(op_name)
+    if force is None:
+        force = _env_force(op_name)
+    return Policy(
+        force=force,
+        deny=scope.deny | frozenset(_env_list("TOPS_DENY")),
+        strict=scope.strict if scope.strict is not None else _env_flag("TOPS_STRICT"),
+        interpret=interpret_enabled(),
+    )
