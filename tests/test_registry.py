@@ -1,5 +1,6 @@
 """The registry: entry-point discovery, quarantine, allow lists and in-process registration."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -165,6 +166,7 @@ def test_in_process_plugin_object_registers_and_unregisters(registry):
     (fakes.implementation(ndims={"g": {1}}), "ndims declared for ['g']"),
     (fakes.implementation(priority={"cuda": 1}), "priority entries must be platform -> int"),
     (fakes.implementation(priority=[1]), "priority must be a mapping"),
+    (dataclasses.replace(fakes.implementation(), config_sweep=({"block": 2},)), "config has no field(s) ['block']"),
 ])
 def test_malformed_implementations_are_refused_with_the_reason(registry, implementation, message):
     with pytest.raises(PluginError) as raised:
@@ -174,7 +176,6 @@ def test_malformed_implementations_are_refused_with_the_reason(registry, impleme
 
 
 def test_unknown_op_and_duplicates_are_refused(registry):
-    import dataclasses
     with pytest.raises(PluginError, match="unknown op 'softmax'"):
         tops_core.register(dataclasses.replace(fakes.implementation(), op="softmax"))
 

@@ -25,8 +25,9 @@ class Implementation:
     ``tops_core.ops.simple_gla``); ``backward=None`` declares a forward-only kernel, which the
     dispatcher pairs with another implementation's backward. ``config`` is a frozen dataclass
     instance of tuning knobs (chunk size, ``num_steps`` ...) passed to both as ``config=``; users
-    override fields when forcing the implementation. ``name`` is the plugin-local name; the
-    registry qualifies it as ``<plugin>.<name>``.
+    override fields when forcing the implementation; ``config_sweep`` lists further overrides
+    the conformance kit also checks (say ``({"chunk_size": 128},)``). ``name`` is the
+    plugin-local name; the registry qualifies it as ``<plugin>.<name>``.
     """
 
     op: str
@@ -36,6 +37,7 @@ class Implementation:
     capabilities: Capabilities = Capabilities()
     priority: Priority = dataclasses.field(default_factory=dict)
     config: Any = None
+    config_sweep: tuple[Mapping[str, Any], ...] = ()
     description: str = ""
 
     def reasons(self, spec: CallSpec, direction: str) -> list[str]:
@@ -95,3 +97,5 @@ class Implementation:
             and type(self.config).__dataclass_params__.frozen
         ):
             raise TypeError(f"{self.name}: config must be a frozen dataclass instance or None, got {self.config!r}")
+        for overrides in self.config_sweep:
+            self.configure(tuple(sorted(overrides.items())))

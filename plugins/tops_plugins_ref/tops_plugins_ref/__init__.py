@@ -1,10 +1,46 @@
-"""Float64 reference implementations of the tops ops (the oracle)."""
+"""Float64 reference implementations of the tops ops (the oracle).
+
+Each op is SPEC.md's recurrence computed token by token in float64 on the CPU host, whatever the
+caller's device and dtype; every other implementation is judged against it. It supports every
+call and ranks below every other implementation, so the dispatcher picks it only when forced
+(``implementation="ref.recurrent"``) or when nothing else supports a call.
+"""
 
 import tops_core
+from tops_core import Capabilities, Implementation
+from tops_core.capabilities import FLOAT_DTYPES
+from tops_core.callspec import PLATFORMS
+from tops_core.ops.kda import KDA
+from tops_core.ops.simple_gla import SimpleGLA
+from tops_plugins_ref import kda, simple_gla
 
 TOPS_CORE_API_VERSION = 1
+
+# Below the 0 an implementation gets on a platform its table leaves out: the dispatcher breaks
+# priority ties by name, and the oracle must never win a tie against a real kernel.
+LOWEST_PRIORITY = {platform: -1 for platform in PLATFORMS}
 
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register this plugin's implementations (none yet)."""
+    """Register ``ref.recurrent`` for simple_gla and kda."""
+    register(Implementation(
+        op="simple_gla",
+        name="recurrent",
+        forward=simple_gla.forward,
+        backward=simple_gla.backward,
+        capabilities=Capabilities(
+            platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=SimpleGLA.features, ndims={"g_gamma": {0, 1}},
+        ),
+        priority=LOWEST_PRIORITY,
+        description="float64 token-by-token scan on the CPU host (the oracle); backward by autodiff",
+    ))
+    register(Implementation(
+        op="kda",
+        name="recurrent",
+        forward=kda.forward,
+        backward=kda.backward,
+        capabilities=Capabilities(platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=KDA.features),
+        priority=LOWEST_PRIORITY,
+        description="float64 token-by-token delta-rule scan on the CPU host (the oracle); backward by autodiff",
+    ))

@@ -1,0 +1,213 @@
+"""The kda reference against numbers worked out independently, the delta rule's properties and finite differences.
+
+Expected values come from closed forms or plain numpy written here, never from the code under test.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tops_core
+
+REF = "ref.recurrent"
+H, K, V = 2, 3, 4
+SCALE = 0.7
+
+kda = tops_core.op("kda")
+
+
+def normal(rng, *shape):
+    return rng.normal(size=shape)
+
+
+def as_jax(**arrays):
+    return {name: None if x is None else jnp.asarray(x) for name, x in arrays.items()}
+
+
+def forward(**kwargs):
+    return kda.forward(**kwargs, implementation=REF)
+
+
+def backward(**kwargs):
+    return kda.backward(**kwargs, implementation=REF)
+
+
+def unit_rows(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def delta_step(state, q, k, v, g, beta):
+    """One token of SPEC.md's kda recurrence for one head, written out in numpy."""
+    decayed = np.exp(g)[:, None] * state
+    state = decayed + beta * np.outer(k, v - k @ decayed)
+    return state, SCALE * q @ state
+
+
+# -- cases worked by hand -------------------------------------------------------------------
+
+
+def test_one_token_matches_the_closed_form(x64):
+    rng = np.random.default_rng(1)
+    q, k, v = normal(rng, 1, 1, H, K), normal(rng, 1, 1, H, K), normal(rng, 1, 1, H, V)
+    g, beta, s0 = -rng.random((1, 1, H, K)), rng.random((1, 1, H)), normal(rng, 1, H, K, V)
+
+    o, ht = forward(**as_jax(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0), scale=SCALE, output_final_state=True)
+
+    for h in range(H):
+        decayed = np.diag(np.exp(g[0, 0, h])) @ s0[0, h]
+        s1 = decayed + beta[0, 0, h] * np.outer(k[0, 0, h], v[0, 0, h] - k[0, 0, h] @ decayed)
+        np.testing.assert_allclose(ht[0, h], s1, rtol=1e-13)
+        np.testing.assert_allclose(o[0, 0, h], SCALE * q[0, 0, h] @ s1, rtol=1e-13)
+
+
+def test_two_tokens_match_two_steps_of_the_recurrence(x64):
+    rng = np.random.default_rng(2)
+    q, k, v = normal(rng, 1, 2, H, K), normal(rng, 1, 2, H, K), normal(rng, 1, 2, H, V)
+    g, beta, s0 = -rng.random((1, 2, H, K)), rng.random((1, 2, H)), normal(rng, 1, H, K, V)
+
+    o, ht = forward(**as_jax(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0), scale=SCALE, output_final_state=True)
+
+    for h in range(H):
+        s1, o1 = delta_step(s0[0, h], q[0, 0, h], k[0, 0, h], v[0, 0, h], g[0, 0, h], beta[0, 0, h])
+        s2, o2 = delta_step(s1, q[0, 1, h], k[0, 1, h], v[0, 1, h], g[0, 1, h], beta[0, 1, h])
+        np.testing.assert_allclose(o[0, 0, h], o1, rtol=1e-13)
+        np.testing.assert_allclose(o[0, 1, h], o2, rtol=1e-13)
+        np.testing.assert_allclose(ht[0, h], s2, rtol=1e-13)
+
+
+def test_a_full_strength_write_with_a_unit_key_is_recalled_exactly(x64):
+    """With beta = 1 and |k| = 1 the delta rule overwrites what k recalls: k S_t = v_t."""
+    rng = np.random.default_rng(3)
+    k, v = unit_rows(normal(rng, 1, 1, H, K)), normal(rng, 1, 1, H, V)
+    _, ht = forward(**as_jax(q=k, k=k, v=v, g=-rng.random((1, 1, H, K)), beta=np.ones((1, 1, H)),
+                             initial_state=normal(rng, 1, H, K, V)), scale=SCALE, output_final_state=True)
+    np.testing.assert_allclose(np.einsum("hk,hkv->hv", k[0, 0], ht[0]), v[0, 0], rtol=1e-12)
+
+
+def test_without_writes_it_reads_the_decayed_initial_state(x64):
+    rng = np.random.default_rng(4)
+    q, k, v = normal(rng, 2, 4, H, K), normal(rng, 2, 4, H, K), normal(rng, 2, 4, H, V)
+    g, s0 = -rng.random((2, 4, H, K)), normal(rng, 2, H, K, V)
+
+    o, ht = forward(**as_jax(q=q, k=k, v=v, g=g, beta=np.zeros((2, 4, H)), initial_state=s0),
+                    scale=SCALE, output_final_state=True)
+
+    cumulative = np.cumsum(g, axis=1)  # per key row
+    expected = SCALE * np.einsum("bthk,bhkv->bthv", q * np.exp(cumulative), s0)
+    np.testing.assert_allclose(o, expected, rtol=1e-12)
+    np.testing.assert_allclose(ht, np.exp(cumulative[:, -1])[..., None] * s0, rtol=1e-12)
+
+
+def test_qk_l2norm_equals_normalising_first(x64):
+    rng = np.random.default_rng(5)
+    q, k, v = normal(rng, 2, 4, H, K), normal(rng, 2, 4, H, K), normal(rng, 2, 4, H, V)
+    rest = dict(v=v, g=-rng.random((2, 4, H, K)), beta=rng.random((2, 4, H)))
+    normalised, _ = forward(**as_jax(q=q, k=k, **rest), scale=SCALE, use_qk_l2norm=True)
+    by_hand, _ = forward(**as_jax(q=unit_rows(q), k=unit_rows(k), **rest), scale=SCALE)
+    np.testing.assert_allclose(normalised, by_hand, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_results_come_back_in_the_contract_dtypes(dtype):
+    x = jnp.full((1, 2, H, K), 0.5, dtype)
+    y = jnp.full((1, 2, H, V), 0.5, dtype)
+    beta = jnp.full((1, 2, H), 0.5, dtype)
+    o, ht = forward(q=x, k=x, v=y, g=-x, beta=beta, output_final_state=True)
+    grads = backward(q=x, k=x, v=y, g=-x, beta=beta, do=y, dht=ht)
+    assert (o.dtype, ht.dtype) == (dtype, jnp.float32)
+    assert {grads.dq.dtype, grads.dk.dtype, grads.dv.dtype, grads.dg.dtype, grads.dbeta.dtype} == {jnp.dtype(dtype)}
+    assert grads.dinitial_state is None
+
+
+# -- gradients ------------------------------------------------------------------------------
+
+
+def random_call(rng, B=2, T=4, cu_seqlens=None):
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    return dict(
+        q=unit_rows(normal(rng, B, T, H, K)), k=unit_rows(normal(rng, B, T, H, K)), v=normal(rng, B, T, H, V),
+        g=np.log(1 / (1 + np.exp(-normal(rng, B, T, H, K)))) / 4, beta=rng.uniform(0.1, 0.9, (B, T, H)),
+        initial_state=normal(rng, N, H, K, V),
+    ), dict(do=normal(rng, B, T, H, V), dht=normal(rng, N, H, K, V))
+
+
+# Each case compiles its own float64 scans, so the two cases cover use_qk_l2norm on and off between them.
+@pytest.mark.parametrize(
+    "cu_seqlens, use_qk_l2norm", [(None, True), ([0, 0, 1, 3, 3, 5], False)], ids=["batch-qk_l2norm", "packed"]
+)
+def test_every_gradient_matches_finite_differences(x64, finite_difference_errors, use_qk_l2norm, cu_seqlens):
+    rng = np.random.default_rng(6)
+    B, T = (2, 4) if cu_seqlens is None else (1, cu_seqlens[-1])
+    primals, cotangents = random_call(rng, B, T, cu_seqlens)
+    if use_qk_l2norm:  # un-normalised q and k, so the normalisation's own gradient matters
+        primals["q"], primals["k"] = 2 * normal(rng, B, T, H, K), 2 * normal(rng, B, T, H, K)
+    extra = dict(scale=SCALE, use_qk_l2norm=use_qk_l2norm,
+                 cu_seqlens=None if cu_seqlens is None else jnp.asarray(cu_seqlens))
+
+    def loss(p):
+        o, ht = forward(**as_jax(**p), output_final_state=True, **extra)
+        return jnp.sum(o * cotangents["do"]) + jnp.sum(ht * cotangents["dht"])
+
+    grads = backward(**as_jax(**primals, **cotangents), **extra)
+    named = {name: getattr(grads, "d" + name) for name in primals}
+    errors = finite_difference_errors(loss, primals, named)
+    assert max(errors.values()) < 1e-7, errors
+
+
+# -- packing ----------------------------------------------------------------------------------
+
+
+def test_packed_sequences_equal_separate_calls(x64):
+    """Lengths 0, 1, 2, 0, 2: empty sequences keep their initial state and pass dht straight back."""
+    cu_seqlens = [0, 0, 1, 3, 3, 5]
+    rng = np.random.default_rng(7)
+    primals, cotangents = random_call(rng, 1, 5, cu_seqlens)
+    packed_o, packed_ht = forward(**as_jax(**primals), scale=SCALE, output_final_state=True, cu_seqlens=jnp.asarray(cu_seqlens))
+    packed = backward(**as_jax(**primals, **cotangents), scale=SCALE, cu_seqlens=jnp.asarray(cu_seqlens))
+
+    for n, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        if start == end:
+            np.testing.assert_array_equal(packed_ht[n], primals["initial_state"][n])
+            np.testing.assert_array_equal(packed.dinitial_state[n], cotangents["dht"][n])
+            continue
+        tokens = slice(start, end)
+        one = {name: x[:, tokens] for name, x in primals.items() if name != "initial_state"}
+        one["initial_state"] = primals["initial_state"][n:n + 1]
+        o, ht = forward(**as_jax(**one), scale=SCALE, output_final_state=True)
+        grads = backward(**as_jax(**one), do=jnp.asarray(cotangents["do"][:, tokens]),
+                         dht=jnp.asarray(cotangents["dht"][n:n + 1]), scale=SCALE)
+        np.testing.assert_allclose(packed_o[:, tokens], o, rtol=1e-14, atol=1e-15)
+        np.testing.assert_allclose(packed_ht[n:n + 1], ht, rtol=1e-14, atol=1e-15)
+        for name in ("dq", "dk", "dv", "dg", "dbeta"):
+            np.testing.assert_allclose(getattr(packed, name)[:, tokens], getattr(grads, name), rtol=1e-14, atol=1e-15)
+        np.testing.assert_allclose(packed.dinitial_state[n:n + 1], grads.dinitial_state, rtol=1e-14, atol=1e-15)
+
+
+# -- transformations --------------------------------------------------------------------------
+
+
+def test_it_works_under_jit_vmap_and_grad():
+    rng = np.random.default_rng(8)
+    primals, cotangents = random_call(rng)
+    inputs = {name: jnp.asarray(x, jnp.float32) for name, x in primals.items()}
+    do = jnp.asarray(cotangents["do"], jnp.float32)
+
+    def run(**arrays):
+        return forward(**arrays, scale=SCALE, output_final_state=True, use_qk_l2norm=True)
+
+    eager = run(**inputs)
+    jitted = jax.jit(run)(**inputs)
+    np.testing.assert_array_equal(jitted[0], eager[0])
+    np.testing.assert_array_equal(jitted[1], eager[1])
+
+    stacked_beta = jnp.stack([inputs["beta"], inputs["beta"] / 2])
+    mapped_o = jax.vmap(lambda beta: run(**{**inputs, "beta": beta})[0])(stacked_beta)
+    np.testing.assert_array_equal(mapped_o[0], eager[0])
+    np.testing.assert_array_equal(mapped_o[1], run(**{**inputs, "beta": stacked_beta[1]})[0])
+
+    loss = lambda arrays: jnp.sum(run(**arrays)[0] * do)  # noqa: E731
+    grad = jax.jit(jax.grad(loss))(inputs)
+    explicit = backward(**inputs, do=do, scale=SCALE, use_qk_l2norm=True)
+    for name in primals:
+        np.testing.assert_array_equal(grad[name], getattr(explicit, "d" + name))

@@ -1,0 +1,62 @@
+"""The reference plugin as the registry and the dispatcher see it, and the global state it must leave alone."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tops_core
+import tops_plugins_ref
+from tops_core import Capabilities, Implementation
+from tops_core import registry as registry_module
+from tops_core.callspec import PLATFORMS, CallSpec
+from tops_core.capabilities import FLOAT_DTYPES
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """A process-wide registry holding only what the test registers (no entry points, no TOPS_* policy)."""
+    for name in ("TOPS_FORCE", "TOPS_DENY", "TOPS_STRICT", "TOPS_INTERPRET"):
+        monkeypatch.delenv(name, raising=False)
+    registry = registry_module.Registry(autoload=False)
+    previous = registry_module.swap_default_registry(registry)
+    yield registry
+    registry_module.swap_default_registry(previous)
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+def test_the_plugin_registers_recurrent_and_it_accepts_every_call(op):
+    implementation = tops_core.default_registry().get(op, "ref.recurrent")
+    contract = tops_core.op(op)
+    assert implementation.backward is not None and implementation.description
+    g_gamma_ranks = [(("g_gamma", 0),), (("g_gamma", 1),)] if op == "simple_gla" else [()]
+    for platform, dtype, ndims in itertools.product(PLATFORMS, FLOAT_DTYPES, g_gamma_ranks):
+        spec = CallSpec(op=op, platform=platform, dtype=dtype, batch=1, seq_len=3, heads=2, key_dim=256,
+                        value_dim=7, num_seqs=2, features=contract.features, ndims=ndims)
+        assert implementation.reasons(spec, "backward") == [], spec.describe()
+
+
+def test_any_other_supporting_implementation_wins_over_the_oracle(fresh_registry):
+    """Even one that declares no priority (0 everywhere) and whose name sorts after it: ties go by name."""
+    fresh_registry.register_plugin(tops_plugins_ref, "ref")
+    kernel = Implementation(op="simple_gla", name="kernel", forward=lambda *args, **kwargs: None,
+                            capabilities=Capabilities(platforms={"cpu"}, dtypes={"float32"}))
+    tops_core.register(kernel, plugin="zzz")
+    sg = tops_core.op("simple_gla")
+    x = jnp.zeros((1, 2, 1, 4), jnp.float32)
+    bf16 = x.astype(jnp.bfloat16)
+    assert sg.explain(x, x, x).forward.implementation.name == "zzz.kernel"
+    assert sg.explain(x, x, x, g_gamma=jnp.zeros(())).forward.implementation.name == "ref.recurrent"
+    assert sg.explain(bf16, bf16, bf16).forward.implementation.name == "ref.recurrent"
+
+
+def test_packed_boundaries_seen_only_under_jit_are_still_validated():
+    x, y = jnp.ones((1, 5, 2, 3), jnp.float32), jnp.ones((1, 5, 2, 4), jnp.float32)
+    sg = tops_core.op("simple_gla")
+    run = jax.jit(lambda cu: sg.forward(x, x, y, cu_seqlens=cu, implementation="ref.recurrent")[0])
+    cu_seqlens = jnp.asarray([0, 0, 1, 3, 3, 5])
+    np.testing.assert_array_equal(run(cu_seqlens), sg.forward(x, x, y, cu_seqlens=cu_seqlens, implementation="ref.recurrent")[0])
+    with pytest.raises(Exception, match="cu_seqlens must end at T = 5"):
+        run(jnp.asarray([0, 0, 1, 3, 3, 4])).block_until_ready()

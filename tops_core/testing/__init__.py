@@ -1,0 +1,95 @@
+"""The conformance kit: a pytest plugin that checks implementations against the float64 reference.
+
+Load it with ``-p tops_core.testing`` (installing tops-core also registers it through the
+``pytest11`` entry point) and collect the suite, either from a test module of your own::
+
+    from tops_core.testing.suite import *  # noqa: F401,F403
+
+or directly with ``pytest --pyargs tops_core.testing.suite``. Options: ``--tops-impl PATTERN``
+(repeatable shell patterns over qualified names, e.g. ``'mykernels.*'``; default: every
+registered implementation; ini: ``tops_impls``) and ``--tops-reference NAME``.
+
+For every selected implementation the suite runs the case grid its capabilities declare
+(``tops_core.testing.cases``), forward and every declared gradient, against the reference with
+SPEC.md's tolerances, and checks that each case outside the declarations is rejected by the
+matcher. The worst measured errors are summarised at the end of the run.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import pytest
+
+from tops_core.testing.cases import grid
+from tops_core.testing.conformance import REFERENCE, runnable_here
+
+_RESULTS = pytest.StashKey[list]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("tops", "tops conformance kit")
+    group.addoption("--tops-impl", action="append", default=[], metavar="PATTERN",
+                    help="check only implementations matching these shell patterns (default: all registered)")
+    group.addoption("--tops-reference", default=REFERENCE, metavar="NAME",
+                    help="the implementation results are compared with (default: %(default)s)")
+    parser.addini("tops_impls", type="args", default=[], help="default --tops-impl patterns")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_RESULTS] = []
+
+
+def selected_implementations(config: pytest.Config) -> list:
+    from tops_core.registry import default_registry
+
+    patterns = config.getoption("tops_impl") or config.getini("tops_impls") or ["*"]
+    return [impl for impl in default_registry().all_implementations()
+            if any(fnmatch.fnmatchcase(impl.name, p) for p in patterns)]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    wanted = {"tops_conformance_case": "supported", "tops_rejection_case": "unsupported"}
+    for fixture, kind in wanted.items():
+        if fixture not in metafunc.fixturenames:
+            continue
+        params, ids = [], []
+        for impl in selected_implementations(metafunc.config):
+            reason = runnable_here(impl)
+            if reason is not None and kind == "supported":
+                params.append(pytest.param((impl, None), marks=pytest.mark.skip(reason=reason)))
+                ids.append(f"{impl.op}:{impl.name}")
+                continue
+            for case in getattr(grid(impl), kind):
+                params.append((impl, case))
+                ids.append(f"{impl.op}:{impl.name}:{case.name}")
+        metafunc.parametrize(fixture, params, ids=ids)
+
+
+@pytest.fixture
+def tops_reference(request: pytest.FixtureRequest) -> str:
+    return request.config.getoption("tops_reference")
+
+
+@pytest.fixture
+def tops_record(request: pytest.FixtureRequest):
+    """Record measurements of the running case for the end-of-run summary."""
+    def record(impl, case, measurements):
+        request.config.stash[_RESULTS].append((impl.op, impl.name, case, measurements))
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    results = config.stash.get(_RESULTS, [])
+    if not results:
+        return
+    worst: dict[tuple, tuple] = {}
+    for op_name, impl, case, measurements in results:
+        for m in measurements:
+            key = (op_name, impl, case.dtype, m.name)
+            if key not in worst or m.error > worst[key][0].error:
+                worst[key] = (m, case.name)
+    terminalreporter.section("tops conformance: worst relative RMS error against the reference")
+    terminalreporter.write_line(f"{'op':<11}{'implementation':<22}{'dtype':<10}{'output':<16}{'error':>10}{'tolerance':>11}  case")
+    for (op_name, impl, dtype, name), (m, case_name) in sorted(worst.items()):
+        terminalreporter.write_line(f"{op_name:<11}{impl:<22}{dtype:<10}{name:<16}{m.error:>10.2e}{m.tolerance:>11.0e}  {case_name}")

@@ -1,0 +1,161 @@
+"""The case grid of the conformance kit, derived from an implementation's capability declarations.
+
+Supported cases start from a *base* call that uses everything the implementation declares,
+then vary one factor at a time (gates, ranks, optional state, head dims, T, packing, strong
+decay, dtype, config sweep). Unsupported cases are the base plus exactly one factor outside
+the declarations; each must be rejected by the matcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tops_core.callspec import CallSpec
+from tops_core.capabilities import FLOAT_DTYPES, DimRule
+from tops_core.implementation import Implementation
+from tops_core.ops import op
+
+HEAD_DIMS = (64, 100, 128)
+OUT_OF_RANGE_DIMS = (64, 100, 128, 256, 32, 96, 512)
+GATES = {"simple_gla": ("g", "g_gamma"), "kda": ()}
+PACKINGS = ((0, 1, 70, 57), (130, 0, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call of the grid, described by static facts only."""
+
+    op: str
+    name: str
+    dtype: str = "float32"
+    batch: int = 2
+    seq_len: int = 100
+    heads: int = 2
+    key_dim: int = 64
+    value_dim: int = 64
+    features: frozenset[str] = frozenset()
+    ndims: tuple[tuple[str, int], ...] = ()
+    seqlens: tuple[int, ...] | None = None
+    strong_decay: bool = False
+    config: tuple[tuple[str, Any], ...] = ()
+
+    def spec(self, platform: str, interpret: bool) -> CallSpec:
+        num_seqs = len(self.seqlens) if self.seqlens is not None else self.batch
+        return CallSpec(
+            op=self.op, platform=platform, dtype=self.dtype, batch=self.batch, seq_len=self.seq_len,
+            heads=self.heads, key_dim=self.key_dim, value_dim=self.value_dim, num_seqs=num_seqs,
+            features=self.features, ndims=self.ndims, interpret=interpret,
+        )
+
+    def with_features(self, name: str, features: frozenset[str], **changes: Any) -> Case:
+        ndims = tuple((k, v) for k, v in self.ndims if k in features)
+        if "g_gamma" in features and "g_gamma" not in dict(ndims):
+            ndims += (("g_gamma", 1),)
+        if "cu_seqlens" in features and self.seqlens is None:
+            changes = {"batch": 1, "seqlens": PACKINGS[0], "seq_len": sum(PACKINGS[0])} | changes
+        if "cu_seqlens" not in features:
+            changes = {"seqlens": None} | changes
+        return dataclasses.replace(self, name=name, features=frozenset(features), ndims=ndims, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    supported: tuple[Case, ...]
+    unsupported: tuple[Case, ...]
+
+
+def _dims(rule: DimRule) -> list[int]:
+    accepted = [d for d in HEAD_DIMS if rule.accepts(d)]
+    if accepted:
+        return accepted
+    smallest = -(-max(rule.min, 1) // rule.multiple_of) * rule.multiple_of
+    return [smallest] if rule.accepts(smallest) else []
+
+
+def grid(impl: Implementation) -> Grid:
+    """The supported and unsupported cases for one implementation."""
+    contract = op(impl.op)
+    caps = impl.capabilities
+    declared = caps.features
+    gates = frozenset(GATES[impl.op])
+    toggles = contract.features - gates - {"cu_seqlens"}
+
+    gate_options = []
+    for subset in ((), ("g",), ("g_gamma",), ("g", "g_gamma")):
+        subset = frozenset(subset)
+        if subset <= gates and subset <= declared and (caps.requires & gates) <= subset:
+            gate_options.append(subset)
+    base_gates = max(gate_options, key=len)
+    base_features = base_gates | (toggles & declared) | caps.requires
+    key_dims, value_dims = _dims(caps.key_dim), _dims(caps.value_dim)
+    base_dtype = "float32" if "float32" in caps.dtypes else sorted(caps.dtypes)[0]
+    base = Case(impl.op, "base", dtype=base_dtype, key_dim=key_dims[0], value_dim=value_dims[0]).with_features("base", base_features)
+
+    supported = [base]
+    for subset in gate_options:
+        if subset != base_gates:
+            supported.append(base.with_features(f"gates={'+'.join(sorted(subset)) or 'none'}", (base_features - gates) | subset))
+    accepted_ndims = caps.accepted_ndims("g_gamma")
+    if "g_gamma" in base_features and (accepted_ndims is None or 0 in accepted_ndims):
+        supported.append(dataclasses.replace(base, name="g_gamma-scalar", ndims=(("g_gamma", 0),)))
+    for toggle in sorted((toggles & base_features) - caps.requires):
+        supported.append(base.with_features(f"without-{toggle}", base_features - {toggle}))
+    for key_dim in key_dims[1:]:
+        value_dim = key_dim if caps.value_dim.accepts(key_dim) else value_dims[-1]
+        supported.append(dataclasses.replace(base, name=f"K={key_dim},V={value_dim}", key_dim=key_dim, value_dim=value_dim))
+    if key_dims[0] != value_dims[-1]:
+        supported.append(dataclasses.replace(base, name=f"K={key_dims[0]},V={value_dims[-1]}", value_dim=value_dims[-1]))
+    if "cu_seqlens" not in base_features:
+        for seq_len in (1, 128, 130):
+            supported.append(dataclasses.replace(base, name=f"T={seq_len}", seq_len=seq_len, batch=1 if seq_len > 100 else 2))
+    if "cu_seqlens" in declared:
+        for seqlens in PACKINGS:
+            name = "varlen=" + "+".join(map(str, seqlens))
+            supported.append(base.with_features(name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens)))
+    strong = _strong_decay_cases(base, base_features, gate_options, gates)
+    supported += strong
+    for dtype in sorted(caps.dtypes - {base_dtype}):
+        supported.append(dataclasses.replace(base, name=dtype, dtype=dtype))
+        if dtype == "bfloat16":
+            supported += [dataclasses.replace(case, name=f"bfloat16-{case.name}", dtype=dtype) for case in strong[:1]]
+    for overrides in impl.config_sweep:
+        label = "config=" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
+        config = tuple(sorted(overrides.items()))
+        for case in [base, dataclasses.replace(base, name="T=130", seq_len=130, batch=1), *strong[:1]]:
+            supported.append(dataclasses.replace(case, name=f"{label}-{case.name}", config=config))
+
+    return Grid(tuple(supported), tuple(_unsupported_cases(impl, contract, base, base_features, gates)))
+
+
+def _strong_decay_cases(base: Case, base_features: frozenset[str], gate_options: list, gates: frozenset[str]) -> list[Case]:
+    """Decays that overflow a naive ``exp`` of the masked triangle: g_gamma = -1, or g near -1 and below."""
+    cases = []
+    for gate in ("g_gamma", "g"):
+        options = [s for s in gate_options if gate in s]
+        if options:
+            features = (base_features - gates) | min(options, key=len)
+            cases.append(base.with_features(f"strong-{gate}", features, strong_decay=True, seq_len=256, batch=1))
+    if not gates:
+        cases.append(dataclasses.replace(base, name="strong-g", strong_decay=True, seq_len=256, batch=1))
+    return cases
+
+
+def _unsupported_cases(impl: Implementation, contract, base: Case, base_features: frozenset[str], gates: frozenset[str]) -> list[Case]:
+    caps = impl.capabilities
+    cases = []
+    for feature in sorted(contract.features - caps.features):
+        cases.append(base.with_features(f"unsupported-{feature}", base_features | {feature}))
+    for feature in sorted(caps.requires):
+        cases.append(base.with_features(f"missing-required-{feature}", base_features - {feature}))
+    for dtype in sorted(set(FLOAT_DTYPES) - caps.dtypes):
+        cases.append(dataclasses.replace(base, name=f"unsupported-{dtype}", dtype=dtype))
+    for name in sorted(contract.variable_ndims & base_features):
+        accepted = caps.accepted_ndims(name)
+        for ndim in sorted({0, 1} - (accepted if accepted is not None else {0, 1})):
+            cases.append(dataclasses.replace(base, name=f"unsupported-{name}.ndim={ndim}", ndims=((name, ndim),)))
+    for field, rule in (("key_dim", caps.key_dim), ("value_dim", caps.value_dim)):
+        outside = next((d for d in OUT_OF_RANGE_DIMS if not rule.accepts(d)), None)
+        if outside is not None:
+            cases.append(dataclasses.replace(base, name=f"unsupported-{field}={outside}", **{field: outside}))
+    return cases

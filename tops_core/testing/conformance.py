@@ -1,0 +1,101 @@
+"""Run one case of the grid against the float64 reference, or check that the matcher rejects it."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import jax
+
+import tops_core
+from tops_core.dispatch import NoImplementationError
+from tops_core.implementation import Implementation
+from tops_core.ops import op
+from tops_core.ops.base import platform_of
+from tops_core.testing import data
+from tops_core.testing.cases import Case
+from tops_core.testing.compare import Measurement, measure, tolerance
+
+REFERENCE = "ref.recurrent"
+
+
+class ConformanceError(AssertionError):
+    """An implementation disagrees with the reference or with its own declarations."""
+
+
+def interpreted_here(impl: Implementation) -> bool:
+    """Whether this machine runs ``impl`` in Pallas' TPU interpreter."""
+    return impl.capabilities.interpretable and platform_of([]) != "tpu"
+
+
+def runnable_here(impl: Implementation) -> str | None:
+    """Why ``impl`` cannot run on this machine, or None when it can."""
+    platform = platform_of([])
+    if platform in impl.capabilities.platforms or interpreted_here(impl):
+        return None
+    return f"{impl.name} runs on {', '.join(sorted(impl.capabilities.platforms))}; this machine is {platform}"
+
+
+@contextlib.contextmanager
+def _scope(impl: Implementation, case: Case) -> Iterator[None]:
+    """Strict dispatch (no silent fallback), interpret mode for TPU kernels off TPU, x64 for float64 cases."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(tops_core.use(strict=True, interpret=interpreted_here(impl) or None))
+        if case.dtype == "float64":
+            stack.enter_context(jax.enable_x64(True))
+        yield
+
+
+def _force(impl: Implementation, case: Case):
+    return (impl.name, dict(case.config)) if case.config else impl.name
+
+
+def run_case(impl: Implementation, case: Case, reference: str = REFERENCE) -> list[Measurement]:
+    """Forward and (where declared) every gradient of ``impl`` against ``reference``; raises ConformanceError."""
+    contract = op(case.op)
+    measurements = []
+    with _scope(impl, case):
+        inputs = data.forward_inputs(case)
+        got = contract.forward(**inputs, implementation=_force(impl, case))
+        want = contract.forward(**inputs, implementation=reference)
+        for name, x, ref in zip(("o", "final_state"), got, want):
+            if ref is not None:
+                measurements.append(measure(name, x, ref, tolerance(case.dtype, gradient=False)))
+        if impl.backward is not None:
+            backward = data.backward_inputs(case, inputs)
+            got_grads = contract.backward(**backward, implementation=_force(impl, case))
+            want_grads = contract.backward(**backward, implementation=reference)
+            for field in dataclasses.fields(want_grads):
+                ref = getattr(want_grads, field.name)
+                if ref is not None:
+                    measurements.append(measure(field.name, getattr(got_grads, field.name), ref, tolerance(case.dtype, gradient=True)))
+    failures = [m for m in measurements if not m.passed]
+    if failures:
+        lines = [f"{impl.name} disagrees with {reference} on case {case.name} ({case.dtype}):"]
+        lines += [f"  {m.describe()}" for m in measurements]
+        raise ConformanceError("\n".join(lines))
+    return measurements
+
+
+def check_rejected(impl: Implementation, case: Case) -> str:
+    """The matcher must reject a case outside the declarations before any kernel code runs; returns its reasons."""
+    spec = case.spec(platform_of([]), interpreted_here(impl))
+    reasons = impl.reasons(spec, "forward")
+    if not reasons:
+        raise ConformanceError(f"{impl.name} accepts case {case.name}, which lies outside its declared capabilities")
+    contract = op(case.op)
+    with _scope(impl, case):
+        inputs = data.forward_inputs(case)
+        try:
+            contract.forward(**inputs, implementation=impl.name)
+        except NoImplementationError as error:
+            if impl.name not in str(error):
+                raise ConformanceError(f"the rejection of case {case.name} does not name {impl.name}:\n{error}") from error
+            return "; ".join(reasons)
+        except Exception as error:
+            raise ConformanceError(
+                f"case {case.name} reached {impl.name} and failed inside it ({type(error).__name__}: {error}) "
+                "instead of being rejected by the matcher"
+            ) from error
+    raise ConformanceError(f"{impl.name} ran case {case.name}, although its capabilities reject it: {'; '.join(reasons)}")

@@ -1,0 +1,82 @@
+"""Test data as SPEC.md prescribes, deterministic per case.
+
+``q, k`` unit-normal times ``K ** -0.5`` (kda: L2-normalised unless the kernel normalises),
+``v`` unit-normal, ``g = log_sigmoid(normal) / 16``, ``g_gamma`` from ALiBi slopes, and strong
+decays (``g_gamma = -1``; ``g <= -1``) that overflow a naive ``exp`` of the masked triangle.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from tops_core.testing.cases import Case
+
+
+def alibi_g_gamma(heads: int, layer: int = 0, layers: int = 2) -> np.ndarray:
+    """Per-head log decays ``-slope_h * (1 - layer / (layers - 1) + 1e-5)``, ``slope_h = 2 ** (-8 (h + 1) / H)``."""
+    slopes = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+    return -slopes * (1 - layer / (layers - 1) + 1e-5)
+
+
+def _rng(case: Case, salt: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(f"{case.op}/{case.name}/{case.dtype}/{salt}".encode()))
+
+
+def _gate_dtype(case: Case) -> Any:
+    return jnp.float64 if case.dtype == "float64" else jnp.float32
+
+
+def _num_seqs(case: Case) -> int:
+    return len(case.seqlens) if case.seqlens is not None else case.batch
+
+
+def _log_sigmoid(x: np.ndarray) -> np.ndarray:
+    return -np.logaddexp(0.0, -x)
+
+
+def forward_inputs(case: Case) -> dict[str, Any]:
+    """Keyword arguments of ``op(case.op).forward`` for this case (without ``implementation``)."""
+    rng = _rng(case, "inputs")
+    B, T, H, K, V = case.batch, case.seq_len, case.heads, case.key_dim, case.value_dim
+    dtype, gate_dtype = jnp.dtype(case.dtype), _gate_dtype(case)
+    q, k, v = rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, V))
+    features = case.features
+    inputs: dict[str, Any] = {"output_final_state": "output_final_state" in features}
+    if case.op == "simple_gla":
+        q, k = q * K**-0.5, k * K**-0.5
+        if "g" in features:
+            g = -1.0 - np.abs(rng.standard_normal((B, T, H))) if case.strong_decay else _log_sigmoid(rng.standard_normal((B, T, H))) / 16
+            inputs["g"] = jnp.asarray(g, gate_dtype)
+        if "g_gamma" in features:
+            g_gamma = -np.ones(H) if case.strong_decay else alibi_g_gamma(H)
+            inputs["g_gamma"] = jnp.asarray(g_gamma[0] if dict(case.ndims).get("g_gamma") == 0 else g_gamma, gate_dtype)
+    else:
+        if "use_qk_l2norm" in features:
+            inputs["use_qk_l2norm"] = True
+        else:
+            q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+        g = -1.0 - np.abs(rng.standard_normal((B, T, H, K))) if case.strong_decay else _log_sigmoid(rng.standard_normal((B, T, H, K))) / 16
+        inputs["g"] = jnp.asarray(g, gate_dtype)
+        inputs["beta"] = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((B, T, H)))), gate_dtype)
+    inputs.update(q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype))
+    if "initial_state" in features:
+        inputs["initial_state"] = jnp.asarray(rng.standard_normal((_num_seqs(case), H, K, V)), gate_dtype)
+    if "cu_seqlens" in features:
+        inputs["cu_seqlens"] = jnp.asarray(np.cumsum((0,) + tuple(case.seqlens)), jnp.int32)
+    return inputs
+
+
+def backward_inputs(case: Case, forward: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of ``op(case.op).backward``: the forward's plus cotangents ``do`` and ``dht``."""
+    rng = _rng(case, "cotangents")
+    inputs = {name: value for name, value in forward.items() if name != "output_final_state"}
+    v = forward["v"]
+    inputs["do"] = jnp.asarray(rng.standard_normal(v.shape), v.dtype)
+    if forward["output_final_state"]:
+        shape = (_num_seqs(case), case.heads, case.key_dim, case.value_dim)
+        inputs["dht"] = jnp.asarray(rng.standard_normal(shape), _gate_dtype(case))
+    return inputs
