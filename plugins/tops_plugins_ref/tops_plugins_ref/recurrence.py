@@ -39,11 +39,33 @@ def on_host_in_float64(compute: Callable[[dict[str, Any]], Any], results: Any, i
         # Looked up here, not at import: importing a plugin must not initialise JAX's backends.
         with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
             outputs = compute(upcast)
-            return jax.tree.map(lambda out, spec: np.asarray(out).astype(spec.dtype), outputs, results)
+            return jax.tree.map(lambda out, spec: _to_wire(np.asarray(out).astype(spec.dtype)), outputs, results)
 
     # "sequential" calls the host once per vmapped element: each element may carry its own
     # cu_seqlens, which decide the layout of its scan, so elements cannot share one call.
-    return jax.pure_callback(host, results, inputs, vmap_method="sequential")
+    wire = jax.pure_callback(host, jax.tree.map(_wire_spec, results), inputs, vmap_method="sequential")
+    return jax.tree.map(_from_wire, wire, results)
+
+
+# JAX canonicalises a callback's results on the runtime thread that ran it, where a caller's
+# thread-local ``jax.enable_x64(True)`` is not in effect, and would turn float64 results into
+# float32. float64 therefore crosses the callback boundary as pairs of uint32 words.
+def _wire_spec(spec: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    if spec.dtype == np.float64:
+        return jax.ShapeDtypeStruct((*spec.shape, 2), np.uint32)
+    return spec
+
+
+def _to_wire(value: np.ndarray) -> np.ndarray:
+    if value.dtype == np.float64:
+        return np.ascontiguousarray(value).view(np.uint32).reshape(*value.shape, 2)
+    return value
+
+
+def _from_wire(value: jax.Array, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    if spec.dtype == np.float64:
+        return lax.bitcast_convert_type(value, jnp.float64)
+    return value
 
 
 class SequenceLayout(NamedTuple):
