@@ -10,8 +10,8 @@ import pytest
 import tops_core
 import tops_plugins_ref
 from tests import fakes
-from tops_core.testing.cases import grid
-from tops_core.testing.conformance import ConformanceError, check_rejected, run_case
+from tops_core.conformance.cases import grid
+from tops_core.conformance.checks import ConformanceError, check_rejected, run_case
 
 pytest_plugins = ["pytester"]
 

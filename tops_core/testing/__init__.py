@@ -10,7 +10,7 @@ or directly with ``pytest --pyargs tops_core.testing.suite``. Options: ``--tops-
 registered implementation; ini: ``tops_impls``) and ``--tops-reference NAME``.
 
 For every selected implementation the suite runs the case grid its capabilities declare
-(``tops_core.testing.cases``), forward and every declared gradient, against the reference with
+(``tops_core.conformance.cases``), forward and every declared gradient, against the reference with
 SPEC.md's tolerances, and checks that each case outside the declarations is rejected by the
 matcher. The worst measured errors are summarised at the end of the run.
 """
@@ -21,8 +21,8 @@ import fnmatch
 
 import pytest
 
-from tops_core.testing.cases import grid
-from tops_core.testing.conformance import REFERENCE, runnable_here
+from tops_core.conformance.cases import grid
+from tops_core.conformance.checks import REFERENCE, runnable_here
 
 _RESULTS = pytest.StashKey[list]()
 

@@ -2,7 +2,7 @@
 (``from tops_core.testing.suite import *``) or with ``pytest --pyargs tops_core.testing.suite``;
 the ``tops_core.testing`` pytest plugin parametrizes it over every selected implementation."""
 
-from tops_core.testing.conformance import check_rejected, run_case
+from tops_core.conformance.checks import check_rejected, run_case
 
 __all__ = ["test_matches_the_reference", "test_rejected_by_the_matcher"]
 

@@ -13,9 +13,9 @@ from tops_core.dispatch import NoImplementationError
 from tops_core.implementation import Implementation
 from tops_core.ops import op
 from tops_core.ops.base import platform_of
-from tops_core.testing import data
-from tops_core.testing.cases import Case
-from tops_core.testing.compare import Measurement, measure, tolerance
+from tops_core.conformance import data
+from tops_core.conformance.cases import Case
+from tops_core.conformance.compare import Measurement, measure, tolerance
 
 REFERENCE = "ref.recurrent"
 

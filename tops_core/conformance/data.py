@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from tops_core.testing.cases import Case
+from tops_core.conformance.cases import Case
 
 
 def alibi_g_gamma(heads: int, layer: int = 0, layers: int = 2) -> np.ndarray:
