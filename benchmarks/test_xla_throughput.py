@@ -1,0 +1,159 @@
+"""Throughput of xla.chunk (simple_gla) against a float32 matmul measured in the same process.
+
+    pytest benchmarks/test_xla_throughput.py --benchmark-only     # timings, one group per workload
+    python benchmarks/test_xla_throughput.py                     # GFLOP/s and ratios to the matmul
+
+FLOPs: the forward counts ``B*H*T*(4*K*V + 2*C*(K+V))`` (the chunked algorithm's matrix
+products, causal triangles counted whole); forward+backward counts 3x that. The backward here
+really does 2.5x the forward's products (state recompute, then dq, dk, dv and dS), so the
+forward+backward figure understates the arithmetic done by about 15%. The reference matmul is a
+jitted ``jnp.dot`` of two 2048x2048 float32 matrices.
+
+Timings on a shared CPU are noisy: the report interleaves the matmul and the workloads, takes
+medians, and states ratios measured in one process.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tops_core
+
+B, T, H, K, V = 2, 4096, 8, 128, 128
+MATMUL_N = 2048
+
+
+def matmul_program():
+    a = jax.random.normal(jax.random.PRNGKey(0), (MATMUL_N, MATMUL_N), jnp.float32)
+    return jax.jit(jnp.dot), (a, a), 2 * MATMUL_N**3
+
+
+def inputs(seq_len: int):
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    q = jax.random.normal(keys[0], (B, seq_len, H, K), jnp.float32) * K**-0.5
+    k = jax.random.normal(keys[1], (B, seq_len, H, K), jnp.float32) * K**-0.5
+    v = jax.random.normal(keys[2], (B, seq_len, H, V), jnp.float32)
+    do = jax.random.normal(keys[3], (B, seq_len, H, V), jnp.float32)
+    g_gamma = -(2.0 ** (-8.0 * (jnp.arange(H) + 1) / H))  # ALiBi slopes
+    return q, k, v, g_gamma, do
+
+
+def forward_flops(seq_len: int, chunk_size: int) -> int:
+    return B * H * seq_len * (4 * K * V + 2 * chunk_size * (K + V))
+
+
+def simple_gla_programs(seq_len: int = T, chunk_size: int = 64):
+    """Jitted forward and forward+backward of xla.chunk through the public op, with their inputs."""
+    op = tops_core.op("simple_gla")
+    implementation = ("xla.chunk", {"chunk_size": chunk_size})
+
+    def forward(q, k, v, g_gamma):
+        return op.forward(q, k, v, g_gamma=g_gamma, implementation=implementation)[0]
+
+    def loss(q, k, v, g_gamma, do):
+        return jnp.sum(forward(q, k, v, g_gamma) * do)
+
+    q, k, v, g_gamma, do = inputs(seq_len)
+    forward_backward = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    return jax.jit(forward), (q, k, v, g_gamma), forward_backward, (q, k, v, g_gamma, do)
+
+
+def _ready(program, args):
+    return lambda: jax.block_until_ready(program(*args))
+
+
+# -- pytest-benchmark: one group per workload -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def programs():
+    return simple_gla_programs()
+
+
+def _run(benchmark, group, call):
+    benchmark.group = group
+    call()  # compile outside the timing
+    benchmark(call)
+
+
+@pytest.mark.parametrize("group", ["matmul-vs-forward", "matmul-vs-forward-backward"])
+def test_matmul_2048(benchmark, group):
+    program, args, _ = matmul_program()
+    _run(benchmark, group, _ready(program, args))
+
+
+def test_forward(benchmark, programs):
+    forward, args, _, _ = programs
+    _run(benchmark, "matmul-vs-forward", _ready(forward, args))
+
+
+def test_forward_backward(benchmark, programs):
+    _, _, forward_backward, args = programs
+    _run(benchmark, "matmul-vs-forward-backward", _ready(forward_backward, args))
+
+
+@pytest.mark.parametrize("seq_len", [2048, 4096, 8192])
+def test_forward_linear_in_t(benchmark, seq_len):
+    forward, args, _, _ = simple_gla_programs(seq_len)
+    _run(benchmark, "forward-linear-in-T", _ready(forward, args))
+
+
+@pytest.mark.parametrize("seq_len", [2048, 4096, 8192])
+def test_forward_backward_linear_in_t(benchmark, seq_len):
+    _, _, forward_backward, args = simple_gla_programs(seq_len)
+    _run(benchmark, "forward-backward-linear-in-T", _ready(forward_backward, args))
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64, 128])
+def test_forward_chunk_size(benchmark, chunk_size):
+    forward, args, _, _ = simple_gla_programs(chunk_size=chunk_size)
+    _run(benchmark, "forward-chunk-size", _ready(forward, args))
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+def interleaved_medians(calls: dict, rounds: int) -> dict:
+    """Median seconds per call, the calls taking turns so that load changes hit all of them alike."""
+    for call in calls.values():
+        call()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def report(rounds: int = 7) -> None:
+    matmul, matmul_args, matmul_flops = matmul_program()
+    forward, forward_args, forward_backward, fb_args = simple_gla_programs()
+    seconds = interleaved_medians({
+        "matmul": _ready(matmul, matmul_args),
+        "forward": _ready(forward, forward_args),
+        "forward+backward": _ready(forward_backward, fb_args),
+    }, rounds)
+    flops = {"matmul": matmul_flops, "forward": forward_flops(T, 64), "forward+backward": 3 * forward_flops(T, 64)}
+    rate = {name: flops[name] / seconds[name] / 1e9 for name in seconds}
+    print(f"B={B} T={T} H={H} K={K} V={V} float32, g_gamma, chunk_size 64; {jax.devices()[0].device_kind}")
+    for name in seconds:
+        ratio = "" if name == "matmul" else f"  {rate[name] / rate['matmul']:.0%} of the matmul"
+        print(f"  {name:17s} {seconds[name] * 1e3:8.1f} ms  {rate[name]:6.1f} GFLOP/s{ratio}")
+
+    print("time against T (forward, forward+backward):")
+    for seq_len in (2048, 4096, 8192):
+        forward, forward_args, forward_backward, fb_args = simple_gla_programs(seq_len)
+        t = interleaved_medians({"f": _ready(forward, forward_args), "fb": _ready(forward_backward, fb_args)}, rounds)
+        per_k = 1024 / seq_len * 1e3
+        print(f"  T={seq_len:5d}  {t['f'] * 1e3:7.1f} ms ({t['f'] * per_k:.2f} ms per 1k tokens)"
+              f"  {t['fb'] * 1e3:7.1f} ms ({t['fb'] * per_k:.2f} ms per 1k tokens)")
+
+
+if __name__ == "__main__":
+    report()
