@@ -11,6 +11,7 @@ from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.capabilities import FLOAT_DTYPES
 from tops_core.dispatch import NoImplementationError
 from tops_core.ops import CONTRACTS, op
+from tops_core.ops.base import platform_of
 from tops_core.policy import Force, current_policy
 from tops_core.registry import default_registry
 
@@ -104,11 +105,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _spec_from_args(contract, args: argparse.Namespace) -> CallSpec:
-    try:
-        B, T, H, K, V = (int(part) for part in args.shape.split(","))
-    except ValueError:
-        raise SystemExit(f"--shape must be B,T,H,K,V (five integers), got {args.shape!r}") from None
-    features = {f.strip() for f in args.with_features.split(",") if f.strip()} if args.with_features else set()
+    B, T, H, K, V = _parse_shape(args.shape)
+    features = set(_parse_list(args.with_features))
     unknown = features - contract.features
     if unknown:
         raise SystemExit(f"unknown feature(s) {sorted(unknown)} for {contract.name}; known: {', '.join(sorted(contract.features))}")
@@ -128,8 +126,32 @@ def _spec_from_args(contract, args: argparse.Namespace) -> CallSpec:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    print("tops bench: not implemented yet (it arrives with the benchmark issue); see `tops list`", file=sys.stderr)
+    from tops_core import bench
+
+    shape = _parse_shape(args.shape)
+    dtype = args.dtype or bench.default_dtype(platform_of([]))
+    features = _parse_list(args.with_features) if args.with_features is not None else bench.DEFAULT_FEATURES[args.op]
+    case = bench.workload(args.op, shape, dtype, features)
+    names = _parse_list(",".join(args.impl))
+    print(bench.format_report(bench.run(case, names, budget=args.budget)))
+    if args.plot:
+        bench.plot(case, names, args.plot)
+        print(f"\nwrote {args.plot}")
     return 0
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 5 or min(shape) < 1:
+        raise SystemExit(f"--shape must be B,T,H,K,V (five positive integers), got {text!r}")
+    return shape
+
+
+def _parse_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _table(rows: list[tuple[str, ...]], indent: str = "") -> str:
@@ -138,8 +160,6 @@ def _table(rows: list[tuple[str, ...]], indent: str = "") -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tops_core.ops.base import platform_of
-
     parser = argparse.ArgumentParser(prog="tops", description="Linear-attention kernels: plugins, dispatch decisions and benchmarks.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -167,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     explain.set_defaults(run=cmd_explain)
 
     bench = commands.add_parser("bench", help="benchmark every implementation that supports a workload (the main job)")
+    bench.add_argument("op", nargs="?", default="simple_gla", choices=sorted(CONTRACTS))
+    bench.add_argument("--shape", default="2,4096,8,128,128", help="B,T,H,K,V (default: %(default)s)")
+    bench.add_argument("--dtype", choices=FLOAT_DTYPES, help="default: float32 on cpu, bfloat16 elsewhere")
+    bench.add_argument("--with", dest="with_features", metavar="FEATURES",
+                       help="comma-separated optional inputs and options (default: g_gamma for simple_gla, use_qk_l2norm for kda)")
+    bench.add_argument("--impl", action="append", default=[], metavar="NAME", help="only these implementations (repeatable or comma-separated)")
+    bench.add_argument("--plot", metavar="FILE", help="also write a PNG of time against sequence length (needs matplotlib)")
+    bench.add_argument("--budget", type=float, default=2.0, help="seconds of timed repeats per measurement (default: %(default)s)")
     bench.set_defaults(run=cmd_bench)
     return parser
 

@@ -1,0 +1,56 @@
+"""simple_gla implementations side by side: one pytest-benchmark group per workload and direction.
+
+    pytest benchmarks/test_simple_gla.py --benchmark-only
+    TOPS_INTERPRET=1 pytest benchmarks/test_simple_gla.py --benchmark-only   # also Pallas kernels, interpreted
+
+Every registered implementation that supports a workload on this machine is timed jitted, after
+a warm-up call; the float64 reference only where its stored states fit (small workloads).
+"""
+
+import jax
+import pytest
+
+from tops_core import bench, op
+from tops_core.ops.base import platform_of
+from tops_core.policy import current_policy
+
+PLATFORM = platform_of([])
+DTYPE = bench.default_dtype(PLATFORM)
+WORKLOADS = {
+    "B2-T4096-H8-K128-V128-g_gamma": bench.workload("simple_gla", (2, 4096, 8, 128, 128), DTYPE, ["g_gamma"]),
+    "B1-T8192-H4-K64-V64-g-h0-final": bench.workload(
+        "simple_gla", (1, 8192, 4, 64, 64), DTYPE, ["g", "initial_state", "output_final_state"]),
+    "varlen-8seqs-T1024-H8-K128-V128-g_gamma": bench.workload(
+        "simple_gla", (4, 1024, 8, 128, 128), DTYPE, ["g_gamma", "cu_seqlens"]),
+    "small-B1-T512-H4-K64-V64-g_gamma": bench.workload("simple_gla", (1, 512, 4, 64, 64), DTYPE, ["g_gamma"]),
+}
+IMPLEMENTATIONS = sorted(impl.name for impl in op("simple_gla").implementations())
+
+
+def _programs_or_skip(workload: str, name: str):
+    case = WORKLOADS[workload]
+    impl = next(impl for impl in op("simple_gla").implementations() if impl.name == name)
+    reasons = impl.reasons(case.spec(PLATFORM, current_policy("simple_gla").interpret), "forward")
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    if name == bench.REFERENCE and bench.elements(case) > bench.REFERENCE_MAX_ELEMENTS:
+        pytest.skip("the float64 reference stores every state; too large here")
+    return bench.programs(case, name)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_forward(benchmark, workload, name):
+    forward, _, args, _ = _programs_or_skip(workload, name)
+    benchmark.group = f"{workload} forward"
+    jax.block_until_ready(forward(*args))
+    benchmark(lambda: jax.block_until_ready(forward(*args)))
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_forward_backward(benchmark, workload, name):
+    _, forward_backward, _, args = _programs_or_skip(workload, name)
+    benchmark.group = f"{workload} forward+backward"
+    jax.block_until_ready(forward_backward(*args))
+    benchmark(lambda: jax.block_until_ready(forward_backward(*args)))

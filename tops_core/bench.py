@@ -1,0 +1,353 @@
+"""The main job: time every implementation that supports a workload and check it against the reference.
+
+For the workload, each implementation that the matcher accepts on this machine (TPU kernels
+only in interpret mode, labelled as interpreted) is timed jitted, forward and forward+backward
+(a forward-only kernel with the backward the dispatcher pairs it with). The float64 reference
+stores every state in its backward, so accuracy and the speedup against it are measured at a
+smaller *check* shape unless the workload itself is small; the table says which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tops_core.callspec import CallSpec
+from tops_core.conformance import data
+from tops_core.conformance.cases import Case
+from tops_core.conformance.compare import measure, tolerance
+from tops_core.dispatch import NoImplementationError
+from tops_core.implementation import Implementation
+from tops_core.ops import op
+from tops_core.ops.base import platform_of
+from tops_core.policy import current_policy
+
+REFERENCE = "ref.recurrent"
+DEFAULT_FEATURES = {"simple_gla": ["g_gamma"], "kda": ["use_qk_l2norm"]}
+REFERENCE_MAX_ELEMENTS = 2**24
+"""The reference is timed at the workload itself only up to this many ``B*T*H*K*V`` state elements."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median: float
+    spread: float  # half the interquartile range, relative to the median
+    repeats: int
+
+    def describe(self) -> str:
+        value, unit = (self.median * 1e3, "ms") if self.median < 1 else (self.median, "s")
+        return f"{value:.3g} {unit} ±{self.spread * 100:.0f}%"
+
+
+@dataclasses.dataclass
+class Row:
+    implementation: str
+    selected: str = ""
+    interpreted: bool = False
+    forward: Timing | None = None
+    forward_backward: Timing | None = None
+    backward_by: str | None = None  # the paired backward of a forward-only implementation
+    differentiable: bool = True
+    check_forward: Timing | None = None
+    check_forward_backward: Timing | None = None
+    forward_error: float | None = None
+    gradient_error: float | None = None
+    within_tolerance: bool | None = None
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Report:
+    workload: Case
+    check: Case
+    platform: str
+    reference_at_workload: bool
+    rows: list[Row]
+
+
+def default_dtype(platform: str) -> str:
+    """float32 on CPU (no fast bfloat16 matmul there), bfloat16 on accelerators."""
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
+def workload(op_name: str, shape: Sequence[int], dtype: str, features: Sequence[str]) -> Case:
+    """The benchmark call; with ``cu_seqlens`` the ``B * T`` tokens are packed into ``2 B`` uneven sequences."""
+    B, T, H, K, V = shape
+    contract = op(op_name)
+    unknown = set(features) - contract.features
+    if unknown:
+        raise ValueError(f"unknown feature(s) {sorted(unknown)} for {op_name}; known: {', '.join(sorted(contract.features))}")
+    case = Case(op_name, "workload", dtype=dtype, batch=B, seq_len=T, heads=H, key_dim=K, value_dim=V)
+    if "cu_seqlens" in features:
+        return case.with_features("workload", frozenset(features), batch=1, seq_len=B * T, seqlens=_packed(B, T))
+    return case.with_features("workload", frozenset(features))
+
+
+def _packed(sequences: int, seq_len: int) -> tuple[int, ...]:
+    """``2 * sequences`` lengths summing to ``sequences * seq_len``, pairs split off the chunk grid."""
+    short = seq_len // 3 + 1
+    return (short, seq_len - short) * sequences
+
+
+def check_shape(case: Case) -> Case:
+    """A shape the float64 reference handles in seconds, with the workload's head dims and features."""
+    seq_len = min(case.seq_len, 512)
+    changes: dict[str, Any] = dict(batch=1, seq_len=seq_len, heads=min(case.heads, 4))
+    if case.seqlens is not None:
+        changes["seqlens"] = _packed(1, seq_len)
+    return dataclasses.replace(case, name="check", **changes)
+
+
+def elements(case: Case) -> int:
+    return case.batch * case.seq_len * case.heads * case.key_dim * case.value_dim
+
+
+def _split(inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(differentiable arrays, other arrays, static options) of a forward call."""
+    floats = {k: v for k, v in inputs.items() if isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.floating)}
+    others = {k: v for k, v in inputs.items() if isinstance(v, jax.Array) and k not in floats}
+    static = {k: v for k, v in inputs.items() if not isinstance(v, jax.Array)}
+    return floats, others, static
+
+
+def programs(case: Case, name: str) -> tuple[Callable, Callable, tuple, tuple]:
+    """Jitted forward and forward+backward of ``name`` on the case's data, with their arguments."""
+    contract = op(case.op)
+    inputs = data.forward_inputs(case)
+    floats, others, static = _split(inputs)
+    do = data.backward_inputs(case, inputs)["do"]
+
+    def output(floats, others):
+        return contract.forward(**floats, **others, **static, implementation=name)[0]
+
+    def forward_backward(floats, others, do):
+        o, pullback = jax.vjp(lambda f: output(f, others), floats)
+        return o, pullback(do)
+
+    return jax.jit(output), jax.jit(forward_backward), (floats, others), (floats, others, do)
+
+
+def time_call(function: Callable, args: tuple, budget: float, max_repeats: int) -> Timing:
+    """Median and spread of wall time after one warm-up (compile) call."""
+    jax.block_until_ready(function(*args))
+    times: list[float] = []
+    while len(times) < 3 or (len(times) < max_repeats and sum(times) < budget):
+        start = time.perf_counter()
+        jax.block_until_ready(function(*args))
+        times.append(time.perf_counter() - start)
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    median = statistics.median(times)
+    return Timing(median, (quartiles[2] - quartiles[0]) / 2 / median, len(times))
+
+
+class Progress:
+    """A one-line progress bar on stderr, silent when stderr is not a terminal."""
+
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.done, self.stream = total, 0, stream
+        self.enabled = stream.isatty()
+
+    def step(self, label: str) -> None:
+        if self.enabled:
+            filled = int(24 * self.done / max(self.total, 1))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} {label:<48.48}")
+            self.stream.flush()
+        self.done += 1
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 80 + "\r")
+            self.stream.flush()
+
+
+def candidates(case: Case, platform: str, names: Sequence[str] | None) -> tuple[list[Implementation], CallSpec]:
+    contract = op(case.op)
+    policy = current_policy(case.op)
+    spec = case.spec(platform, policy.interpret)
+    implementations = [impl for impl in contract.implementations() if not impl.reasons(spec, "forward")]
+    if names:
+        unknown = set(names) - {impl.name for impl in contract.implementations()}
+        if unknown:
+            raise ValueError(f"unknown implementation(s) {sorted(unknown)} of {case.op}")
+        implementations = [impl for impl in implementations if impl.name in names]
+    return sorted(implementations, key=lambda impl: impl.name), spec
+
+
+def run(case: Case, names: Sequence[str] | None = None, budget: float = 2.0, max_repeats: int = 10) -> Report:
+    """Benchmark ``case`` on this machine; see the module docstring."""
+    platform = platform_of([])
+    contract = op(case.op)
+    implementations, spec = candidates(case, platform, names)
+    if not implementations:
+        raise NoImplementationError(f"no implementation of {case.op} supports {spec.describe()} here (see `tops explain`)")
+    reference_at_workload = elements(case) <= REFERENCE_MAX_ELEMENTS
+    check = case if reference_at_workload else check_shape(case)
+    policy = current_policy(case.op)
+    selected = {"fwd": contract.decide(spec, "forward", policy).implementation.name}
+    try:
+        selected["bwd"] = contract.decide(spec, "backward", policy).implementation.name
+    except NoImplementationError:
+        pass
+
+    progress = Progress(total=4 * len(implementations) + 1)
+    reference = None
+    if any(impl.name == REFERENCE for impl in contract.implementations()):
+        progress.step(f"{REFERENCE} at the check shape")
+        reference = _evaluate(check, REFERENCE)
+    rows = []
+    for impl in implementations:
+        row = Row(impl.name, interpreted=impl.capabilities.interpreted(spec))
+        row.selected = "+".join(label for label, name in selected.items() if name == impl.name)
+        if impl.backward is None:
+            row.backward_by = _paired_backward(case, spec, impl.name)
+            row.differentiable = row.backward_by is not None
+        if impl.name == REFERENCE and not reference_at_workload:
+            row.note = "not timed at the workload (its backward stores every state)"
+        else:
+            _time(row, case, progress, budget, max_repeats, "forward", "forward_backward")
+        if not reference_at_workload:
+            _time(row, check, progress, budget / 2, max_repeats, "check_forward", "check_forward_backward")
+        if reference is not None:
+            progress.step(f"{impl.name} accuracy")
+            _accuracy(row, check, reference)
+        rows.append(row)
+    progress.close()
+    return Report(case, check, platform, reference_at_workload, rows)
+
+
+def _time(row: Row, case: Case, progress: Progress, budget: float, max_repeats: int, forward_field: str, both_field: str) -> None:
+    forward, forward_backward, forward_args, backward_args = programs(case, row.implementation)
+    progress.step(f"{row.implementation} forward, {case.name}")
+    setattr(row, forward_field, time_call(forward, forward_args, budget, max_repeats))
+    if row.differentiable:
+        progress.step(f"{row.implementation} forward+backward, {case.name}")
+        setattr(row, both_field, time_call(forward_backward, backward_args, budget, max_repeats))
+
+
+def _paired_backward(case: Case, spec: CallSpec, name: str) -> str | None:
+    """The backward the dispatcher pairs a forward-only implementation with, or None when there is none."""
+    try:
+        return op(case.op).decide(spec, "backward", current_policy(case.op, name)).implementation.name
+    except NoImplementationError:
+        return None
+
+
+def _evaluate(case: Case, name: str) -> tuple[tuple, Any]:
+    """Outputs and gradients of ``name`` on the case's data (gradients None without a backward)."""
+    contract = op(case.op)
+    inputs = data.forward_inputs(case)
+    outputs = contract.forward(**inputs, implementation=name)
+    try:
+        grads = contract.backward(**data.backward_inputs(case, inputs), implementation=name)
+    except NoImplementationError:
+        grads = None
+    return outputs, grads
+
+
+def _accuracy(row: Row, case: Case, reference: tuple) -> None:
+    """Worst relative RMS error of the row's implementation against the reference's results on ``case``."""
+    want_outputs, want_grads = reference
+    got_outputs, got_grads = _evaluate(case, row.implementation)
+    forward = [measure(n, g, w, tolerance(case.dtype, False)) for n, g, w in zip(("o", "final_state"), got_outputs, want_outputs) if w is not None]
+    gradients = []
+    if got_grads is not None and want_grads is not None:
+        for field in dataclasses.fields(want_grads):
+            want = getattr(want_grads, field.name)
+            if want is not None:
+                gradients.append(measure(field.name, getattr(got_grads, field.name), want, tolerance(case.dtype, True)))
+    row.forward_error = max(m.error for m in forward)
+    row.gradient_error = max((m.error for m in gradients), default=None)
+    row.within_tolerance = all(m.passed for m in forward + gradients)
+
+
+def format_report(report: Report) -> str:
+    case = report.workload
+    shape = f"B={case.batch} T={case.seq_len} H={case.heads} K={case.key_dim} V={case.value_dim}"
+    features = ", ".join(sorted(case.features)) or "no optional inputs"
+    lines = [f"tops bench {case.op}: {shape} {case.dtype} on {report.platform}, with {features}", ""]
+    check = report.check
+    at = "workload" if report.reference_at_workload else f"B={check.batch} T={check.seq_len} H={check.heads} K={check.key_dim} V={check.value_dim}"
+    reference = next((r for r in report.rows if r.implementation == REFERENCE), None)
+    header = ("implementation", "selected", "forward", "fwd+bwd", f"speedup vs ref ({'fwd / fwd+bwd'})", "rel. error (out / grad)")
+    table = [header]
+    for row in report.rows:
+        label = row.implementation + (" [interpreted]" if row.interpreted else "")
+        fwd = row.forward.describe() if row.forward else "-"
+        fwdbwd = row.forward_backward.describe() if row.forward_backward else ("-" if row.differentiable else "no backward")
+        if row.backward_by and row.forward_backward:
+            fwdbwd += f" (bwd {row.backward_by})"
+        table.append((label, row.selected or "-", fwd, fwdbwd, _speedup(row, reference, report.reference_at_workload), _errors(row)))
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
+    lines.append("")
+    lines.append(f"Speedup and error measured at {at} against the float64 reference ({REFERENCE}); "
+                 "errors are relative RMS, 'ok' = within SPEC.md's tolerance for the dtype.")
+    for row in report.rows:
+        if row.note:
+            lines.append(f"{row.implementation}: {row.note}.")
+    return "\n".join(lines)
+
+
+def _speedup(row: Row, reference: Row | None, at_workload: bool) -> str:
+    if reference is None:
+        return "-"
+    pairs = [("check_forward", "check_forward_backward"), ("forward", "forward_backward")][at_workload]
+    parts = []
+    for field in pairs:
+        mine, theirs = getattr(row, field), getattr(reference, field)
+        parts.append(f"{theirs.median / mine.median:.0f}x" if mine and theirs else "-")
+    return " / ".join(parts)
+
+
+def _errors(row: Row) -> str:
+    if row.forward_error is None:
+        return "-"
+    gradient = f"{row.gradient_error:.1e}" if row.gradient_error is not None else "-"
+    return f"{row.forward_error:.1e} / {gradient} {'ok' if row.within_tolerance else 'FAIL'}"
+
+
+def plot(case: Case, names: Sequence[str] | None, path: str, budget: float = 1.0) -> None:
+    """A PNG of time against sequence length per implementation, forward and forward+backward."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'tops-core[plot]'") from None
+    lengths = sorted({max(case.seq_len // 4, 64), max(case.seq_len // 2, 64), case.seq_len, case.seq_len * 2})
+    implementations, spec = candidates(case, platform_of([]), names)
+    implementations = [impl for impl in implementations if impl.name != REFERENCE or elements(case) * 2 <= REFERENCE_MAX_ELEMENTS]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    progress = Progress(total=2 * len(implementations) * len(lengths))
+    for impl in implementations:
+        series: dict[str, list[float]] = {"forward": [], "forward+backward": []}
+        for seq_len in lengths:
+            at = dataclasses.replace(case, seq_len=seq_len, seqlens=(seq_len,) if case.seqlens is not None else None)
+            forward, forward_backward, forward_args, backward_args = programs(at, impl.name)
+            progress.step(f"{impl.name} T={seq_len} forward")
+            series["forward"].append(time_call(forward, forward_args, budget, 5).median)
+            progress.step(f"{impl.name} T={seq_len} forward+backward")
+            series["forward+backward"].append(time_call(forward_backward, backward_args, budget, 5).median)
+        for axis, (direction, values) in zip(axes, series.items()):
+            label_name = impl.name + (" [interpreted]" if impl.capabilities.interpreted(spec) else "")
+            axis.plot(lengths, [v * 1e3 for v in values], marker="o", label=label_name)
+            axis.set_title(f"{case.op} {direction}")
+    progress.close()
+    for axis in axes:
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("sequence length T")
+        axis.set_ylabel("time (ms)")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    figure.suptitle(f"B={case.batch} H={case.heads} K={case.key_dim} V={case.value_dim} {case.dtype} on {platform_of([])}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
