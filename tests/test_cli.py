@@ -49,6 +49,7 @@ def test_explain_for_another_platform_and_interpret_mode(kernels, capsys):
     out = capsys.readouterr().out
     forward, backward = out.split("simple_gla backward")
     assert "selected: fake.kernel" in forward and "selected: fake.portable" in backward
+    assert "pairing: fake.kernel is forward-only; gradients come from fake.portable's backward" in backward
     main(["explain", "simple_gla", "--with", "g_gamma", "--interpret"])
     assert "selected: fake.kernel [interpreted]" in capsys.readouterr().out
 

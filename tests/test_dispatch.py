@@ -207,6 +207,9 @@ def test_forced_forward_only_implementation_pairs_with_a_backward(registry):
     assert explanation.forward.implementation.name == "fake.kernel"
     assert explanation.backward.implementation.name == "fake.portable"
     assert "the forced fake.kernel is forward-only" in explanation.backward.notes[0]
+    assert str(explanation).endswith(
+        "pairing: fake.kernel is forward-only; gradients come from fake.portable's backward, "
+        "which recomputes from the original inputs")
 
 
 def test_explanation_without_any_backward(registry):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.capabilities import FLOAT_DTYPES
-from tops_core.dispatch import NoImplementationError
+from tops_core.dispatch import NoImplementationError, pairing_note
 from tops_core.ops import CONTRACTS, op
 from tops_core.ops.base import platform_of
 from tops_core.policy import Force, current_policy
@@ -94,14 +94,19 @@ def cmd_explain(args: argparse.Namespace) -> int:
         interpret=policy.interpret or args.interpret,
     )
     spec = dataclasses.replace(spec, interpret=policy.interpret)
-    status = 0
+    decisions = {}
     for direction in ("forward", "backward"):
         try:
-            print(contract.decide(spec, direction, policy).explain())
+            decisions[direction] = contract.decide(spec, direction, policy)
+            print(decisions[direction].explain())
         except NoImplementationError as error:
             print(error)
-            status = 1
-    return status
+    if len(decisions) < 2:
+        return 1
+    pairing = pairing_note(decisions["forward"], decisions["backward"])
+    if pairing:
+        print(pairing)
+    return 0
 
 
 def _spec_from_args(contract, args: argparse.Namespace) -> CallSpec:

@@ -64,6 +64,16 @@ class Decision:
     __str__ = explain
 
 
+def pairing_note(forward: Decision, backward: Decision) -> str | None:
+    """A line saying that a forward-only implementation is paired with another's backward."""
+    if forward.implementation.backward is not None or forward.implementation is backward.implementation:
+        return None
+    return (
+        f"pairing: {forward.implementation.name} is forward-only; gradients come from "
+        f"{backward.implementation.name}'s backward, which recomputes from the original inputs"
+    )
+
+
 def describe_policy(policy: Policy) -> str:
     force = f"{policy.force.describe()} (from {policy.force.source})" if policy.force else "none"
     deny = ", ".join(sorted(policy.deny)) or "none"

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from tops_core.callspec import CallSpec
-from tops_core.dispatch import Decision, NoImplementationError, select
+from tops_core.dispatch import Decision, NoImplementationError, pairing_note, select
 from tops_core.ops import validation
 from tops_core.ops.validation import is_concrete
 from tops_core.policy import ForceRequest, Policy, current_policy
@@ -50,8 +50,10 @@ class Explanation:
     backward_error: str | None = None
 
     def __str__(self) -> str:
-        backward = self.backward.explain() if self.backward is not None else self.backward_error
-        return f"{self.forward.explain()}\n{backward}"
+        if self.backward is None:
+            return f"{self.forward.explain()}\n{self.backward_error}"
+        pairing = pairing_note(self.forward, self.backward)
+        return "\n".join([self.forward.explain(), self.backward.explain()] + ([pairing] if pairing else []))
 
 
 def platform_of(arrays: list[Any]) -> str:
