@@ -1,10 +1,118 @@
-"""Pallas TPU kernels for the tops ops."""
+"""Pallas TPU kernels for the tops ops: ``tpu_pallas.fused`` and ``tpu_pallas.chunk`` (simple_gla forward).
 
+Both are forward-only (the dispatcher pairs them with another plugin's backward), run natively on
+TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere else.
+"""
+
+import math
+
+import jax
 import tops_core
 
+from tops_plugins_tpu_pallas import chunk, fused, traffic
+from tops_plugins_tpu_pallas.layout import LANES, Geometry
+
 TOPS_CORE_API_VERSION = 1
+
+ASSUMED_TENSORCORES = 2
+"""TensorCores a call can spread over when no TPU is attached to ask (v4, v5p, v7x have 2 per chip)."""
+
+
+def _tensorcores() -> tuple[int, str]:
+    if jax.default_backend() == "tpu":
+        cores = getattr(jax.devices()[0], "num_cores", 1)
+        return cores, f"{cores} TensorCore(s) per device on this TPU"
+    return ASSUMED_TENSORCORES, f"{ASSUMED_TENSORCORES} TensorCores assumed (no TPU attached)"
+
+
+def _prefer_fused(spec: tops_core.CallSpec) -> tuple[bool, str]:
+    """The rule between the two kernels, and the facts it rests on.
+
+    The fused kernel walks time sequentially, so its only parallelism is one (batch, head, value
+    tile) per core. With at least as many of those as TensorCores it keeps every core busy and
+    moves the fewest bytes; with fewer, a core would idle, and the two-stage kernel, whose output
+    stage is parallel over time too, is worth writing and re-reading the chunk states.
+    """
+    units = spec.batch * spec.heads * math.ceil(spec.value_dim / LANES)
+    cores, where = _tensorcores()
+    relation = ">=" if units >= cores else "<"
+    return units >= cores, f"B*H*value tiles = {units} {relation} {where}"
+
+
+def _fused_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
+    """200 when B*H*value tiles fill every TensorCore, else 180 (below chunk's 190)"""
+    prefer, facts = _prefer_fused(spec)
+    if prefer:
+        return 200, f"{facts}: fused fills every core, ranks above chunk"
+    return 180, f"{facts}: fused would idle a core, ranks below chunk"
+
+
+def _chunk_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
+    """190: below fused when B*H*value tiles fill every TensorCore, above it otherwise"""
+    prefer, facts = _prefer_fused(spec)
+    if prefer:
+        return 190, f"{facts}: fused fills every core, chunk ranks below it"
+    return 190, f"{facts}: chunk's output stage is parallel over time, ranks above fused"
+
+
+def _fits_vmem(build_plans, config):
+    """A capability predicate: reject shapes whose launch plans (default config) exceed the VMEM budget.
+
+    The whole padded K sits in every block, so a large K is what can overflow VMEM. The spec does
+    not carry the dtypes of ``g`` and ``initial_state``; float32 (the larger) is assumed.
+    """
+
+    def predicate(spec: tops_core.CallSpec) -> str | None:
+        """blocks and scratch of the default config must fit the VMEM budget (bounds K)"""
+        geometry = Geometry(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config.chunk_size, config.num_steps)
+        plans = build_plans(
+            geometry, spec.dtype,
+            gate_dtype="float32" if "g" in spec.features else None,
+            initial_state_dtype="float32" if "initial_state" in spec.features else None,
+            output_final_state="output_final_state" in spec.features,
+        )
+        needed = max(traffic.vmem_bytes(plan) for plan in plans)
+        if needed > traffic.VMEM_BUDGET:
+            return f"needs {needed / 2**20:.1f} MiB of VMEM for K={spec.key_dim} (budget {traffic.VMEM_BUDGET / 2**20:.0f} MiB)"
+        return None
+
+    return predicate
+
+
+def _capabilities(predicate) -> tops_core.Capabilities:
+    return tops_core.Capabilities(
+        platforms={"tpu"},
+        interpretable=True,
+        dtypes={"bfloat16", "float32"},
+        features={"g", "g_gamma", "initial_state", "output_final_state"},
+        ndims={"g_gamma": {0, 1}},  # a scalar is broadcast to [H] before the kernel
+        predicate=predicate,
+    )
+
+
+FUSED = tops_core.Implementation(
+    op="simple_gla",
+    name="fused",
+    forward=fused.forward,
+    capabilities=_capabilities(_fits_vmem(fused.plans, fused.FusedConfig())),
+    priority=_fused_priority,
+    config=fused.FusedConfig(),
+    description="one pallas_call: state in VMEM along a sequential time axis, num_steps chunks per grid step",
+)
+
+CHUNK = tops_core.Implementation(
+    op="simple_gla",
+    name="chunk",
+    forward=chunk.forward,
+    capabilities=_capabilities(_fits_vmem(chunk.plans, chunk.ChunkConfig())),
+    priority=_chunk_priority,
+    config=chunk.ChunkConfig(),
+    description="two pallas_calls: chunk states in time order, then outputs parallel over time",
+)
 
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register this plugin's implementations (none yet)."""
+    """Register the simple_gla forward kernels."""
+    register(FUSED)
+    register(CHUNK)

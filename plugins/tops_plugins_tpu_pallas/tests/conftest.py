@@ -1,0 +1,96 @@
+"""Fixtures for the Pallas TPU plugin's tests: SPEC.md-style inputs, the float64 reference, and error checks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tops_core
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-3}  # SPEC.md "Tolerances", outputs and final state
+
+
+def alibi_g_gamma(heads: int, layer: int = 0, layers: int = 24) -> np.ndarray:
+    """SPEC.md's ALiBi-style constant decays: ``-slope_h * (1 - layer / (layers - 1) + 1e-5)``."""
+    slopes = 2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)
+    return -slopes * (1 - layer / (layers - 1) + 1e-5)
+
+
+@pytest.fixture(scope="session")
+def make_inputs():
+    """``make(B, T, H, K, V, dtype, g=..., g_gamma=..., initial_state=..., seed=...)`` -> (kernel inputs, reference inputs).
+
+    ``g``: True for ``log_sigmoid(normal) / 16`` gates, or an array; ``g_gamma``: "alibi", a
+    number (every head) or None; ``initial_state``: True for a unit-normal state. q, k, v are cast
+    to ``dtype`` (gates and state stay float32); the reference gets the same values in float64.
+    """
+
+    def make(B, T, H, K, V, dtype, *, g=False, g_gamma=None, initial_state=False, seed=0):
+        rng = np.random.default_rng(seed)
+        arrays = {
+            "q": rng.standard_normal((B, T, H, K)) * K**-0.5,
+            "k": rng.standard_normal((B, T, H, K)) * K**-0.5,
+            "v": rng.standard_normal((B, T, H, V)),
+        }
+        if g is True:
+            arrays["g"] = -np.logaddexp(0.0, -rng.standard_normal((B, T, H))) / 16
+        elif g is not False:
+            arrays["g"] = np.broadcast_to(np.asarray(g, np.float64), (B, T, H))
+        if isinstance(g_gamma, str):
+            arrays["g_gamma"] = alibi_g_gamma(H)
+        elif g_gamma is not None:
+            arrays["g_gamma"] = np.full((H,), float(g_gamma))
+        if initial_state:
+            arrays["initial_state"] = rng.standard_normal((B, H, K, V))
+        kernel = {n: jnp.asarray(x, dtype if n in ("q", "k", "v") else jnp.float32) for n, x in arrays.items()}
+        reference = {n: np.asarray(x, np.float64) for n, x in kernel.items()}
+        return kernel, reference
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """``reference(inputs, output_final_state)`` -> float64 ``(o, final_state)`` from ``ref.recurrent``.
+
+    x64 is switched on globally for the call, not with the thread-local ``jax.enable_x64``: the
+    reference runs in a ``pure_callback`` whose results jax checks on a runtime thread, where a
+    thread-local x64 is off and float64 results would be rejected as float32.
+    """
+    pytest.importorskip("tops_plugins_ref")
+
+    def run(inputs, output_final_state=True):
+        previous = jax.config.jax_enable_x64
+        jax.config.update("jax_enable_x64", True)
+        try:
+            args = {n: jnp.asarray(x, jnp.float64) for n, x in inputs.items()}
+            o, final_state = tops_core.op("simple_gla").forward(
+                **args, output_final_state=output_final_state, implementation="ref.recurrent"
+            )
+            return np.asarray(o), None if final_state is None else np.asarray(final_state)
+        finally:
+            jax.config.update("jax_enable_x64", previous)
+
+    return run
+
+
+def relative_error(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.sqrt(np.mean((x - ref) ** 2)) / np.sqrt(np.mean(ref**2)))
+
+
+@pytest.fixture(scope="session")
+def assert_matches():
+    """``assert_matches(name, x, ref, dtype)``: SPEC.md's check (relative RMS within tolerance, or max error <= 1e-6); returns the relative error."""
+
+    def check(name, x, ref, dtype):
+        x = np.asarray(x, np.float64)
+        assert np.all(np.isfinite(x)), f"{name}: non-finite values"
+        error = relative_error(x, ref)
+        max_error = float(np.max(np.abs(x - ref)))
+        tolerance = TOLERANCE[jnp.dtype(dtype).name]
+        assert error <= tolerance or max_error <= 1e-6, f"{name}: relative RMS error {error:.3g} > {tolerance:g} (max abs {max_error:.3g})"
+        return error
+
+    return check

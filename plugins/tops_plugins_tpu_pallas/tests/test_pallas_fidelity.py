@@ -1,0 +1,112 @@
+"""Both kernels under Pallas' faithful TPU interpreter, against the float64 reference (slow).
+
+``pltpu.InterpretParams`` simulates what the fast interpreter hides: uninitialised VMEM and
+outputs full of NaN, two cores sharing the parallel grid axes, the order of parallel grid points
+randomised by the seed, and a happens-before race detector over every buffer access. It pads every
+input to whole blocks with its uninitialised value before the kernel runs, so the rows a ragged
+last block holds past the end of an array read as NaN (``out_of_bounds_reads`` concerns reads
+beyond even that padding, which these kernels never make): every case below with ``T`` not a
+multiple of the chunk checks that those rows are masked before any arithmetic.
+
+    pytest -m slow plugins/tops_plugins_tpu_pallas
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tops_core
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tops_plugins_tpu_pallas import chunkwise
+
+pytestmark = pytest.mark.slow
+
+SEEDS = (0, 1, 2)
+LAUNCHES = {"fused": 1, "chunk": 2}
+
+# B, T, H, K, V, dtype, inputs, config. K and V multiples of 128 are read in place, the others go
+# through the lane padding copy; every case has a ragged last block or several (batch, head, tile) points.
+CASES = {
+    "in-place-f32-g-alibi-h0-ragged": ((2, 250, 1, 128, 128), jnp.float32, dict(g=True, g_gamma="alibi", initial_state=True), dict(chunk_size=64, num_steps=2)),
+    "in-place-bf16-g-alibi-h0-C128-ragged": ((1, 500, 2, 128, 128), jnp.bfloat16, dict(g=True, g_gamma="alibi", initial_state=True), dict(chunk_size=128, num_steps=2)),
+    "in-place-bf16-no-decay-KV256-ragged": ((1, 70, 2, 256, 256), jnp.bfloat16, dict(), dict(chunk_size=64, num_steps=1)),
+    "lane-padded-bf16-g-K100-ragged": ((1, 130, 2, 100, 100), jnp.bfloat16, dict(g=True), dict(chunk_size=64, num_steps=4)),
+    "lane-padded-f32-strong-decay-C128-ragged": ((2, 200, 1, 64, 200), jnp.float32, dict(g_gamma=-1.0, initial_state=True), dict(chunk_size=128, num_steps=4)),
+}
+
+
+@pytest.fixture
+def race_reports(monkeypatch):
+    """The race-detection state of every kernel launch in the test (the interpreter makes one per launch and keeps only the latest)."""
+    created = []
+
+    class Recording(interpret_pallas_call.RaceDetectionState):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(interpret_pallas_call, "RaceDetectionState", Recording)
+    yield created
+    pltpu.reset_tpu_interpret_mode_state()  # in case a launch failed midway
+
+
+def faithful(seed: int) -> pltpu.InterpretParams:
+    return pltpu.InterpretParams(uninitialized_memory="nan", num_cores_or_threads=2, detect_races=True, random_seed=seed)
+
+
+def run_faithfully(kernel: str, inputs: dict, config: dict, seed: int):
+    def call(inputs):
+        with tops_core.use(interpret=True, strict=True):
+            return tops_core.op("simple_gla").forward(
+                **inputs, output_final_state=True,
+                implementation=(f"tpu_pallas.{kernel}", {**config, "interpret": faithful(seed)}),
+            )
+
+    return jax.block_until_ready(jax.jit(call)(inputs))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kernel", list(LAUNCHES))
+def test_faithful_interpreter_matches_reference(kernel, case, seed, race_reports, make_inputs, reference, assert_matches):
+    shape, dtype, given, config = CASES[case]
+    inputs, ref_inputs = make_inputs(*shape, dtype, seed=seed, **given)
+    o, final_state = run_faithfully(kernel, inputs, config, seed)
+    assert len(race_reports) == LAUNCHES[kernel]
+    assert not any(report.races_found for report in race_reports)
+    o_ref, final_ref = reference(ref_inputs)
+    assert_matches("o", o, o_ref, dtype)
+    assert_matches("final_state", final_state, final_ref, dtype)
+
+
+def test_race_detector_catches_a_race(race_reports):
+    # The check above can fail: two parallel grid points writing one output block, on two cores, is a race.
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    racy = pl.pallas_call(
+        kernel, grid=(2,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))], out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)), interpret=faithful(0),
+    )
+    jax.block_until_ready(racy(jnp.asarray(np.ones((16, 128)), jnp.float32)))
+    assert [report.races_found for report in race_reports] == [True]
+
+
+def test_rows_past_the_end_are_nan_unless_masked(race_reports, monkeypatch, make_inputs):
+    # The ragged cases above can fail: read the rows of a ragged block past the end of the sequence
+    # without the mask, and the interpreter's NaN there reaches the state and every later output.
+    monkeypatch.setattr(chunkwise.Chunk, "read", lambda chunk, ref: ref[chunk.rows, :])
+    inputs, _ = make_inputs(1, 100, 1, 128, 128, jnp.float32)
+    try:
+        o, final_state = run_faithfully("fused", inputs, dict(chunk_size=64, num_steps=1), seed=0)
+    finally:
+        jax.clear_caches()  # drop the traces made with the mask patched out
+    assert np.isfinite(np.asarray(o[:, :64])).all()  # the first chunk is whole
+    assert np.isnan(np.asarray(final_state)).all()

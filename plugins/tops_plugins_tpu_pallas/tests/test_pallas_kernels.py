@@ -1,0 +1,234 @@
+"""Plugin-specific behaviour of tpu_pallas.fused and tpu_pallas.chunk, in the fast interpreter.
+
+Correctness over the whole case grid comes from the shared conformance kit; these tests cover
+what is particular to these kernels: the caller's arrays read in place, ragged last blocks (the
+fast interpreter reads NaN past an array's end), chunks per grid step, the lane padding copy,
+strong decays at chunk 128, the priority rule, Mosaic lowering and the configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tops_core
+from jax.extend import core as extend_core
+
+from tops_plugins_tpu_pallas import CHUNK, FUSED, chunk, chunkwise, fused, traffic
+from tops_plugins_tpu_pallas.chunk import ChunkConfig
+from tops_plugins_tpu_pallas.fused import FusedConfig
+from tops_plugins_tpu_pallas.layout import Geometry
+
+KERNELS = ["fused", "chunk"]
+sg = tops_core.op("simple_gla")
+
+
+def run(kernel, inputs, output_final_state=True, **config):
+    """The forward through the public API, forced to ``tpu_pallas.<kernel>`` with config overrides, in the interpreter."""
+
+    def call(inputs):
+        with tops_core.use(interpret=True, strict=True):
+            return sg.forward(**inputs, output_final_state=output_final_state, implementation=(f"tpu_pallas.{kernel}", config))
+
+    return jax.jit(call)(inputs)
+
+
+NUM_STEPS_SHAPE = (1, 250, 2, 128, 128)  # B, T, H, K, V: read in place; 4 chunks of 64, the last one ragged
+
+
+@pytest.fixture(scope="module")
+def num_steps_runs(make_inputs):
+    """``(result(kernel, num_steps), reference inputs)``; results are computed once per (kernel, num_steps)."""
+    inputs, ref_inputs = make_inputs(*NUM_STEPS_SHAPE, jnp.float32, g=True, g_gamma="alibi", initial_state=True)
+    results = {}
+
+    def result(kernel, num_steps):
+        if (kernel, num_steps) not in results:
+            results[kernel, num_steps] = run(kernel, inputs, chunk_size=64, num_steps=num_steps)
+        return results[kernel, num_steps]
+
+    return result, ref_inputs
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_chunk_per_step_matches_reference(kernel, num_steps_runs, reference, assert_matches):
+    result, ref_inputs = num_steps_runs
+    o, final_state = result(kernel, 1)
+    o_ref, final_ref = reference(ref_inputs)
+    assert_matches("o", o, o_ref, jnp.float32)
+    assert_matches("final_state", final_state, final_ref, jnp.float32)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(("num_steps", "chunks_per_step"), [(3, 2), (4, 4)])  # 3 does not divide 4 chunks: falls back to 2
+def test_num_steps_do_not_change_a_bit(kernel, num_steps, chunks_per_step, num_steps_runs):
+    assert Geometry(*NUM_STEPS_SHAPE, 64, num_steps).chunks_per_step == chunks_per_step
+    result, _ = num_steps_runs
+    for got, want in zip(result(kernel, num_steps), result(kernel, 1)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(("key_dim", "value_dim"), [(100, 256), (256, 100)])
+def test_head_dims_through_the_lane_padding_copy(kernel, key_dim, value_dim, make_inputs, reference, assert_matches):
+    # The dimension that is not a multiple of 128 goes through the padding copy, the other is read
+    # in place; 256 is two value tiles (V) or a K of two lane tiles in every block; T = 100 is ragged.
+    inputs, ref_inputs = make_inputs(1, 100, 2, key_dim, value_dim, jnp.float32, g=True, g_gamma="alibi", initial_state=True, seed=1)
+    o, final_state = run(kernel, inputs, chunk_size=64)
+    o_ref, final_ref = reference(ref_inputs)
+    assert_matches("o", o, o_ref, jnp.float32)
+    assert_matches("final_state", final_state, final_ref, jnp.float32)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_strong_decay_at_chunk_128(kernel, make_inputs, reference, assert_matches):
+    # g = g_gamma = -1: inside a chunk of 128 the cumulative gate spans 256, far beyond exp's float32
+    # range; T = 200 leaves 56 rows past the end of the last block, NaN in the interpreter.
+    inputs, ref_inputs = make_inputs(1, 200, 2, 128, 128, jnp.float32, g=-1.0, g_gamma=-1.0, initial_state=True, seed=2)
+    o, final_state = run(kernel, inputs, chunk_size=128)
+    o_ref, final_ref = reference(ref_inputs)
+    assert_matches("o", o, o_ref, jnp.float32)
+    assert_matches("final_state", final_state, final_ref, jnp.float32)
+
+
+def test_chunk_math_never_exponentiates_an_overflow():
+    # The kernels' where() hides an inf above the diagonal from the result, so check the chunk math
+    # itself, op by op: exp must never produce an inf (on TPU a masked inf can turn into NaN).
+    size = 128
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.standard_normal((size, 128)), jnp.float32) for _ in range(2))
+    v, state = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((size, 128), (128, 128)))
+    with jax.debug_infs(True):
+        gates = chunkwise.ChunkGates.compute(jnp.float32(-1.0), jnp.full((size, 1), -1.0, jnp.float32), None, size)
+        o = chunkwise.chunk_output(q, k, v, state, gates, 0.1)
+        new_state = chunkwise.advance_state(state, k, v, gates)
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(new_state)).all()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "precision"), [(jnp.bfloat16, jax.lax.Precision.DEFAULT), (jnp.float32, jax.lax.Precision.HIGHEST)]
+)
+def test_mxu_operands_follow_the_input_dtype(dtype, precision):
+    # README "Numerics": for bf16 inputs the float32 attention matrix, state and decayed keys are
+    # rounded to bf16 for the MXU (one pass, float32 accumulation); float32 inputs stay float32 at
+    # HIGHEST precision, which a TPU needs to keep float32 accuracy.
+    size = 64
+    gates = chunkwise.ChunkGates.compute(jnp.float32(-0.1), jnp.full((size, 1), -0.1, jnp.float32), None, size)
+    tokens, state = jax.ShapeDtypeStruct((size, 128), dtype), jax.ShapeDtypeStruct((128, 128), jnp.float32)
+
+    def chunk_math(q, k, v, state):
+        return chunkwise.chunk_output(q, k, v, state, gates, 0.1), chunkwise.advance_state(state, k, v, gates)
+
+    jaxpr = jax.make_jaxpr(chunk_math)(tokens, tokens, tokens, state)
+    dots = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
+    assert len(dots) == 4  # scores, from the state, attention x values, the state's update
+    for dot in dots:
+        assert [x.aval.dtype for x in dot.invars] == [jnp.dtype(dtype)] * 2
+        assert dot.params["precision"] == (precision, precision)
+        assert dot.params["preferred_element_type"] == jnp.float32
+
+
+def _spec(batch, heads, value_dim):
+    return tops_core.CallSpec(
+        op="simple_gla", platform="tpu", dtype="bfloat16", batch=batch, seq_len=4096, heads=heads,
+        key_dim=128, value_dim=value_dim, num_seqs=batch, features={"g_gamma"}, ndims={"g_gamma": 1},
+    )
+
+
+@pytest.mark.parametrize(
+    ("batch", "heads", "value_dim", "winner"),
+    [(1, 1, 128, "chunk"), (1, 1, 256, "fused"), (1, 2, 64, "fused"), (8, 16, 128, "fused")],
+)
+def test_priority_rule_picks_by_parallel_work(batch, heads, value_dim, winner):
+    # No TPU attached: 2 TensorCores are assumed; fused wins once B * H * value tiles >= 2.
+    decision = sg.decide(_spec(batch, heads, value_dim))
+    assert decision.implementation.name == f"tpu_pallas.{winner}"
+    assert "B*H*value tiles" in decision.explain()
+    for implementation in (FUSED, CHUNK):
+        assert implementation.rank(_spec(batch, heads, value_dim))[0] > 50  # above the xla plugin on TPU
+
+
+def _abstract_inputs(B, T, H, K, V):
+    return dict(
+        q=jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16), k=jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16),
+        v=jax.ShapeDtypeStruct((B, T, H, V), jnp.bfloat16), g=jax.ShapeDtypeStruct((B, T, H), jnp.float32),
+        g_gamma=jax.ShapeDtypeStruct((H,), jnp.float32), initial_state=jax.ShapeDtypeStruct((B, H, K, V), jnp.float32),
+    )
+
+
+def _compiled_forward(implementation):
+    """The implementation's forward with every input given, compiled with Mosaic (never interpreted)."""
+    config = dataclasses.replace(implementation.config, interpret=False)
+
+    def forward(q, k, v, g, g_gamma, initial_state):
+        return implementation.forward(
+            q, k, v, g=g, g_gamma=g_gamma, scale=0.1, initial_state=initial_state,
+            output_final_state=True, cu_seqlens=None, config=config,
+        )
+
+    return forward
+
+
+IN_PLACE_DIMS, LANE_PADDED_DIMS = (128, 256), (100, 200)  # (K, V)
+
+
+@pytest.mark.parametrize("head_dims", [IN_PLACE_DIMS, LANE_PADDED_DIMS], ids=["in-place", "lane-padded"])
+def test_kernels_lower_to_mosaic_for_tpu(head_dims):
+    # Lowering (not running) for TPU checks what the interpreter cannot: legal block shapes (ragged
+    # last blocks included: T = 200 is not a multiple of either chunk size) and kernel bodies that
+    # Pallas' Mosaic lowering supports.
+    for implementation, calls in ((FUSED, 1), (CHUNK, 2)):
+        shapes = _abstract_inputs(2, 200, 3, *head_dims)
+        lowered = jax.jit(_compiled_forward(implementation)).trace(**shapes).lower(lowering_platforms=("tpu",))
+        assert lowered.as_text().count("tpu_custom_call") == calls
+
+
+def _primitives_around_kernels(jaxpr) -> set[str]:
+    """Names of the primitives in a jaxpr and the jaxprs nested in it, leaving out the kernels' bodies."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for param in eqn.params.values():
+            for value in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(value, extend_core.ClosedJaxpr):
+                    names |= _primitives_around_kernels(value.jaxpr)
+                elif isinstance(value, extend_core.Jaxpr):
+                    names |= _primitives_around_kernels(value)
+    return names
+
+
+@pytest.mark.parametrize(("implementation", "plans"), [(FUSED, fused.plans), (CHUNK, chunk.plans)], ids=["fused", "chunk"])
+def test_aligned_head_dims_are_read_in_place(implementation, plans):
+    # K and V multiples of 128: the kernels see the caller's q, k, v, g and state through reshapes
+    # alone (no transpose, pad, upcast or slice around them), and the plans record no copy.
+    in_place = jax.make_jaxpr(_compiled_forward(implementation))(**_abstract_inputs(2, 200, 3, *IN_PLACE_DIMS))
+    assert _primitives_around_kernels(in_place.jaxpr) == {"pallas_call", "reshape"}
+    geometry = Geometry(2, 200, 3, *IN_PLACE_DIMS, implementation.config.chunk_size, implementation.config.num_steps)
+    assert traffic.relayout_traffic(plans(geometry, jnp.bfloat16, gate_dtype=jnp.float32, initial_state_dtype=jnp.float32, output_final_state=True)) == (0, 0)
+    # The same check sees the lane padding copy when V is not a multiple of 128.
+    padded = jax.make_jaxpr(_compiled_forward(implementation))(**_abstract_inputs(2, 200, 3, *LANE_PADDED_DIMS))
+    assert "pad" in _primitives_around_kernels(padded.jaxpr)
+
+
+@pytest.mark.parametrize("Config", [FusedConfig, ChunkConfig])
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [("chunk_size", 32, ValueError), ("num_steps", 0, ValueError), ("num_steps", 2.0, ValueError), ("interpret", "yes", TypeError)],
+)
+def test_configs_reject_invalid_fields(Config, field, value, error):
+    with pytest.raises(error, match=field):
+        Config(**{field: value})
+
+
+def test_capabilities_reject_what_does_not_fit_vmem():
+    fits = dataclasses.replace(_spec(1, 2, 128), key_dim=256)
+    too_wide = dataclasses.replace(_spec(1, 2, 128), key_dim=8192)
+    for implementation in (FUSED, CHUNK):
+        assert implementation.reasons(fits, "forward") == []
+        assert any("VMEM" in reason for reason in implementation.reasons(too_wide, "forward"))
+        assert implementation.reasons(fits, "backward") == ["forward only (no backward)"]

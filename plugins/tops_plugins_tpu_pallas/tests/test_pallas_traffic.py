@@ -1,0 +1,100 @@
+"""The traffic and VMEM model: hand-counted plans, and the benchmark figures derived by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from tops_plugins_tpu_pallas import chunk, fused, traffic
+from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan, Relayout, Scalars, Scratch
+from tops_plugins_tpu_pallas.layout import Geometry
+
+
+def _tiny_plan(relayout=None) -> LaunchPlan:
+    return LaunchPlan(
+        name="tiny",
+        grid=(2, 3),
+        dimension_semantics=("parallel", "arbitrary"),
+        scalars=(Scalars("s", (3,), jnp.int32),),
+        inputs=(
+            Blocked("x", (2, 24, 128), jnp.float32, (None, 8, 128), lambda i, j, *_: (i, j, 0), relayout),
+            Blocked("w", (8, 128), jnp.float32, (8, 128), lambda i, j, *_: (0, 0)),
+            Blocked("z", (16, 128), jnp.bfloat16, (8, 128), lambda i, j, *_: (j % 2, 0)),
+        ),
+        outputs=(Blocked("y", (2, 8, 128), jnp.float32, (None, 8, 128), lambda i, j, *_: (i, 0, 0)),),
+        scratch=(Scratch("acc", (3, 100), jnp.float32),),
+    )
+
+
+def test_counts_a_fetch_each_time_a_block_index_changes():
+    read, written = traffic.kernel_traffic(_tiny_plan())
+    x = 6 * 8 * 128 * 4  # a new block at each of the 6 grid steps
+    w = 1 * 8 * 128 * 4  # one block index throughout: fetched once
+    # z visits blocks 0, 1, 0 | 0, 1, 0: the step from (0, 2) to (1, 0) keeps block 0, so 5 fetches
+    z = 5 * 8 * 128 * 2
+    scalars = 3 * 4
+    assert read == x + w + z + scalars
+    assert written == 2 * 8 * 128 * 4  # y changes block once, and the last block is written at the end
+
+
+def test_vmem_double_buffers_blocks_in_whole_tiles():
+    # x, w, y: (8, 128) float32, one tile each; z: 8 bf16 rows fill half a 16-row tile;
+    # the scratch (3, 100) float32 rounds up to one (8, 128) tile and is not double-buffered.
+    tile = 8 * 128 * 4
+    assert traffic.vmem_bytes(_tiny_plan()) == 2 * (tile + tile + 16 * 128 * 2 + tile) + tile
+    # What the kernel body holds is added as the plan declares it.
+    assert traffic.vmem_bytes(dataclasses.replace(_tiny_plan(), body_vmem=1000)) == traffic.vmem_bytes(_tiny_plan()) + 1000
+
+
+def test_relayout_copies_are_counted_once_per_array():
+    plan = _tiny_plan(Relayout((2, 20, 100), jnp.bfloat16))
+    read, written = traffic.relayout_traffic([plan, plan])
+    assert (read, written) == (2 * 20 * 100 * 2, 2 * 24 * 128 * 4)
+
+
+def test_a_ragged_last_block_moves_only_its_rows_inside_the_array():
+    # 20 rows in blocks of 8: blocks 0 and 1 are whole, block 2 holds rows 16..19 and 4 past the end.
+    plan = LaunchPlan(
+        name="ragged", grid=(3,), dimension_semantics=("arbitrary",), scalars=(),
+        inputs=(Blocked("x", (20, 128), jnp.float32, (8, 128), lambda t, *_: (t, 0)),),
+        outputs=(Blocked("y", (20, 256), jnp.bfloat16, (8, 128), lambda t, *_: (t, 1)),),
+    )
+    assert traffic.kernel_traffic(plan) == (20 * 128 * 4, 20 * 128 * 2)
+
+
+BENCHMARK = (8, 4096, 16, 128, 128)  # B, T, H, K, V
+TOKENS = 8 * 4096 * 16
+
+
+def test_fused_moves_the_floor_end_to_end_at_the_benchmark_shape():
+    geometry = Geometry(*BENCHMARK, 64, 4)
+    f = traffic.figures(fused.plans(geometry, jnp.bfloat16), TOKENS)
+    # q, k, v read and o written once, 128 bf16 lanes each, plus the 16 float32 decays once; the
+    # kernel reads the caller's arrays in place, so nothing moves outside it.
+    assert f.kernel_bytes == TOKENS * 4 * 128 * 2 + 16 * 4
+    assert f.relayout_bytes == 0
+    assert f.end_to_end_per_token <= 1.05 * 1024
+    assert f.peak_vmem <= traffic.VMEM_BUDGET
+
+
+def test_chunk_figures_at_the_benchmark_shape():
+    geometry = Geometry(*BENCHMARK, 128, 4)
+    f = traffic.figures(chunk.plans(geometry, jnp.bfloat16), TOKENS)
+    state_per_token = 128 * 128 * 4 / 128  # one float32 state per chunk of 128 tokens
+    stage1 = 2 * 128 * 2 + state_per_token  # read k, v; write chunk states
+    stage2 = 3 * 128 * 2 + state_per_token + 128 * 2  # read q, k, v, chunk states; write o
+    assert f.kernel_per_token == pytest.approx(stage1 + stage2, abs=0.01)
+    assert f.relayout_bytes == 0
+    assert f.peak_vmem <= traffic.VMEM_BUDGET
+
+
+def test_lane_padding_copies_are_counted_end_to_end():
+    # K = V = 100 bf16: q, k, v are read at 100 lanes and written at 128, o read at 128 and written
+    # at 100; the kernel then moves the padded 128 lanes.
+    geometry = Geometry(8, 4096, 16, 100, 100, 64, 4)
+    f = traffic.figures(fused.plans(geometry, jnp.bfloat16), TOKENS)
+    assert f.relayout_per_token == 4 * (100 + 128) * 2
+    assert f.kernel_bytes == TOKENS * 4 * 128 * 2 + 16 * 4
+    assert f.end_to_end_bytes == f.kernel_bytes + f.relayout_bytes

@@ -1,0 +1,95 @@
+"""The operands the kernels share, as launch-plan entries over one grid.
+
+Every kernel of this plugin runs on the grid ``(batch, head, value tile, time step)``: one value
+tile is 128 lanes of ``V`` (independent columns of the state and of ``o``, so tiles never
+reduce into each other), and one time step walks ``chunks_per_step`` consecutive chunks. The full
+padded ``K`` sits in every block (no K tiles, so no reduction over K; the VMEM model in
+``traffic`` bounds how large ``K`` may grow).
+
+Token arrays are ``[B, T, H * D]`` (``layout``): head ``h`` is column block ``h`` of width ``K``
+for ``q`` and ``k``, and value tile ``tile`` of head ``h`` is 128-lane column block
+``h * value_tiles + tile`` for ``v`` and ``o``. The last time block may be ragged.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from tops_plugins_tpu_pallas.launch import Blocked, Scalars, Scratch
+from tops_plugins_tpu_pallas.layout import LANES, Geometry
+
+
+def grid(geometry: Geometry) -> tuple[int, int, int, int]:
+    return (geometry.batch, geometry.heads, geometry.value_tiles, geometry.time_steps)
+
+
+def _head_columns(b, h, tile, t, *_):
+    return (b, t, h)
+
+
+def _all_columns(b, h, tile, t, *_):
+    return (b, t, 0)
+
+
+def _state_tile(b, h, tile, t, *_):
+    return (b, h, 0, tile)
+
+
+def _chunk_state_tile(b, h, tile, t, *_):
+    return (b, h, t, 0, tile)
+
+
+def decay(geometry: Geometry) -> Scalars:
+    """The per-head constant log decay (``g_gamma``, zeros without it), read as a scalar from SMEM."""
+    return Scalars("decay", (geometry.heads,), jnp.float32)
+
+
+def key_rows(name: str, geometry: Geometry, dtype) -> Blocked:
+    """``q`` or ``k``: rows of one step, the head's ``K_pad`` columns."""
+    g = geometry
+    return Blocked(
+        name, (g.batch, g.seq_len, g.heads * g.padded_key_dim), dtype,
+        (None, g.rows_per_step, g.padded_key_dim), _head_columns, g.token_relayout(g.pads_keys, g.key_dim, dtype),
+    )
+
+
+def value_rows(name: str, geometry: Geometry, dtype) -> Blocked:
+    """``v`` or ``o``: rows of one step, one value tile of the head's ``V_pad`` columns."""
+    g = geometry
+
+    def value_tile_columns(b, h, tile, t, *_):
+        return (b, t, h * g.value_tiles + tile)
+
+    return Blocked(
+        name, (g.batch, g.seq_len, g.heads * g.padded_value_dim), dtype,
+        (None, g.rows_per_step, LANES), value_tile_columns, g.token_relayout(g.pads_values, g.value_dim, dtype),
+    )
+
+
+def gates(geometry: Geometry, dtype) -> Blocked:
+    """Per-token ``g`` ``[B, T, H]``: rows of one step, every head (the kernel picks its column)."""
+    g = geometry
+    return Blocked("g", (g.batch, g.seq_len, g.heads), dtype, (None, g.rows_per_step, g.heads), _all_columns)
+
+
+def state(name: str, geometry: Geometry, dtype) -> Blocked:
+    """``initial_state`` or ``final_state``: one value tile of one head's state; its block changes only with (b, h, tile)."""
+    g = geometry
+    return Blocked(
+        name, (g.batch, g.heads, g.padded_key_dim, g.padded_value_dim), dtype,
+        (None, None, g.padded_key_dim, LANES), _state_tile, g.state_relayout(dtype),
+    )
+
+
+def chunk_states(geometry: Geometry) -> Blocked:
+    """The state entering every chunk (two-stage kernel): float32 ``[B, H, chunks, K_pad, V_pad]``."""
+    g = geometry
+    return Blocked(
+        "chunk_states", (g.batch, g.heads, g.num_chunks, g.padded_key_dim, g.padded_value_dim), jnp.float32,
+        (None, None, g.chunks_per_step, g.padded_key_dim, LANES), _chunk_state_tile,
+    )
+
+
+def running_state(geometry: Geometry) -> Scratch:
+    """The float32 state carried along the sequential time axis, in VMEM only."""
+    return Scratch("state", (geometry.padded_key_dim, LANES), jnp.float32)

@@ -1,0 +1,32 @@
+"""Config fields both kernels share: chunk size, chunks per grid step, and interpret mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+CHUNK_SIZES = (64, 128)
+
+
+def check_common_fields(config: Any) -> None:
+    """Raise TypeError/ValueError naming the field when ``chunk_size``, ``num_steps`` or ``interpret`` is invalid."""
+    name = type(config).__name__
+    if config.chunk_size not in CHUNK_SIZES or isinstance(config.chunk_size, bool):
+        raise ValueError(f"{name}.chunk_size must be one of {CHUNK_SIZES}, got {config.chunk_size!r}")
+    if not isinstance(config.num_steps, int) or isinstance(config.num_steps, bool) or config.num_steps < 1:
+        raise ValueError(f"{name}.num_steps must be an int >= 1, got {config.num_steps!r}")
+    if not (config.interpret is None or isinstance(config.interpret, (bool, pltpu.InterpretParams))):
+        raise TypeError(
+            f"{name}.interpret must be None (interpret when not on a TPU), True (the fast interpreter), "
+            f"a pltpu.InterpretParams (the faithful one) or False (always compile with Mosaic, e.g. to "
+            f"lower for TPU ahead of time on a host without one), got {config.interpret!r}"
+        )
+
+
+def interpret_argument(config: Any) -> Any:
+    """The ``interpret=`` argument for ``pl.pallas_call``: compile on a TPU, interpret anywhere else unless the config says how."""
+    if config.interpret is None:
+        return jax.default_backend() != "tpu"
+    return config.interpret

@@ -1,0 +1,98 @@
+"""``tpu_pallas.fused``: the whole simple_gla forward in one ``pallas_call``.
+
+Grid ``(batch, head, value tile, time step)``; the first three are "parallel", time is
+"arbitrary" (sequential). The float32 state lives in a VMEM scratch along the time axis and never
+goes to HBM; it is (re)initialised at the first time step of every (batch, head, value tile) and
+written to ``final_state`` at the last. Each grid step walks ``chunks_per_step`` consecutive
+chunks (``num_steps``, or its largest divisor of the chunk count) to cut per-step overhead; every
+chunk does the same operations whatever the step size, so results are bitwise identical for
+every ``num_steps``. The intra-chunk attention is recomputed inline, never stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from tops_plugins_tpu_pallas import blocks, traffic
+from tops_plugins_tpu_pallas.chunkwise import (
+    advance_state, chunk_body_vmem, chunk_output, finish_sequence, for_each_chunk, start_sequence,
+)
+from tops_plugins_tpu_pallas.config import check_common_fields, interpret_argument
+from tops_plugins_tpu_pallas.launch import LaunchPlan
+from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, kernel_operands
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+    """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step.
+    ``interpret``: None (interpret when not on a TPU), True (fast interpreter), a
+    ``pltpu.InterpretParams`` (faithful interpreter) or False (always compile)."""
+
+    chunk_size: int = 64
+    num_steps: int = 4
+    interpret: Any = None
+
+    def __post_init__(self):
+        check_common_fields(self)
+
+
+def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
+    """The (single) launch plan for one call; ``gate_dtype``/``initial_state_dtype`` None when that input is absent."""
+    inputs = [blocks.key_rows("q", geometry, dtype), blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype)]
+    if gate_dtype is not None:
+        inputs.append(blocks.gates(geometry, gate_dtype))
+    if initial_state_dtype is not None:
+        inputs.append(blocks.state("initial_state", geometry, initial_state_dtype))
+    outputs = [blocks.value_rows("o", geometry, dtype)]
+    if output_final_state:
+        outputs.append(blocks.state("final_state", geometry, jnp.float32))
+    return (LaunchPlan(
+        name="simple_gla_fused",
+        grid=blocks.grid(geometry),
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        scalars=(blocks.decay(geometry),),
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        scratch=(blocks.running_state(geometry),),
+        body_vmem=chunk_body_vmem(geometry),
+    ),)
+
+
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
+    refs = plan.bind(refs)
+    head, step = pl.program_id(1), pl.program_id(3)
+    start_sequence(refs, step)
+
+    def one_chunk(chunk):
+        gates = chunk.gates(refs, head)
+        q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
+        entering = refs["state"][...]
+        refs["o"][chunk.rows, :] = chunk_output(q, k, v, entering, gates, scale).astype(refs["o"].dtype)
+        refs["state"][...] = advance_state(entering, k, v, gates)
+
+    for_each_chunk(geometry, step, one_chunk)
+    finish_sequence(refs, step, geometry)
+
+
+def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
+    """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
+    del cu_seqlens
+    B, T, H, K = q.shape
+    geometry = Geometry(B, T, H, K, v.shape[-1], config.chunk_size, config.num_steps)
+    (launch,) = plans(
+        geometry, q.dtype,
+        gate_dtype=None if g is None else g.dtype,
+        initial_state_dtype=None if initial_state is None else initial_state.dtype,
+        output_final_state=output_final_state,
+    )
+    traffic.check_vmem(launch)
+    kernel = functools.partial(_kernel, plan=launch, geometry=geometry, scale=scale)
+    results = launch.call(kernel, kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), interpret_argument(config))
+    final_state = caller_state(results["final_state"], geometry) if output_final_state else None
+    return caller_output(results["o"], geometry), final_state
+

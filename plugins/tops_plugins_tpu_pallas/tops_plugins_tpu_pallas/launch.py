@@ -1,0 +1,144 @@
+"""Launch plans: one description of a ``pallas_call`` that both runs the kernel and feeds the traffic model.
+
+A plan names every array the kernel touches (scalar-prefetch arrays in SMEM, blocked inputs and
+outputs in HBM, scratch in VMEM), with shapes, dtypes, block shapes and index maps, plus the grid
+and its dimension semantics. ``LaunchPlan.call`` builds the ``pl.pallas_call`` from it and
+``tops_plugins_tpu_pallas.traffic`` counts bytes from the very same object, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+SEMANTICS = ("parallel", "arbitrary")
+
+
+@dataclasses.dataclass(frozen=True)
+class Relayout:
+    """The caller-facing array that an operand is copied from (inputs) or into (outputs) outside the kernel."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked:
+    """An HBM array the kernel sees one block at a time.
+
+    ``block_shape`` uses ``None`` for a squeezed dimension (size 1, dropped from the kernel's ref);
+    ``index_map(*grid_indices, *scalar_prefetch_refs)`` returns the block index per dimension.
+    The last block along a dimension may run past the array's end (a ragged block): on TPU its
+    rows there read unspecified values and writes to them are dropped, so a kernel must mask them.
+    ``relayout`` is set when the array is a copy made outside the kernel (lane padding).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any
+    block_shape: tuple[int | None, ...]
+    index_map: Callable[..., tuple[Any, ...]]
+    relayout: Relayout | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if len(self.block_shape) != len(self.shape):
+            raise ValueError(f"{self.name}: block shape {self.block_shape} and array shape {self.shape} differ in rank")
+
+    def block_elements(self, index: Sequence[int]) -> int:
+        """Elements of the block at ``index`` that lie inside the array (fewer than a whole block at a ragged edge)."""
+        return math.prod(
+            1 if block is None else min(block, size - i * block) for size, block, i in zip(self.shape, self.block_shape, index)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Scalars:
+    """A small array copied whole into SMEM before the grid starts (scalar prefetch)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Scratch:
+    """A VMEM buffer that lives for the whole launch, one per core; never touches HBM."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """Grid, dimension semantics and every operand of one ``pallas_call``.
+
+    ``body_vmem`` estimates the VMEM the kernel body's own values need (matrices it computes and
+    spills), which no operand describes.
+    """
+
+    name: str
+    grid: tuple[int, ...]
+    dimension_semantics: tuple[str, ...]
+    scalars: tuple[Scalars, ...]
+    inputs: tuple[Blocked, ...]
+    outputs: tuple[Blocked, ...]
+    scratch: tuple[Scratch, ...] = ()
+    body_vmem: int = 0
+
+    def __post_init__(self):
+        if len(self.dimension_semantics) != len(self.grid):
+            raise ValueError(f"{self.name}: {len(self.grid)} grid axes but semantics {self.dimension_semantics}")
+        unknown = set(self.dimension_semantics) - set(SEMANTICS)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown dimension semantics {sorted(unknown)}; known: {SEMANTICS}")
+        names = [x.name for x in (*self.scalars, *self.inputs, *self.outputs, *self.scratch)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.name}: operand names must be unique, got {names}")
+
+    def bind(self, refs: Sequence[Any]) -> dict[str, Any]:
+        """Name the refs a kernel receives (scalars, inputs, outputs, scratch, in that order)."""
+        names = [x.name for x in (*self.scalars, *self.inputs, *self.outputs, *self.scratch)]
+        if len(refs) != len(names):
+            raise ValueError(f"{self.name}: kernel got {len(refs)} refs, the plan has {len(names)}: {names}")
+        return dict(zip(names, refs))
+
+    def call(self, kernel: Callable[..., None], arrays: dict[str, jax.Array], interpret: Any) -> dict[str, jax.Array]:
+        """Run ``kernel`` over this plan; ``arrays`` holds the scalars and inputs by name, the result the outputs."""
+        for operand in (*self.scalars, *self.inputs):
+            x = arrays[operand.name]
+            if tuple(x.shape) != operand.shape or jnp.dtype(x.dtype) != operand.dtype:
+                raise ValueError(
+                    f"{self.name}: {operand.name} is {tuple(x.shape)} {jnp.dtype(x.dtype).name}, "
+                    f"the plan says {operand.shape} {operand.dtype.name}"
+                )
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(self.scalars),
+            grid=self.grid,
+            in_specs=[pl.BlockSpec(x.block_shape, x.index_map) for x in self.inputs],
+            out_specs=[pl.BlockSpec(x.block_shape, x.index_map) for x in self.outputs],
+            scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) for s in self.scratch],
+        )
+        results = pl.pallas_call(
+            kernel,
+            grid_spec=grid_spec,
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.outputs],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=self.dimension_semantics),
+            interpret=interpret,
+            name=self.name,
+        )(*(arrays[x.name] for x in (*self.scalars, *self.inputs)))
+        return {x.name: result for x, result in zip(self.outputs, results)}

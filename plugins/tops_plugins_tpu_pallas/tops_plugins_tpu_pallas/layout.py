@@ -1,0 +1,165 @@
+"""The layout both kernels read and write, and the few copies some head dimensions need.
+
+The kernels work on the caller's time-major arrays seen through reshapes: ``q``, ``k`` as
+``[B, T, H * K]``, ``v`` and ``o`` as ``[B, T, H * V]``. A block of one head is then
+``(rows, K)`` at column block ``h``: a legal TPU block whenever ``K`` is a multiple of 128 lanes
+(the last two block dimensions must be multiples of (8, 128) or equal the array's). In a model
+``q``, ``k``, ``v`` come out of projections as ``[B, T, H * D]`` and are reshaped to
+``[B, T, H, D]`` for the op, so the reshape back cancels with that one (and ``o``'s reshape with the
+next projection's); on CPU a reshape is a free bitcast. Nothing is transposed, nothing is upcast.
+
+Two things are never copied:
+
+- ``T`` is not padded to whole chunks: the last time block may extend past the end of the array
+  (a ragged block). A TPU reads unspecified values there and drops writes there; the kernels zero
+  those rows with ``where`` before any arithmetic (``Geometry.valid_rows``).
+- ``g`` ``[B, T, H]`` is read as a full-width block ``(rows, H)`` (legal: the last block dimension
+  equals the array's) and the kernel picks the head's column.
+
+The one copy left is the **lane padding decision** (``Geometry.pads_keys``, ``pads_values``): a
+head dimension that is not a multiple of 128 is zero-padded to one, by one copy per input (and a
+slice back for ``o`` and the final state). The launch plans record these copies (``Relayout``) so
+the traffic model counts them next to the kernels' own traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from tops_plugins_tpu_pallas.launch import Relayout
+
+LANES = 128
+"""Width of a TPU vector register: a head dimension that is not a multiple of it is padded to one."""
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """The number of chunks one grid step walks: ``num_steps`` if it divides the chunk count, else the largest divisor below it."""
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static sizes of one call, the lane padding decision, and how time is cut into chunks and grid steps."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    chunk_size: int
+    num_steps: int
+
+    @property
+    def pads_keys(self) -> bool:
+        """Whether ``q`` and ``k`` are copied with ``K`` zero-padded to whole lane tiles (else read in place)."""
+        return self.key_dim % LANES != 0
+
+    @property
+    def pads_values(self) -> bool:
+        """Whether ``v`` (and ``o`` on the way back) go through a copy with ``V`` padded to whole lane tiles."""
+        return self.value_dim % LANES != 0
+
+    @property
+    def pads_state(self) -> bool:
+        return self.pads_keys or self.pads_values
+
+    @property
+    def padded_key_dim(self) -> int:
+        return _round_up(self.key_dim, LANES)
+
+    @property
+    def padded_value_dim(self) -> int:
+        return _round_up(self.value_dim, LANES)
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.seq_len // self.chunk_size)
+
+    @property
+    def chunks_per_step(self) -> int:
+        return largest_divisor_at_most(self.num_chunks, self.num_steps)
+
+    @property
+    def time_steps(self) -> int:
+        return self.num_chunks // self.chunks_per_step
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.chunks_per_step * self.chunk_size
+
+    @property
+    def value_tiles(self) -> int:
+        return self.padded_value_dim // LANES
+
+    @property
+    def is_ragged(self) -> bool:
+        """Whether the last chunk runs past ``T`` (its block then holds rows beyond the array's end)."""
+        return self.seq_len % self.chunk_size != 0
+
+    def valid_rows(self, chunk: jax.Array) -> jax.Array | None:
+        """How many rows of chunk number ``chunk`` are real tokens; None when every chunk is whole."""
+        if not self.is_ragged:
+            return None
+        return jnp.clip(self.seq_len - chunk * self.chunk_size, 0, self.chunk_size)
+
+    # -- the caller-facing arrays that padded operands are copies of ------------------------------
+
+    def token_relayout(self, padded: bool, width: int, dtype) -> Relayout | None:
+        return Relayout((self.batch, self.seq_len, self.heads, width), dtype) if padded else None
+
+    def state_relayout(self, dtype) -> Relayout | None:
+        return Relayout((self.batch, self.heads, self.key_dim, self.value_dim), dtype) if self.pads_state else None
+
+
+def _heads_flattened(x: jax.Array, padded_width: int) -> jax.Array:
+    """``[B, T, H, D]`` -> ``[B, T, H * padded_width]``: a reshape, plus a lane padding copy only when ``D`` is short."""
+    if x.shape[-1] != padded_width:
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, padded_width - x.shape[-1])))
+    B, T, H, D = x.shape
+    return x.reshape(B, T, H * D)
+
+
+def decay_per_head(g_gamma: jax.Array | None, heads: int) -> jax.Array:
+    """The constant log decay per head as float32 ``[H]`` for SMEM: zeros without ``g_gamma``, a scalar broadcast."""
+    if g_gamma is None:
+        return jnp.zeros((heads,), jnp.float32)
+    return jnp.broadcast_to(g_gamma.astype(jnp.float32), (heads,))
+
+
+def padded_state(state: jax.Array, geometry: Geometry) -> jax.Array:
+    if not geometry.pads_state:
+        return state
+    return jnp.pad(state, ((0, 0), (0, 0), (0, geometry.padded_key_dim - geometry.key_dim), (0, geometry.padded_value_dim - geometry.value_dim)))
+
+
+def kernel_operands(q, k, v, g, g_gamma, initial_state, geometry: Geometry) -> dict[str, jax.Array]:
+    """The arrays both kernels read, by operand name (absent inputs left out)."""
+    operands = {
+        "decay": decay_per_head(g_gamma, geometry.heads),
+        "q": _heads_flattened(q, geometry.padded_key_dim),
+        "k": _heads_flattened(k, geometry.padded_key_dim),
+        "v": _heads_flattened(v, geometry.padded_value_dim),
+    }
+    if g is not None:
+        operands["g"] = g
+    if initial_state is not None:
+        operands["initial_state"] = padded_state(initial_state, geometry)
+    return operands
+
+
+def caller_output(o: jax.Array, geometry: Geometry) -> jax.Array:
+    """``[B, T, H * V_pad]`` -> ``[B, T, H, V]``: a reshape, and a slice (a copy) only when ``V`` was padded."""
+    o = o.reshape(geometry.batch, geometry.seq_len, geometry.heads, geometry.padded_value_dim)
+    return o[..., : geometry.value_dim] if geometry.pads_values else o
+
+
+def caller_state(state: jax.Array, geometry: Geometry) -> jax.Array:
+    """``[N, H, K_pad, V_pad]`` -> ``[N, H, K, V]``: the array itself unless the head dimensions were padded."""
+    return state[:, :, : geometry.key_dim, : geometry.value_dim] if geometry.pads_state else state

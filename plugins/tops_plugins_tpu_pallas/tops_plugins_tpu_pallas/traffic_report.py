@@ -1,0 +1,51 @@
+"""Print the traffic and VMEM figures of both kernels for the benchmark shape, kernel-only and end to end.
+
+    python -m tops_plugins_tpu_pallas.traffic_report
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from tops_plugins_tpu_pallas import chunk, fused
+from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas.traffic import VMEM_BUDGET, figures
+
+B, T, H = 8, 4096, 16
+HEAD_DIMS = (128, 100)  # the benchmark's, then one that needs the lane padding copy
+
+
+def _floor(head_dim: int) -> int:
+    """Bytes per token and head that any implementation moves: read q, k, v and write o, bf16."""
+    return 4 * head_dim * 2
+
+
+def main() -> None:
+    print(f"simple_gla forward, B={B} T={T} H={H} bfloat16 with g_gamma (no g, no initial/final state)")
+    print("bytes per token and head; end to end = kernel + relayout copies around it")
+    for head_dim in HEAD_DIMS:
+        floor = _floor(head_dim)
+        print(f"\nK=V={head_dim}: floor (read q, k, v, write o) {floor} B/token")
+        print(f"{'implementation':<32}{'kernel':>9}{'relayout':>10}{'end to end':>12}{'vs floor':>10}{'peak VMEM':>14}")
+        for chunk_size in (64, 128):
+            for name, module, config in (
+                ("fused", fused, fused.FusedConfig(chunk_size=chunk_size)),
+                ("chunk", chunk, chunk.ChunkConfig(chunk_size=chunk_size)),
+            ):
+                geometry = Geometry(B, T, H, head_dim, head_dim, config.chunk_size, config.num_steps)
+                f = figures(module.plans(geometry, jnp.bfloat16), B * T * H)
+                default = " (default)" if config == type(config)() else ""
+                label = f"tpu_pallas.{name} C={chunk_size}{default}"
+                print(
+                    f"{label:<32}{f.kernel_per_token:>9.1f}{f.relayout_per_token:>10.1f}{f.end_to_end_per_token:>12.1f}"
+                    f"{f.end_to_end_per_token / floor:>9.3f}x{f.peak_vmem / 2**20:>10.2f} MiB"
+                )
+    print("\nrelayout: the lane padding copies of q, k, v and the slice of o when K or V is not a multiple of 128 (layout.py)")
+    print(
+        f"peak VMEM: double-buffered blocks and scratch in whole tiles, plus an estimate of the values the "
+        f"kernel body holds (the largest launch); budget {VMEM_BUDGET / 2**20:.0f} MiB"
+    )
+
+
+if __name__ == "__main__":
+    main()
