@@ -18,18 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from tops_core import KDAGrads
-from tops_core.ops.base import state_dtype
-from tops_plugins_ref.recurrence import on_host_in_float64, scan_sequences, sequence_layout
+from tops_plugins_ref.recurrence import forward_results, on_host_in_float64, scan_sequences, sequence_layout
 
 DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state")
 
 
 def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config):
     """``(o, final_state)`` for ``tops_core.ops.kda.Forward``."""
-    B, T, H, K = q.shape
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    o_spec = jax.ShapeDtypeStruct(v.shape, v.dtype)
-    state_spec = jax.ShapeDtypeStruct((N, H, K, v.shape[-1]), state_dtype(v.dtype)) if output_final_state else None
 
     def compute(inputs):
         primals, layout = _primals_and_layout(inputs)
@@ -37,7 +32,7 @@ def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_se
         return o, final_states if output_final_state else None
 
     inputs = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    return on_host_in_float64(compute, (o_spec, state_spec), inputs)
+    return on_host_in_float64(compute, forward_results(q, v, cu_seqlens, output_final_state), inputs)
 
 
 def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config):

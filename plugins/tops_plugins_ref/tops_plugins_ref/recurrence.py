@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from tops_core.ops import validation
+from tops_core.ops.base import state_dtype
 
 
 def on_host_in_float64(compute: Callable[[dict[str, Any]], Any], results: Any, inputs: dict[str, Any]) -> Any:
@@ -66,6 +67,16 @@ def _from_wire(value: jax.Array, spec: jax.ShapeDtypeStruct) -> jax.Array:
     if spec.dtype == np.float64:
         return lax.bitcast_convert_type(value, jnp.float64)
     return value
+
+
+def forward_results(q: Any, v: Any, cu_seqlens: Any, output_final_state: bool) -> tuple[Any, Any]:
+    """Shapes and dtypes of ``o`` and of the final state (None when not requested), as the op contract says."""
+    B, _, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    if not output_final_state:
+        return o, None
+    return o, jax.ShapeDtypeStruct((N, H, K, v.shape[-1]), state_dtype(v.dtype))
 
 
 class SequenceLayout(NamedTuple):

@@ -15,18 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from tops_core import SimpleGLAGrads
-from tops_core.ops.base import state_dtype
-from tops_plugins_ref.recurrence import on_host_in_float64, scan_sequences, sequence_layout
+from tops_plugins_ref.recurrence import forward_results, on_host_in_float64, scan_sequences, sequence_layout
 
 DIFFERENTIABLE = ("q", "k", "v", "g", "g_gamma", "initial_state")
 
 
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config):
     """``(o, final_state)`` for ``tops_core.ops.simple_gla.Forward``."""
-    B, T, H, K = q.shape
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    o_spec = jax.ShapeDtypeStruct(v.shape, v.dtype)
-    state_spec = jax.ShapeDtypeStruct((N, H, K, v.shape[-1]), state_dtype(v.dtype)) if output_final_state else None
 
     def compute(inputs):
         primals, layout = _primals_and_layout(inputs)
@@ -34,7 +29,7 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
         return o, final_states if output_final_state else None
 
     inputs = dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    return on_host_in_float64(compute, (o_spec, state_spec), inputs)
+    return on_host_in_float64(compute, forward_results(q, v, cu_seqlens, output_final_state), inputs)
 
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):
