@@ -150,6 +150,13 @@ def test_strict_mode_refuses_to_fall_back_past_the_highest_priority(registry, cl
     assert sg.decide(spec(features={"g"}, ndims={}), policy=sg.policy()).implementation.name == "fake.best"
 
 
+def test_strict_mode_breaks_priority_ties_like_the_ranking(registry, clean_env):
+    fakes.register("a_wide", priority={"cpu": 50})
+    fakes.register("b_narrow", priority={"cpu": 50}, features={"g"})
+    clean_env.setenv("TOPS_STRICT", "1")
+    assert sg.decide(spec(), policy=sg.policy()).implementation.name == "fake.a_wide"
+
+
 def test_deny_list_from_env_and_context(registry, clean_env):
     fakes.register("first", priority={"cpu": 90})
     fakes.register("second", priority={"cpu": 50})

@@ -168,7 +168,7 @@ def select(
             and (direction == "forward" or by_name[c.name].backward is not None)
             and not policy.denies(c.name)
         ]
-        top = max(eligible, key=lambda c: (c.priority, c.name), default=best)
+        top = min(eligible, key=lambda c: (-c.priority, c.name), default=best)  # the candidates' own order
         if not top.supported:
             raise fail(
                 f"strict mode: the highest-priority implementation on {spec.platform}, {top.name}, does not support "
