@@ -60,3 +60,40 @@ def test_packed_boundaries_seen_only_under_jit_are_still_validated():
     np.testing.assert_array_equal(run(cu_seqlens), sg.forward(x, x, y, cu_seqlens=cu_seqlens, implementation="ref.recurrent")[0])
     with pytest.raises(Exception, match="cu_seqlens must end at T = 5"):
         run(jnp.asarray([0, 0, 1, 3, 3, 4])).block_until_ready()
+
+
+def test_float64_bits_cross_the_host_callback_unchanged(x64):
+    """float64 travels as uint32 pairs both ways, so no thread's x64 setting can round it to float32."""
+    from tops_plugins_ref import recurrence
+
+    value = jnp.asarray([1 + 2.0**-40, -3e-300, np.pi], jnp.float64)
+    spec = jax.ShapeDtypeStruct(value.shape, jnp.float64)
+    host = recurrence._host_decode(np.asarray(recurrence._device_encode(value)), jnp.float64)
+    back = recurrence._device_decode(jnp.asarray(recurrence._host_encode(host)), spec)
+    assert host.dtype == np.float64 and back.dtype == jnp.float64
+    np.testing.assert_array_equal(host, np.asarray(value))
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(value))
+
+
+def test_float64_stays_exact_when_the_callback_runs_on_a_runtime_thread(x64):
+    """With work queued ahead of it the callback runs on a runtime thread, outside the caller's
+    thread-local jax.enable_x64; float64 operands were then rounded to float32 (gradients off by
+    ~1e-7) before they crossed the boundary as uint32 pairs."""
+
+    def scan(q, k, v):
+        def step(S, x):
+            q_t, k_t, v_t = x
+            S = S + k_t[..., :, None] * v_t[..., None, :]
+            return S, jnp.einsum("bhk,bhkv->bhv", q_t, S) * 4**-0.5
+        _, o = jax.lax.scan(step, jnp.zeros((1, 1, 4, 4)), tuple(x.swapaxes(0, 1) for x in (q, k, v)))
+        return o.swapaxes(0, 1)
+
+    rng = np.random.default_rng(0)
+    q, k, v, do = (jnp.asarray(rng.standard_normal((1, 16, 1, 4))) for _ in range(4))
+    want = jax.vjp(scan, q, k, v)[1](do)[0]
+    busy = jnp.ones((1024, 1024), jnp.float32)
+    queued = [busy @ busy for _ in range(4)]  # dispatched asynchronously: the next call waits behind them
+    got = tops_core.op("simple_gla").backward(q, k, v, do, implementation="ref.recurrent").dq
+    jax.block_until_ready(queued)
+    assert got.dtype == jnp.float64
+    assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-13

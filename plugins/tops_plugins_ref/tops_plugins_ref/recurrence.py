@@ -30,9 +30,10 @@ def on_host_in_float64(compute: Callable[[dict[str, Any]], Any], results: Any, i
     (``jax.ShapeDtypeStruct`` leaves, None for absent results); each leaf comes back cast to its
     declared dtype.
     """
+    dtypes = {name: None if x is None else jnp.dtype(x.dtype) for name, x in inputs.items()}
 
-    def host(concrete: dict[str, Any]) -> Any:
-        as_numpy = {name: None if x is None else np.asarray(x) for name, x in concrete.items()}
+    def host(wire_inputs: dict[str, Any]) -> Any:
+        as_numpy = {name: None if x is None else _host_decode(np.asarray(x), dtypes[name]) for name, x in wire_inputs.items()}
         upcast = {
             name: x.astype(np.float64) if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
             for name, x in as_numpy.items()
@@ -40,32 +41,42 @@ def on_host_in_float64(compute: Callable[[dict[str, Any]], Any], results: Any, i
         # Looked up here, not at import: importing a plugin must not initialise JAX's backends.
         with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
             outputs = compute(upcast)
-            return jax.tree.map(lambda out, spec: _to_wire(np.asarray(out).astype(spec.dtype)), outputs, results)
+            return jax.tree.map(lambda out, spec: _host_encode(np.asarray(out).astype(spec.dtype)), outputs, results)
 
+    wire_inputs = {name: None if x is None else _device_encode(x) for name, x in inputs.items()}
     # "sequential" calls the host once per vmapped element: each element may carry its own
     # cu_seqlens, which decide the layout of its scan, so elements cannot share one call.
-    wire = jax.pure_callback(host, jax.tree.map(_wire_spec, results), inputs, vmap_method="sequential")
-    return jax.tree.map(_from_wire, wire, results)
+    wire = jax.pure_callback(host, jax.tree.map(_wire_spec, results), wire_inputs, vmap_method="sequential")
+    return jax.tree.map(_device_decode, wire, results)
 
 
-# JAX canonicalises a callback's results on the runtime thread that ran it, where a caller's
-# thread-local ``jax.enable_x64(True)`` is not in effect, and would turn float64 results into
-# float32. float64 therefore crosses the callback boundary as pairs of uint32 words.
+# JAX converts a callback's operands and results on the runtime thread that runs it, where a
+# caller's thread-local ``jax.enable_x64(True)`` is not in effect: float64 operands would become
+# float32 on the way in (they are device_put there) and float64 results would fail the dtype check
+# on the way out. float64 therefore crosses the callback boundary, both ways, as uint32 pairs.
 def _wire_spec(spec: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     if spec.dtype == np.float64:
         return jax.ShapeDtypeStruct((*spec.shape, 2), np.uint32)
     return spec
 
 
-def _to_wire(value: np.ndarray) -> np.ndarray:
+def _device_encode(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x, jnp.uint32) if x.dtype == jnp.float64 else x
+
+
+def _device_decode(x: jax.Array, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    return lax.bitcast_convert_type(x, jnp.float64) if spec.dtype == np.float64 else x
+
+
+def _host_encode(value: np.ndarray) -> np.ndarray:
     if value.dtype == np.float64:
         return np.ascontiguousarray(value).view(np.uint32).reshape(*value.shape, 2)
     return value
 
 
-def _from_wire(value: jax.Array, spec: jax.ShapeDtypeStruct) -> jax.Array:
-    if spec.dtype == np.float64:
-        return lax.bitcast_convert_type(value, jnp.float64)
+def _host_decode(value: np.ndarray, dtype: Any) -> np.ndarray:
+    if dtype == jnp.float64:
+        return np.ascontiguousarray(value).view(np.float64)[..., 0]
     return value
 
 
