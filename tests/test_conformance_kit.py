@@ -121,3 +121,13 @@ def test_a_third_party_runs_the_kit_as_a_pytest_plugin(pytester, clean_env):
     )
     result.assert_outcomes(passed=5, failed=1)
     result.stdout.fnmatch_lines(["*test_matches_the_reference*third.bad:base*", "*tops conformance: worst relative RMS error*"])
+
+
+def test_a_pass_by_the_absolute_rule_alone_is_flagged():
+    from tops_core.conformance.compare import measure
+
+    loose = measure("dq", [1.0 + 4e-8, 2.0], [1.0, 2.0], tol=1e-10)
+    assert loose.passed and loose.passed_by_absolute_rule
+    assert loose.describe().endswith("ok by the absolute rule only")
+    tight = measure("dq", [1.0, 2.0], [1.0, 2.0], tol=1e-10)
+    assert tight.passed and not tight.passed_by_absolute_rule and tight.describe().endswith(" ok")
