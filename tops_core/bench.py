@@ -22,14 +22,13 @@ import jax.numpy as jnp
 from tops_core.callspec import CallSpec
 from tops_core.conformance import data
 from tops_core.conformance.cases import Case
-from tops_core.conformance.compare import measure, tolerance
+from tops_core.conformance.checks import REFERENCE, compare, evaluate
 from tops_core.dispatch import NoImplementationError
 from tops_core.implementation import Implementation
 from tops_core.ops import op
 from tops_core.ops.base import platform_of
 from tops_core.policy import current_policy
 
-REFERENCE = "ref.recurrent"
 DEFAULT_FEATURES = {"simple_gla": ["g_gamma"], "kda": ["use_qk_l2norm"]}
 REFERENCE_MAX_ELEMENTS = 2**24
 """The reference is timed at the workload itself only up to this many ``B*T*H*K*V`` state elements."""
@@ -200,7 +199,7 @@ def run(case: Case, names: Sequence[str] | None = None, budget: float = 2.0, max
     reference = None
     if any(impl.name == REFERENCE for impl in contract.implementations()):
         progress.step(f"{REFERENCE} at the check shape")
-        reference = _evaluate(check, REFERENCE)
+        reference = evaluate(check, REFERENCE, backward=True)
     rows = []
     for impl in implementations:
         row = Row(impl.name, interpreted=impl.capabilities.interpreted(spec))
@@ -239,32 +238,14 @@ def _paired_backward(case: Case, spec: CallSpec, name: str) -> str | None:
         return None
 
 
-def _evaluate(case: Case, name: str) -> tuple[tuple, Any]:
-    """Outputs and gradients of ``name`` on the case's data (gradients None without a backward)."""
-    contract = op(case.op)
-    inputs = data.forward_inputs(case)
-    outputs = contract.forward(**inputs, implementation=name)
-    try:
-        grads = contract.backward(**data.backward_inputs(case, inputs), implementation=name)
-    except NoImplementationError:
-        grads = None
-    return outputs, grads
-
-
 def _accuracy(row: Row, case: Case, reference: tuple) -> None:
     """Worst relative RMS error of the row's implementation against the reference's results on ``case``."""
-    want_outputs, want_grads = reference
-    got_outputs, got_grads = _evaluate(case, row.implementation)
-    forward = [measure(n, g, w, tolerance(case.dtype, False)) for n, g, w in zip(("o", "final_state"), got_outputs, want_outputs) if w is not None]
-    gradients = []
-    if got_grads is not None and want_grads is not None:
-        for field in dataclasses.fields(want_grads):
-            want = getattr(want_grads, field.name)
-            if want is not None:
-                gradients.append(measure(field.name, getattr(got_grads, field.name), want, tolerance(case.dtype, True)))
+    measurements = compare(case, evaluate(case, row.implementation, backward=row.differentiable), reference)
+    forward = [m for m in measurements if m.name in ("o", "final_state")]
+    gradients = [m for m in measurements if m.name not in ("o", "final_state")]
     row.forward_error = max(m.error for m in forward)
     row.gradient_error = max((m.error for m in gradients), default=None)
-    row.within_tolerance = all(m.passed for m in forward + gradients)
+    row.within_tolerance = all(m.passed for m in measurements)
 
 
 def format_report(report: Report) -> str:
@@ -275,7 +256,7 @@ def format_report(report: Report) -> str:
     check = report.check
     at = "workload" if report.reference_at_workload else f"B={check.batch} T={check.seq_len} H={check.heads} K={check.key_dim} V={check.value_dim}"
     reference = next((r for r in report.rows if r.implementation == REFERENCE), None)
-    header = ("implementation", "selected", "forward", "fwd+bwd", f"speedup vs ref ({'fwd / fwd+bwd'})", "rel. error (out / grad)")
+    header = ("implementation", "selected", "forward", "fwd+bwd", "speedup vs ref (fwd / fwd+bwd)", "rel. error (out / grad)")
     table = [header]
     for row in report.rows:
         label = row.implementation + (" [interpreted]" if row.interpreted else "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -51,25 +52,36 @@ def _force(impl: Implementation, case: Case):
     return (impl.name, dict(case.config)) if case.config else impl.name
 
 
+def evaluate(case: Case, implementation, backward: bool) -> tuple[tuple, Any]:
+    """``(o, final_state)`` and, when ``backward``, the gradients of ``implementation`` (a name, or
+    ``(name, config overrides)``) on the case's data; gradients are None otherwise."""
+    contract = op(case.op)
+    inputs = data.forward_inputs(case)
+    outputs = contract.forward(**inputs, implementation=implementation)
+    grads = contract.backward(**data.backward_inputs(case, inputs), implementation=implementation) if backward else None
+    return outputs, grads
+
+
+def compare(case: Case, got: tuple[tuple, Any], want: tuple[tuple, Any]) -> list[Measurement]:
+    """Measure every output, and every gradient both sides have, at the case dtype's tolerance."""
+    (got_outputs, got_grads), (want_outputs, want_grads) = got, want
+    measurements = [
+        measure(name, x, ref, tolerance(case.dtype, gradient=False))
+        for name, x, ref in zip(("o", "final_state"), got_outputs, want_outputs) if ref is not None
+    ]
+    if got_grads is not None and want_grads is not None:
+        for field in dataclasses.fields(want_grads):
+            ref = getattr(want_grads, field.name)
+            if ref is not None:
+                measurements.append(measure(field.name, getattr(got_grads, field.name), ref, tolerance(case.dtype, gradient=True)))
+    return measurements
+
+
 def run_case(impl: Implementation, case: Case, reference: str = REFERENCE) -> list[Measurement]:
     """Forward and (where declared) every gradient of ``impl`` against ``reference``; raises ConformanceError."""
-    contract = op(case.op)
-    measurements = []
+    backward = impl.backward is not None
     with _scope(impl, case):
-        inputs = data.forward_inputs(case)
-        got = contract.forward(**inputs, implementation=_force(impl, case))
-        want = contract.forward(**inputs, implementation=reference)
-        for name, x, ref in zip(("o", "final_state"), got, want):
-            if ref is not None:
-                measurements.append(measure(name, x, ref, tolerance(case.dtype, gradient=False)))
-        if impl.backward is not None:
-            backward = data.backward_inputs(case, inputs)
-            got_grads = contract.backward(**backward, implementation=_force(impl, case))
-            want_grads = contract.backward(**backward, implementation=reference)
-            for field in dataclasses.fields(want_grads):
-                ref = getattr(want_grads, field.name)
-                if ref is not None:
-                    measurements.append(measure(field.name, getattr(got_grads, field.name), ref, tolerance(case.dtype, gradient=True)))
+        measurements = compare(case, evaluate(case, _force(impl, case), backward), evaluate(case, reference, backward))
     failures = [m for m in measurements if not m.passed]
     if failures:
         lines = [f"{impl.name} disagrees with {reference} on case {case.name} ({case.dtype}):"]
