@@ -63,6 +63,29 @@ def simple_gla_programs(seq_len: int = T, chunk_size: int = 64):
     return jax.jit(forward), (q, k, v, g_gamma), forward_backward, (q, k, v, g_gamma, do)
 
 
+def product_programs(chunk_size: int = 64):
+    """One of the forward's two state products (``2*K*V`` FLOPs per token each) alone, in two shapes.
+
+    ``flat``: one ``[B*T*H, K] @ [K, V]`` product, as if every token shared one state, the most
+    favourable shape any algorithm with these head dims could have. ``per chunk``: the shape a
+    chunked algorithm needs, one ``[B*H, C, K] @ [B*H, K, V]`` batched product per chunk in a
+    loop, output written in place. Their rates bound what the chunked forward can reach.
+    """
+    keys = jax.random.split(jax.random.PRNGKey(2), 2)
+    queries = jax.random.normal(keys[0], (T // chunk_size, B * H, chunk_size, K), jnp.float32)
+    state = jax.random.normal(keys[1], (B * H, K, V), jnp.float32)
+
+    def per_chunk(queries, state):
+        def step(n, out):
+            return out.at[n].set(jnp.einsum("bik,bkv->biv", queries[n], state))
+        out = jnp.zeros(queries.shape[:-1] + (V,), jnp.float32)
+        return jax.lax.fori_loop(0, queries.shape[0], step, out)
+
+    flops = 2 * B * T * H * K * V
+    flat = (jax.jit(jnp.dot), (queries.reshape(-1, K), state[0]), flops)
+    return {"flat product": flat, "per-chunk products": (jax.jit(per_chunk), (queries, state), flops)}
+
+
 def _ready(program, args):
     return lambda: jax.block_until_ready(program(*args))
 
@@ -95,6 +118,12 @@ def test_forward(benchmark, programs):
 def test_forward_backward(benchmark, programs):
     _, _, forward_backward, args = programs
     _run(benchmark, "matmul-vs-forward-backward", _ready(forward_backward, args))
+
+
+@pytest.mark.parametrize("shape", ["flat product", "per-chunk products"])
+def test_state_products(benchmark, shape):
+    program, args, _ = product_programs()[shape]
+    _run(benchmark, "matmul-vs-forward", _ready(program, args))
 
 
 @pytest.mark.parametrize("seq_len", [2048, 4096, 8192])
@@ -134,17 +163,22 @@ def interleaved_medians(calls: dict, rounds: int) -> dict:
 def report(rounds: int = 7) -> None:
     matmul, matmul_args, matmul_flops = matmul_program()
     forward, forward_args, forward_backward, fb_args = simple_gla_programs()
+    products = product_programs()
     seconds = interleaved_medians({
         "matmul": _ready(matmul, matmul_args),
         "forward": _ready(forward, forward_args),
         "forward+backward": _ready(forward_backward, fb_args),
+        **{name: _ready(program, args) for name, (program, args, _) in products.items()},
     }, rounds)
-    flops = {"matmul": matmul_flops, "forward": forward_flops(T, 64), "forward+backward": 3 * forward_flops(T, 64)}
+    flops = {"matmul": matmul_flops, "forward": forward_flops(T, 64), "forward+backward": 3 * forward_flops(T, 64),
+             **{name: count for name, (_, _, count) in products.items()}}
     rate = {name: flops[name] / seconds[name] / 1e9 for name in seconds}
     print(f"B={B} T={T} H={H} K={K} V={V} float32, g_gamma, chunk_size 64; {jax.devices()[0].device_kind}")
     for name in seconds:
+        if name == next(iter(products)):
+            print("  one of the forward's two state products alone, for the ceiling its shape sets:")
         ratio = "" if name == "matmul" else f"  {rate[name] / rate['matmul']:.0%} of the matmul"
-        print(f"  {name:17s} {seconds[name] * 1e3:8.1f} ms  {rate[name]:6.1f} GFLOP/s{ratio}")
+        print(f"  {name:18s} {seconds[name] * 1e3:8.1f} ms  {rate[name]:6.1f} GFLOP/s{ratio}")
 
     print("time against T (forward, forward+backward):")
     for seq_len in (2048, 4096, 8192):
