@@ -38,6 +38,24 @@ def test_the_plugin_registers_recurrent_and_it_accepts_every_call(op):
         assert implementation.reasons(spec, "backward") == [], spec.describe()
 
 
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+def test_without_a_cpu_device_the_matcher_rejects_it_with_a_reason(op, monkeypatch):
+    real_devices = jax.devices
+
+    def no_cpu(backend=None):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu")
+        return real_devices(backend)
+
+    monkeypatch.setattr(jax, "devices", no_cpu)
+    implementation = tops_core.default_registry().get(op, "ref.recurrent")
+    spec = CallSpec(op=op, platform="gpu", dtype="float32", batch=1, seq_len=3, heads=2, key_dim=4, value_dim=4,
+                    num_seqs=1)
+    assert implementation.reasons(spec, "forward") == [
+        "needs a CPU device for its float64 host scan, and JAX has none (JAX_PLATFORMS leaves cpu out)"
+    ]
+
+
 def test_any_other_supporting_implementation_wins_over_the_oracle(fresh_registry):
     """Even one that declares no priority (0 everywhere) and whose name sorts after it: ties go by name."""
     fresh_registry.register_plugin(tops_plugins_ref, "ref")

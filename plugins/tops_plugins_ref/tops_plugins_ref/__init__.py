@@ -6,6 +6,8 @@ call and ranks below every other implementation, so the dispatcher picks it only
 (``implementation="ref.recurrent"``) or when nothing else supports a call.
 """
 
+import jax
+
 import tops_core
 from tops_core import Capabilities, Implementation
 from tops_core.capabilities import FLOAT_DTYPES
@@ -21,6 +23,15 @@ TOPS_CORE_API_VERSION = 1
 LOWEST_PRIORITY = {platform: -1 for platform in PLATFORMS}
 
 
+def needs_a_cpu_device(spec) -> str | None:
+    """Reject every call in a process whose JAX has no CPU backend, where the host scan cannot run."""
+    try:
+        jax.devices("cpu")
+    except RuntimeError:
+        return "needs a CPU device for its float64 host scan, and JAX has none (JAX_PLATFORMS leaves cpu out)"
+    return None
+
+
 @tops_core.hookimpl
 def tops_register_implementations(register):
     """Register ``ref.recurrent`` for simple_gla and kda."""
@@ -31,6 +42,7 @@ def tops_register_implementations(register):
         backward=simple_gla.backward,
         capabilities=Capabilities(
             platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=SimpleGLA.features, ndims={"g_gamma": {0, 1}},
+            predicate=needs_a_cpu_device,
         ),
         priority=LOWEST_PRIORITY,
         description="float64 token-by-token scan on the CPU host (the oracle); backward by autodiff",
@@ -40,7 +52,9 @@ def tops_register_implementations(register):
         name="recurrent",
         forward=kda.forward,
         backward=kda.backward,
-        capabilities=Capabilities(platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=KDA.features),
+        capabilities=Capabilities(
+            platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=KDA.features, predicate=needs_a_cpu_device,
+        ),
         priority=LOWEST_PRIORITY,
         description="float64 token-by-token delta-rule scan on the CPU host (the oracle); backward by autodiff",
     ))
