@@ -30,7 +30,19 @@ class Relayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class Blocked:
+class _Array:
+    """What every array of a plan has: a name, a shape and a dtype (normalised to ``jnp.dtype``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Any
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked(_Array):
     """An HBM array the kernel sees one block at a time.
 
     ``block_shape`` uses ``None`` for a squeezed dimension (size 1, dropped from the kernel's ref);
@@ -40,15 +52,12 @@ class Blocked:
     ``relayout`` is set when the array is a copy made outside the kernel (lane padding).
     """
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: Any
     block_shape: tuple[int | None, ...]
     index_map: Callable[..., tuple[Any, ...]]
     relayout: Relayout | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        super().__post_init__()
         if len(self.block_shape) != len(self.shape):
             raise ValueError(f"{self.name}: block shape {self.block_shape} and array shape {self.shape} differ in rank")
 
@@ -60,27 +69,13 @@ class Blocked:
 
 
 @dataclasses.dataclass(frozen=True)
-class Scalars:
+class Scalars(_Array):
     """A small array copied whole into SMEM before the grid starts (scalar prefetch)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: Any
-
-    def __post_init__(self):
-        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
-class Scratch:
+class Scratch(_Array):
     """A VMEM buffer that lives for the whole launch, one per core; never touches HBM."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: Any
-
-    def __post_init__(self):
-        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
