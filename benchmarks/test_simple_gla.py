@@ -38,19 +38,12 @@ def _programs_or_skip(workload: str, name: str):
     return bench.programs(case, name)
 
 
+@pytest.mark.parametrize("direction", ["forward", "forward+backward"])
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 @pytest.mark.parametrize("workload", WORKLOADS)
-def test_forward(benchmark, workload, name):
-    forward, _, args, _ = _programs_or_skip(workload, name)
-    benchmark.group = f"{workload} forward"
-    jax.block_until_ready(forward(*args))
-    benchmark(lambda: jax.block_until_ready(forward(*args)))
-
-
-@pytest.mark.parametrize("name", IMPLEMENTATIONS)
-@pytest.mark.parametrize("workload", WORKLOADS)
-def test_forward_backward(benchmark, workload, name):
-    _, forward_backward, _, args = _programs_or_skip(workload, name)
-    benchmark.group = f"{workload} forward+backward"
-    jax.block_until_ready(forward_backward(*args))
-    benchmark(lambda: jax.block_until_ready(forward_backward(*args)))
+def test_simple_gla(benchmark, workload, name, direction):
+    forward, forward_backward, forward_args, forward_backward_args = _programs_or_skip(workload, name)
+    program, args = (forward, forward_args) if direction == "forward" else (forward_backward, forward_backward_args)
+    benchmark.group = f"{workload} {direction}"
+    jax.block_until_ready(program(*args))
+    benchmark(lambda: jax.block_until_ready(program(*args)))
