@@ -5,6 +5,7 @@ import pathlib
 import textwrap
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import tops_core
@@ -123,11 +124,26 @@ def test_a_third_party_runs_the_kit_as_a_pytest_plugin(pytester, clean_env):
     result.stdout.fnmatch_lines(["*test_matches_the_reference*third.bad:base*", "*tops conformance: worst relative RMS error*"])
 
 
-def test_a_pass_by_the_absolute_rule_alone_is_flagged():
+def test_the_tolerance_rule_has_no_absolute_escape():
     from tops_core.conformance.compare import measure
 
+    # An absolute error of 4e-8 is tiny, yet 2e-8 relative is far above float64's 1e-10: it fails.
     loose = measure("dq", [1.0 + 4e-8, 2.0], [1.0, 2.0], tol=1e-10)
-    assert loose.passed and loose.passed_by_absolute_rule
-    assert loose.describe().endswith("ok by the absolute rule only")
+    assert not loose.passed and loose.describe().endswith("FAIL")
     tight = measure("dq", [1.0, 2.0], [1.0, 2.0], tol=1e-10)
-    assert tight.passed and not tight.passed_by_absolute_rule and tight.describe().endswith(" ok")
+    assert tight.passed and tight.describe().endswith(" ok")
+
+
+def test_an_all_zero_reference_is_compared_by_the_rms_of_the_result():
+    from tops_core.conformance.compare import measure
+
+    assert measure("dg", [0.0, 0.0], [0.0, 0.0], tol=1e-10).passed
+    small = measure("dg", [3e-11, -4e-11], [0.0, 0.0], tol=1e-10)
+    assert small.error == pytest.approx(np.sqrt((9e-22 + 16e-22) / 2)) and small.passed
+    assert not measure("dg", [1e-6, 0.0], [0.0, 0.0], tol=1e-10).passed
+
+
+def test_nan_where_the_reference_is_finite_fails():
+    from tops_core.conformance.compare import measure
+
+    assert not measure("o", [np.nan, 1.0], [1.0, 1.0], tol=1.0).passed
