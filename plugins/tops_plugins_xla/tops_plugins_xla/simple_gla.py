@@ -307,9 +307,9 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array, fin
     sums the terms of exactly those pairs: pairs inside the chunk, pairs with ``i`` in the chunk
     and ``j`` earlier (``do_i . exp(b_i) q_i S``), pairs with ``j`` in the chunk and ``i`` later
     (``v_j . exp(G - b_j) k_j dS``), and pairs spanning the chunk (``exp(G) S . dS``, the
-    same for every token of the chunk). SPEC.md's equivalent suffix sums of
-    ``q . dq - k . dk`` cancel large terms (the diagonal ``i == j`` above all) and lose float32
-    digits under strong decays; this sum does not.
+    same for every token of the chunk). The equivalent suffix sums of ``q . dq - k . dk``
+    cancel large terms (the diagonal ``i == j`` above all) and lose float32 digits under strong
+    decays; this sum does not (docs/ops.md, "Precision of dg").
     """
     layout = x.layout
     R, P, H, K = x.q.shape
