@@ -99,13 +99,26 @@ def test_without_writes_it_reads_the_decayed_initial_state(x64):
     np.testing.assert_allclose(ht, np.exp(cumulative[:, -1])[..., None] * s0, rtol=1e-12)
 
 
-def test_qk_l2norm_equals_normalising_first(x64):
+@pytest.mark.parametrize("size", [1.0, 1e-3], ids=["unit-scale", "epsilon-dominated"])
+def test_qk_l2norm_is_flash_linear_attentions_normalisation(x64, size):
+    """``x / sqrt(sum(x^2) + 1e-6)``, then the recurrence, all in numpy; at size 1e-3 the epsilon
+    is as large as ``sum(x^2)``, so an exact ``x / |x|`` would be off by a factor of about 1.4."""
     rng = np.random.default_rng(5)
-    q, k, v = normal(rng, 2, 4, H, K), normal(rng, 2, 4, H, K), normal(rng, 2, 4, H, V)
-    rest = dict(v=v, g=-rng.random((2, 4, H, K)), beta=rng.random((2, 4, H)))
-    normalised, _ = forward(**as_jax(q=q, k=k, **rest), scale=SCALE, use_qk_l2norm=True)
-    by_hand, _ = forward(**as_jax(q=unit_rows(q), k=unit_rows(k), **rest), scale=SCALE)
-    np.testing.assert_allclose(normalised, by_hand, rtol=1e-12)
+    q, k, v = size * normal(rng, 2, 4, H, K), size * normal(rng, 2, 4, H, K), normal(rng, 2, 4, H, V)
+    g, beta = -rng.random((2, 4, H, K)), rng.random((2, 4, H))
+    o, ht = forward(**as_jax(q=q, k=k, v=v, g=g, beta=beta), scale=SCALE, use_qk_l2norm=True, output_final_state=True)
+
+    def normalised(x):
+        return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+    qn, kn = normalised(q), normalised(k)
+    for b in range(2):
+        for h in range(H):
+            state = np.zeros((K, V))
+            for t in range(4):
+                state, o_t = delta_step(state, qn[b, t, h], kn[b, t, h], v[b, t, h], g[b, t, h], beta[b, t, h])
+                np.testing.assert_allclose(o[b, t, h], o_t, rtol=1e-12)
+            np.testing.assert_allclose(ht[b, h], state, rtol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -4,8 +4,8 @@
     S_t  = S_t' + beta_t * k_t^T (v_t - k_t S_t')
     o_t  = scale * q_t S_t
 
-with ``q`` and ``k`` first divided by their L2 norm over ``K`` when ``use_qk_l2norm`` (exactly,
-with no epsilon, as SPEC.md states it). The backward is ``jax.vjp`` of the same float64
+with ``q`` and ``k`` first normalised over ``K`` when ``use_qk_l2norm``:
+``x / sqrt(sum(x^2) + 1e-6)``, flash-linear-attention's epsilon (docs/ops.md "kda"). The backward is ``jax.vjp`` of the same float64
 computation, normalisation included.
 """
 
@@ -21,6 +21,7 @@ from tops_core import KDAGrads
 from tops_plugins_ref.recurrence import forward_results, on_host_in_float64, scan_sequences, sequence_layout
 
 DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state")
+L2NORM_EPSILON = 1e-6
 
 
 def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config):
@@ -67,8 +68,8 @@ def _outputs(q, k, v, g, beta, initial_state, scale, layout, use_qk_l2norm):
     """``o`` ``[B, T, H, V]`` and the final states ``[N, H, K, V]``."""
     B, T = q.shape[:2]
     if use_qk_l2norm:
-        q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
-        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+        q = q / jnp.sqrt(jnp.sum(q * q, axis=-1, keepdims=True) + L2NORM_EPSILON)
+        k = k / jnp.sqrt(jnp.sum(k * k, axis=-1, keepdims=True) + L2NORM_EPSILON)
 
     def step(state, token):
         q_t, k_t, v_t, g_t, beta_t = token
