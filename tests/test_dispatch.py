@@ -248,3 +248,19 @@ def test_policy_flag_parsing(registry, clean_env):
         with tops_core.use(strict=True, interpret=True):
             policy = tops_core.op("kda").policy()
     assert policy.strict and policy.interpret and policy.force is None
+
+
+def test_misspelt_op_names_and_flag_values_are_errors(registry, clean_env):
+    with pytest.raises(ValueError, match=r"unknown op 'simple_glaa' in tops_core.use\(\); known ops: kda, simple_gla"):
+        with tops_core.use(simple_glaa="ref.recurrent"):
+            pass
+    clean_env.setenv("TOPS_FORCE", "simple_glaa=xla.chunk")
+    with pytest.raises(ValueError, match="unknown op 'simple_glaa' in TOPS_FORCE"):
+        sg.policy()
+    clean_env.delenv("TOPS_FORCE")
+    for name in ("TOPS_INTERPRET", "TOPS_STRICT"):
+        clean_env.setenv(name, "2")
+        with pytest.raises(ValueError, match=f"{name}='2' is not a boolean"):
+            sg.policy()
+        clean_env.setenv(name, "off")
+    assert not sg.policy().interpret and not sg.policy().strict

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -124,10 +125,51 @@ def test_a_broken_plugin_stops_neither_import_nor_the_cli(site):
     result = _run("import tops_core; print(len(tops_core.default_registry().quarantined()))", site, **allow)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1"
-    result = _run("from tops_core.cli import main; main(['plugins'])", site, **allow)
-    assert result.returncode == 0, result.stderr
+    result = _run("import sys; from tops_core.cli import main; sys.exit(main(['plugins']))", site, **allow)
+    assert result.returncode == 1, "tops plugins exits non-zero while a plugin is quarantined"
     assert "goodplugin" in result.stdout and "good.identity (simple_gla)" in result.stdout
     assert "quarantined (1):" in result.stdout and "broken (brokenplugin 0.1): import of brokenplugin failed" in result.stdout
+
+
+def test_strict_plugins_fails_at_import_not_at_the_first_call(site):
+    result = _run("import tops_core", site, TOPS_PLUGINS="good,broken", TOPS_STRICT_PLUGINS="1")
+    assert result.returncode != 0
+    assert "PluginError: import of brokenplugin failed" in result.stderr
+    assert _run("import tops_core", site, TOPS_PLUGINS="good", TOPS_STRICT_PLUGINS="1").returncode == 0
+
+
+def test_using_an_op_warns_once_about_each_quarantined_plugin(site, clean_env):
+    from tops_core import registry as registry_module
+
+    clean_env.setenv("TOPS_PLUGINS", "good,broken")
+    previous = registry_module.swap_default_registry(Registry())
+    try:
+        q, k, v, _, g_gamma = fakes.inputs()
+        with pytest.warns(RuntimeWarning, match="plugin 'broken' is quarantined .*import of brokenplugin failed"):
+            tops_core.op("simple_gla").forward(q, k, v, g_gamma=g_gamma)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tops_core.op("simple_gla").forward(q, k, v, g_gamma=g_gamma + 0.1)
+    finally:
+        registry_module.swap_default_registry(previous)
+
+
+def test_the_environment_explains_what_it_did_to_loading(site, clean_env):
+    clean_env.setenv("TOPS_PLUGINS", "good,nosuch")
+    notes = Registry().environment_notes()
+    assert any(note.startswith("TOPS_PLUGINS=good,nosuch: only these entry points are loaded; installed but not loaded: ") for note in notes)
+    assert any("TOPS_PLUGINS names nosuch, which no installed distribution provides" in note for note in notes)
+    clean_env.delenv("TOPS_PLUGINS")
+    clean_env.setenv("TOPS_DISABLE_PLUGIN_AUTOLOAD", "1")
+    (note,) = Registry().environment_notes()
+    assert note.startswith("TOPS_DISABLE_PLUGIN_AUTOLOAD=1: no entry point was loaded; installed: ") and "good" in note
+
+
+@pytest.mark.parametrize("name", ["TOPS_DISABLE_PLUGIN_AUTOLOAD", "TOPS_STRICT_PLUGINS"])
+def test_flag_values_must_be_booleans(site, clean_env, name):
+    clean_env.setenv(name, "2")
+    with pytest.raises(ValueError, match=f"{name}='2' is not a boolean"):
+        Registry().plugins()
 
 
 @pytest.mark.parametrize("plugin, message", [

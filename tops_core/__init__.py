@@ -4,6 +4,7 @@
     o, ht = tops_core.op("simple_gla").forward(q, k, v, g_gamma=gamma, output_final_state=True)
 """
 
+from tops_core import environment
 from tops_core.callspec import CallSpec
 from tops_core.capabilities import Capabilities, DimRule
 from tops_core.dispatch import Decision, NoImplementationError
@@ -13,6 +14,7 @@ from tops_core.ops import op
 from tops_core.ops.base import ContractError, Explanation
 from tops_core.ops.kda import KDAGrads
 from tops_core.ops.simple_gla import SimpleGLAGrads
+from tops_core.ops.validation import LayoutWarning
 from tops_core.policy import use
 from tops_core.registry import API_VERSION, PluginError, default_registry
 
@@ -35,6 +37,10 @@ def unregister_plugin(name: str) -> None:
 
 __all__ = [
     "API_VERSION", "CallSpec", "Capabilities", "ContractError", "Decision", "DimRule", "Explanation",
-    "Implementation", "KDAGrads", "NoImplementationError", "PluginError", "SimpleGLAGrads",
+    "Implementation", "KDAGrads", "LayoutWarning", "NoImplementationError", "PluginError", "SimpleGLAGrads",
     "default_registry", "hookimpl", "op", "register", "register_plugin", "unregister_plugin", "use",
 ]
+
+if environment.flag("TOPS_STRICT_PLUGINS"):
+    # A broken plugin is fatal here, at import, rather than at the first call of an op.
+    default_registry().ensure_loaded()

@@ -15,9 +15,10 @@ import contextlib
 import contextvars
 import dataclasses
 import fnmatch
-import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
+
+from tops_core import environment
 
 ForceRequest = str | tuple[str, Mapping[str, Any]] | None
 
@@ -99,6 +100,7 @@ def use(
     outer = _scope.get()
     forces = dict(outer.forces)
     for op_name, request in ops.items():
+        _known_op(op_name, "tops_core.use()")
         force = Force.parse(request, "tops_core.use()")
         if force is None:
             forces.pop(op_name, None)
@@ -119,28 +121,28 @@ def use(
         _scope.reset(token)
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def _known_op(name: str, source: str) -> str:
+    from tops_core.ops import CONTRACTS  # the op contracts import this module
 
-
-def _env_list(name: str) -> list[str]:
-    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+    if name not in CONTRACTS:
+        raise ValueError(f"unknown op {name!r} in {source}; known ops: {', '.join(sorted(CONTRACTS))}")
+    return name
 
 
 def _env_force(op_name: str) -> Force | None:
-    for item in _env_list("TOPS_FORCE"):
+    forces = {}
+    for item in environment.names("TOPS_FORCE"):
         key, sep, impl = item.partition("=")
-        if not sep or not impl.strip():
+        if not sep or not key.strip() or not impl.strip():
             raise ValueError(f"TOPS_FORCE entries must look like 'op=plugin.impl', got {item!r}")
-        if key.strip() == op_name:
-            return Force(impl.strip(), (), "TOPS_FORCE")
-    return None
+        forces[_known_op(key.strip(), "TOPS_FORCE")] = impl.strip()
+    return Force(forces[op_name], (), "TOPS_FORCE") if op_name in forces else None
 
 
 def interpret_enabled() -> bool:
     """Whether interpret mode is on in the current scope (``use(interpret=...)``, else TOPS_INTERPRET)."""
     scope = _scope.get()
-    return scope.interpret if scope.interpret is not None else _env_flag("TOPS_INTERPRET")
+    return scope.interpret if scope.interpret is not None else environment.flag("TOPS_INTERPRET")
 
 
 def current_policy(op_name: str, implementation: ForceRequest = None) -> Policy:
@@ -153,7 +155,7 @@ def current_policy(op_name: str, implementation: ForceRequest = None) -> Policy:
         force = _env_force(op_name)
     return Policy(
         force=force,
-        deny=scope.deny | frozenset(_env_list("TOPS_DENY")),
-        strict=scope.strict if scope.strict is not None else _env_flag("TOPS_STRICT"),
+        deny=scope.deny | frozenset(environment.names("TOPS_DENY")),
+        strict=scope.strict if scope.strict is not None else environment.flag("TOPS_STRICT"),
         interpret=interpret_enabled(),
     )

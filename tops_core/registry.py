@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import itertools
-import os
 import threading
 import traceback
+import warnings
 from typing import Any
 
 import pluggy
 
-from tops_core import hookspecs
+from tops_core import environment, hookspecs
 from tops_core.implementation import Implementation
 
 API_VERSION = 1
@@ -72,10 +72,6 @@ class _InlinePlugin:
             register(implementation)
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 class Registry:
     """Implementations per op, the plugins they came from, and the decision cache."""
 
@@ -86,6 +82,8 @@ class Registry:
         self._plugins: dict[str, PluginInfo] = {}
         self._plugin_objects: dict[str, Any] = {}
         self._quarantined: dict[str, QuarantinedPlugin] = {}
+        self._environment_notes: list[str] = []
+        self._warned_quarantine: set[str] = set()
         self._autoload_pending = autoload
         self._lock = threading.RLock()
         self.decisions: dict[Any, Any] = {}
@@ -93,7 +91,8 @@ class Registry:
 
     # -- discovery ---------------------------------------------------------------------------
 
-    def _ensure_loaded(self) -> None:
+    def ensure_loaded(self) -> None:
+        """Load the entry points now if that has not happened yet (it happens on first use otherwise)."""
         if self._autoload_pending:
             with self._lock:
                 if self._autoload_pending:
@@ -102,17 +101,20 @@ class Registry:
 
     def load_entry_points(self) -> None:
         """Load every plugin of the ``tops`` entry-point group that the environment allows."""
-        allow = {n.strip() for n in os.environ.get("TOPS_PLUGINS", "").split(",") if n.strip()}
-        if not allow and _flag("TOPS_DISABLE_PLUGIN_AUTOLOAD"):
-            return
-        seen = set()
+        allow = set(environment.names("TOPS_PLUGINS"))
+        disabled = environment.flag("TOPS_DISABLE_PLUGIN_AUTOLOAD")
+        entry_points, seen = [], set()
         for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if (entry_point.name, entry_point.value) in seen:
-                continue  # the same distribution visible twice on sys.path
-            seen.add((entry_point.name, entry_point.value))
-            if allow and entry_point.name not in allow:
-                continue
-            self._load_entry_point(entry_point)
+            if (entry_point.name, entry_point.value) not in seen:  # the same distribution visible twice on sys.path
+                seen.add((entry_point.name, entry_point.value))
+                entry_points.append(entry_point)
+        installed = sorted({entry_point.name for entry_point in entry_points})
+        self._environment_notes = _environment_notes(allow, disabled, installed)
+        if not allow and disabled:
+            return
+        for entry_point in entry_points:
+            if not allow or entry_point.name in allow:
+                self._load_entry_point(entry_point)
 
     def _load_entry_point(self, entry_point: importlib.metadata.EntryPoint) -> None:
         dist = getattr(entry_point, "dist", None)
@@ -130,7 +132,7 @@ class Registry:
                 raise PluginError(f"import of {entry_point.value} failed: {type(error).__name__}: {error}") from error
             self.register_plugin(plugin, entry_point.name, distribution=distribution, version=version, source="entry point")
         except Exception as error:
-            if _flag("TOPS_STRICT_PLUGINS"):
+            if environment.flag("TOPS_STRICT_PLUGINS"):
                 raise
             message = str(error) if isinstance(error, PluginError) else f"{type(error).__name__}: {error}"
             details = "".join(traceback.format_exception(error))
@@ -239,11 +241,11 @@ class Registry:
     # -- queries -----------------------------------------------------------------------------
 
     def implementations(self, op: str) -> list[Implementation]:
-        self._ensure_loaded()
+        self.ensure_loaded()
         return list(self._implementations.get(op, {}).values())
 
     def get(self, op: str, name: str) -> Implementation:
-        self._ensure_loaded()
+        self.ensure_loaded()
         try:
             return self._implementations[op][name]
         except KeyError:
@@ -252,16 +254,53 @@ class Registry:
 
     def all_implementations(self) -> list[Implementation]:
         """Every implementation of every op, ordered by op then name."""
-        self._ensure_loaded()
+        self.ensure_loaded()
         return [impl for op in sorted(self._implementations) for _, impl in sorted(self._implementations[op].items())]
 
     def plugins(self) -> list[PluginInfo]:
-        self._ensure_loaded()
+        self.ensure_loaded()
         return list(self._plugins.values())
 
     def quarantined(self) -> list[QuarantinedPlugin]:
-        self._ensure_loaded()
+        self.ensure_loaded()
         return list(self._quarantined.values())
+
+    def environment_notes(self) -> list[str]:
+        """What ``TOPS_PLUGINS`` / ``TOPS_DISABLE_PLUGIN_AUTOLOAD`` did to entry-point loading, one line each."""
+        self.ensure_loaded()
+        return list(self._environment_notes)
+
+    def warn_quarantined(self) -> None:
+        """A ``RuntimeWarning`` per quarantined plugin, the first time an op is used after it was quarantined."""
+        for plugin in self.quarantined():
+            if plugin.name not in self._warned_quarantine:
+                self._warned_quarantine.add(plugin.name)
+                warnings.warn(
+                    f"tops: plugin {plugin.name!r} is quarantined and its implementations are unavailable: "
+                    f"{plugin.error} (`tops plugins -v` shows the traceback; TOPS_STRICT_PLUGINS=1 makes this fatal)",
+                    RuntimeWarning, stacklevel=4,
+                )
+
+
+def _environment_notes(allow: set[str], disabled: bool, installed: list[str]) -> list[str]:
+    notes = []
+    if allow:
+        skipped = [name for name in installed if name not in allow]
+        notes.append(
+            f"TOPS_PLUGINS={','.join(sorted(allow))}: only these entry points are loaded"
+            + (f"; installed but not loaded: {', '.join(skipped)}" if skipped else "")
+        )
+        missing = sorted(allow - set(installed))
+        if missing:
+            notes.append(f"TOPS_PLUGINS names {', '.join(missing)}, which no installed distribution provides (installed: {', '.join(installed) or 'none'})")
+        if disabled:
+            notes.append("TOPS_DISABLE_PLUGIN_AUTOLOAD=1 is overridden by TOPS_PLUGINS")
+    elif disabled:
+        notes.append(
+            "TOPS_DISABLE_PLUGIN_AUTOLOAD=1: no entry point was loaded"
+            + (f"; installed: {', '.join(installed)}" if installed else "")
+        )
+    return notes
 
 
 _default: Registry | None = None
