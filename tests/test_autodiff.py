@@ -214,3 +214,11 @@ def test_fresh_registries_never_share_compiled_calls(clean_env, args):
             np.testing.assert_array_equal(sg.forward(q, k, v)[0], factor * v)
     finally:
         swap_default_registry(previous)
+
+
+def test_forward_mode_autodiff_is_not_available_through_the_custom_vjp(registry, args):
+    """op.forward is a jax.custom_vjp function: reverse mode only (documented in the README)."""
+    fakes.register()
+    q, k, v, g, g_gamma, h0 = args
+    with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+        jax.jvp(lambda q: sg.forward(q, k, v, g_gamma=g_gamma)[0], (q,), (q,))

@@ -1,4 +1,6 @@
-"""SPEC.md "Invalid input": every broken contract raises ValueError/TypeError naming the argument."""
+"""docs/ops.md "Invalid input": every broken contract raises ValueError/TypeError naming the argument."""
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,9 @@ SIMPLE_GLA_CASES = [
     ("integer g", dict(g=jnp.zeros((2, 8, 2), jnp.int32)), TypeError, "g must have a floating dtype"),
     ("g_gamma shape", dict(g_gamma=jnp.zeros((3,))), ValueError, "g_gamma must have shape [H]"),
     ("g_gamma rank", dict(g_gamma=jnp.zeros((2, 2))), ValueError, "g_gamma must have rank 1"),
-    ("scale array", dict(scale=jnp.float32(0.5)), TypeError, "scale must be a real number"),
+    ("scale vector", dict(scale=jnp.ones(2)), TypeError, "scale must be a real number, got an array of shape (2,)"),
+    ("scale string", dict(scale="0.5"), TypeError, "scale must be a real number"),
+    ("g_gamma string", dict(g_gamma="fast"), TypeError, "g_gamma must be a jax or numpy array (or a number or list of numbers)"),
     ("scale bool", dict(scale=True), TypeError, "scale must be a real number"),
     ("h0 shape", dict(initial_state=jnp.zeros((1, 2, 4, 3))), ValueError, "initial_state must have shape [N, H, K, V]"),
     ("final flag", dict(output_final_state="yes"), TypeError, "output_final_state must be a bool"),
@@ -124,3 +128,102 @@ def test_default_scale_is_inverse_sqrt_key_dim():
 def test_unknown_op_lists_known_ops():
     with pytest.raises(ValueError, match="known ops: kda, simple_gla"):
         tops_core.op("softmax")
+
+
+# -- what users reasonably pass ----------------------------------------------------------------
+
+
+def test_python_numpy_and_concrete_jax_scalars_and_lists_are_accepted(registry):
+    fakes.register(features=fakes.FEATURES | {"cu_seqlens"}, priority={"cpu": 10})
+    want, _ = sg.forward(q1, k1, v1, g_gamma=jnp.full((), -0.1, f32), scale=0.25)
+    for g_gamma, scale in ((-0.1, 0.25), (np.float32(-0.1), np.float32(0.25)), (jnp.float32(-0.1), jnp.float32(0.25))):
+        got, _ = sg.forward(q1, k1, v1, g_gamma=g_gamma, scale=scale)
+        np.testing.assert_array_equal(got, want)
+    per_head, _ = sg.forward(q1, k1, v1, g_gamma=[-0.1, -0.2])
+    np.testing.assert_array_equal(per_head, sg.forward(q1, k1, v1, g_gamma=jnp.array([-0.1, -0.2], f32))[0])
+    prepared = sg.prepare(q1, k1, v1, None, None, None, None, False, [0, 3, 8], False)
+    assert prepared.arrays["cu_seqlens"].dtype == jnp.int32 and prepared.spec.num_seqs == 2
+
+
+def test_python_numbers_follow_float64_inputs(registry):
+    with jax.enable_x64(True):
+        x = q1.astype(jnp.float64)
+        prepared = sg.prepare(x, x, x, None, -0.1, None, None, False, None, False)
+        assert prepared.arrays["g_gamma"].dtype == jnp.float64
+
+
+def test_a_traced_scale_is_a_clear_error(registry):
+    fakes.register()
+    with pytest.raises(TypeError, match="scale must be a static number, got a traced value"):
+        jax.jit(lambda s: sg.forward(q, k, v, scale=s)[0])(0.5)
+
+
+def test_head_first_shapes_warn_and_name_the_expected_layout(registry):
+    fakes.register()
+    head_first = jnp.swapaxes(q, 1, 2)  # [B, H=8, T=2, K]: T < H
+    with pytest.warns(tops_core.LayoutWarning, match=r"T = 2 tokens but H = 8 heads. tops expects \[B, T, H, K\]") as caught:
+        sg.forward(head_first, head_first, head_first)
+    assert caught[0].filename == __file__, "the warning points at the caller's line"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sg.forward(q, k, v)  # T = 8 >= H = 2
+
+
+# -- cu_seqlens traced under jit -----------------------------------------------------------------
+
+INVALID_BOUNDARIES = {"decreasing": [0, 5, 3, 8], "not from 0": [1, 3, 5, 8], "past T": [0, 3, 5, 9]}
+
+
+def test_an_implementation_only_ever_sees_valid_traced_boundaries(registry):
+    seen = []
+
+    def forward(q, k, v, *, cu_seqlens, **kwargs):
+        jax.debug.callback(lambda cu: seen.append(np.asarray(cu).tolist()), cu_seqlens)
+        return v, None
+
+    fakes.register(features=fakes.FEATURES | {"cu_seqlens"}, forward=forward)
+    run = jax.jit(lambda cu: sg.forward(q1, k1, v1, cu_seqlens=cu)[0])
+    assert np.isfinite(run(jnp.array([0, 3, 5, 8]))).all()
+    for boundaries in INVALID_BOUNDARIES.values():
+        assert np.isnan(run(jnp.array(boundaries))).all()
+    jax.effects_barrier()
+    assert seen == [[0, 3, 5, 8]] + [[0, 8, 8, 8]] * len(INVALID_BOUNDARIES)
+
+
+def _installed_packed_implementations(op_name):
+    return [impl.name for impl in tops_core.op(op_name).implementations()
+            if "cu_seqlens" in impl.capabilities.features and "cpu" in impl.capabilities.platforms]
+
+
+@pytest.mark.parametrize("label", INVALID_BOUNDARIES)
+@pytest.mark.parametrize("name", _installed_packed_implementations("simple_gla"))
+def test_invalid_traced_boundaries_make_every_output_and_gradient_nan(name, label):
+    boundaries = jnp.array(INVALID_BOUNDARIES[label])
+    h0 = jnp.ones((3, 2, 4, 3), f32)
+
+    def outputs(q, g, g_gamma, h0, cu):
+        return sg.forward(q, k1, v1, g=g, g_gamma=g_gamma, initial_state=h0, output_final_state=True,
+                          cu_seqlens=cu, implementation=name)
+
+    o, ht = jax.jit(outputs)(q1, g[:1], g_gamma, h0, boundaries)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(outputs(*a)[0]) + jnp.sum(outputs(*a)[1]), argnums=(0, 1, 2, 3)))(
+        q1, g[:1], g_gamma, h0, boundaries)
+    for result in (o, ht, *grads):
+        assert np.isnan(np.asarray(result)).all()
+    valid = jax.jit(outputs)(q1, g[:1], g_gamma, h0, jnp.array([0, 3, 5, 8]))
+    for got, want in zip(valid, outputs(q1, g[:1], g_gamma, h0, [0, 3, 5, 8])):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", _installed_packed_implementations("kda"))
+def test_kda_invalid_traced_boundaries_make_every_output_and_gradient_nan(name):
+    gates, beta = -jnp.ones((1, 8, 2, 4), f32) / 8, jnp.full((1, 8, 2), 0.5, f32)
+
+    def loss(q, gates, beta, cu):
+        o, ht = kda.forward(q, k1, v1, gates, beta, output_final_state=True, cu_seqlens=cu, implementation=name)
+        return jnp.sum(o) + jnp.sum(ht)
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q1, gates, beta, jnp.array([0, 5, 3, 8]))
+    for result in (value, *grads):
+        assert np.isnan(np.asarray(result)).all()
+    assert np.isfinite(jax.jit(loss)(q1, gates, beta, jnp.array([0, 3, 5, 8])))

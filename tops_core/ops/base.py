@@ -31,11 +31,16 @@ class ContractError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A validated call: array inputs by name (``None`` when absent), static options, and the call spec."""
+    """A validated call: array inputs by name (``None`` when absent), static options, and the call spec.
+
+    ``checks_cu_seqlens``: the boundaries were traced when the call was validated, so their
+    values are checked inside the program (``_with_trusted_cu_seqlens``).
+    """
 
     arrays: Mapping[str, Any]
     options: tuple[tuple[str, Any], ...]
     spec: CallSpec
+    checks_cu_seqlens: bool = False
 
     def option(self, name: str) -> Any:
         return dict(self.options)[name]
@@ -124,14 +129,15 @@ class OpContract:
             batch=B, seq_len=T, heads=H, key_dim=K, value_dim=v.shape[-1], num_seqs=num_seqs,
             features=frozenset(features), ndims=tuple(ndims.items()), interpret=interpret,
         )
-        return Prepared(arrays, options, spec)
+        cu_seqlens = arrays.get("cu_seqlens")
+        return Prepared(arrays, options, spec, checks_cu_seqlens=cu_seqlens is not None and not is_concrete(cu_seqlens))
 
     def check_cotangents(self, prepared: Prepared, do: Any, dht: Any) -> tuple[jax.Array, jax.Array | None]:
         """Validate the cotangents of an explicit ``backward`` call."""
         spec = prepared.spec
-        do = validation.floating("do", validation.array("do", do))
+        do = validation.floating("do", validation.array("do", do, python=False))
         validation.shape("do", do, (spec.batch, spec.seq_len, spec.heads, spec.value_dim), "[B, T, H, V]")
-        dht = validation.array("dht", dht, required=False)
+        dht = validation.array("dht", dht, required=False, python=False)
         if dht is not None:
             validation.shape("dht", validation.floating("dht", dht), self._state_shape(spec), "[N, H, K, V]")
         return do, dht
@@ -151,6 +157,7 @@ class OpContract:
             raise ValueError(f"call spec is for {spec.op!r}, not {self.name!r}")
         policy = self.policy() if policy is None else policy
         registry = default_registry()
+        registry.warn_quarantined()
         key = (spec, direction, policy)
         decision = registry.decisions.get(key)
         if decision is None:
@@ -172,20 +179,28 @@ class OpContract:
     # -- execution -------------------------------------------------------------------------
 
     def _forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
-        static = _Static(self, prepared.options, prepared.spec, policy, default_registry().generation)
+        static = _Static(self, prepared.options, prepared.spec, policy, default_registry().generation, prepared.checks_cu_seqlens)
         return _compiled(static, dict(prepared.arrays))
 
     def _run_forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
         decision = self.decide(prepared.spec, "forward", policy)
-        outputs = self.call_forward(decision.implementation.forward, prepared, decision.config)
-        self._check_outputs(decision.implementation.name, prepared, outputs)
-        return outputs
+
+        def run(prepared: Prepared) -> tuple[Any, Any]:
+            outputs = self.call_forward(decision.implementation.forward, prepared, decision.config)
+            self._check_outputs(decision.implementation.name, prepared, outputs)
+            return outputs
+
+        return _with_trusted_cu_seqlens(prepared, run)
 
     def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any) -> Any:
         decision = self.decide(prepared.spec, "backward", policy)
-        grads = self.call_backward(decision.implementation.backward, prepared, do, dht, decision.config)
-        self._check_grads(decision.implementation.name, prepared.arrays, grads)
-        return grads
+
+        def run(prepared: Prepared) -> Any:
+            grads = self.call_backward(decision.implementation.backward, prepared, do, dht, decision.config)
+            self._check_grads(decision.implementation.name, prepared.arrays, grads)
+            return grads
+
+        return _with_trusted_cu_seqlens(prepared, run)
 
     def _check_outputs(self, impl: str, prepared: Prepared, outputs: Any) -> None:
         if not (isinstance(outputs, tuple) and len(outputs) == 2):
@@ -217,6 +232,22 @@ class OpContract:
                 )
 
 
+def _with_trusted_cu_seqlens(prepared: Prepared, run: Any) -> Any:
+    """``run(prepared)``, where traced ``cu_seqlens`` are checked in the program first.
+
+    An implementation only ever sees valid boundaries: invalid ones are swapped for a valid
+    placeholder, and every floating result of the call becomes NaN, so that an invalid traced
+    ``cu_seqlens`` never yields a plausible number (docs/ops.md "Invalid input").
+    """
+    if not prepared.checks_cu_seqlens:
+        return run(prepared)
+    cu_seqlens = prepared.arrays["cu_seqlens"]
+    valid = validation.cu_seqlens_valid(cu_seqlens, prepared.spec.seq_len)
+    trusted = jnp.where(valid, cu_seqlens, validation.placeholder_cu_seqlens(prepared.spec.num_seqs, prepared.spec.seq_len))
+    results = run(dataclasses.replace(prepared, arrays={**prepared.arrays, "cu_seqlens": trusted}))
+    return jax.tree.map(lambda x: jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype)), results)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """The hashable, non-differentiable half of a call: what the custom VJP closes over."""
@@ -226,9 +257,10 @@ class _Static:
     spec: CallSpec
     policy: Policy
     registry_generation: int
+    checks_cu_seqlens: bool
 
     def prepared(self, arrays: Mapping[str, Any]) -> Prepared:
-        return Prepared(arrays, self.options, self.spec)
+        return Prepared(arrays, self.options, self.spec, self.checks_cu_seqlens)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

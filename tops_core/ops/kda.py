@@ -1,4 +1,4 @@
-"""kda: Kimi Delta Attention (SPEC.md "kda").
+"""kda: Kimi Delta Attention (docs/ops.md "kda").
 
 For each sequence and head, with ``S_0 = initial_state`` (zeros if None)::
 
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import jax
 
 from tops_core.ops import validation
-from tops_core.ops.base import Explanation, OpContract, Prepared
+from tops_core.ops.base import Explanation, OpContract, Prepared, state_dtype
 from tops_core.policy import ForceRequest
 
 Array = jax.Array
@@ -145,14 +145,15 @@ class KDA(OpContract):
         return self._explain(prepared, policy)
 
     def prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, interpret) -> Prepared:
-        """Validate a call (SPEC.md "Invalid input") and derive its call spec."""
+        """Validate a call (docs/ops.md "Invalid input") and derive its call spec."""
         q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v)
-        g = validation.floating("g", validation.array("g", g))
+        floats = state_dtype(q.dtype)  # the dtype Python numbers and lists become
+        g = validation.floating("g", validation.array("g", g, float_dtype=floats))
         validation.shape("g", g, (B, T, H, K), "[B, T, H, K]")
-        beta = validation.floating("beta", validation.array("beta", beta))
+        beta = validation.floating("beta", validation.array("beta", beta, float_dtype=floats))
         validation.shape("beta", beta, (B, T, H), "[B, T, H]")
         cu_seqlens, N = validation.cu_seqlens(cu_seqlens, B, T)
-        initial_state = validation.array("initial_state", initial_state, required=False)
+        initial_state = validation.array("initial_state", initial_state, required=False, float_dtype=floats)
         if initial_state is not None:
             validation.shape("initial_state", validation.floating("initial_state", initial_state), (N, H, K, V), "[N, H, K, V]")
         options = (

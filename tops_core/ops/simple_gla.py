@@ -1,4 +1,4 @@
-"""simple_gla: gated linear attention with a scalar gate per head (SPEC.md "simple_gla").
+"""simple_gla: gated linear attention with a scalar gate per head (docs/ops.md "simple_gla").
 
 For each sequence and head, with ``S_0 = initial_state`` (zeros if None)::
 
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import jax
 
 from tops_core.ops import validation
-from tops_core.ops.base import Explanation, OpContract, Prepared
+from tops_core.ops.base import Explanation, OpContract, Prepared, state_dtype
 from tops_core.policy import ForceRequest
 
 Array = jax.Array
@@ -145,18 +145,19 @@ class SimpleGLA(OpContract):
         return self._explain(prepared, policy)
 
     def prepare(self, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, interpret) -> Prepared:
-        """Validate a call (SPEC.md "Invalid input") and derive its call spec."""
+        """Validate a call (docs/ops.md "Invalid input") and derive its call spec."""
         q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v)
-        g = validation.array("g", g, required=False)
+        floats = state_dtype(q.dtype)  # the dtype Python numbers and lists become
+        g = validation.array("g", g, required=False, float_dtype=floats)
         if g is not None:
             validation.shape("g", validation.floating("g", g), (B, T, H), "[B, T, H]")
-        g_gamma = validation.array("g_gamma", g_gamma, required=False)
+        g_gamma = validation.array("g_gamma", g_gamma, required=False, float_dtype=floats)
         if g_gamma is not None:
             validation.floating("g_gamma", g_gamma)
             if g_gamma.ndim != 0:
                 validation.shape("g_gamma", g_gamma, (H,), "[H] (or a scalar)")
         cu_seqlens, N = validation.cu_seqlens(cu_seqlens, B, T)
-        initial_state = validation.array("initial_state", initial_state, required=False)
+        initial_state = validation.array("initial_state", initial_state, required=False, float_dtype=floats)
         if initial_state is not None:
             validation.shape("initial_state", validation.floating("initial_state", initial_state), (N, H, K, V), "[N, H, K, V]")
         output_final_state = validation.flag("output_final_state", output_final_state)

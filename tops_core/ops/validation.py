@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 import jax
@@ -12,21 +13,39 @@ import numpy as np
 FLOATS = "bfloat16, float16, float32 or float64"
 
 
+class LayoutWarning(UserWarning):
+    """The shapes of a call suggest head-first ``[B, H, T, ...]`` arrays where ``[B, T, H, ...]`` is expected."""
+
+
 def is_concrete(x: Any) -> bool:
     """True when the value can be inspected now (not a tracer under jit/grad/vmap)."""
     return not isinstance(x, jax.core.Tracer)
 
 
-def array(name: str, value: Any, *, required: bool = True) -> jax.Array | None:
+def array(name: str, value: Any, *, required: bool = True, float_dtype: Any = jnp.float32, python: bool = True) -> jax.Array | None:
+    """A jax array from a jax or NumPy array, a NumPy scalar, or (``python``) a Python number or (nested) list.
+
+    Python floats and lists of them become ``float_dtype`` (float32, or float64 beside float64
+    inputs); Python ints stay integers (``cu_seqlens``). The token arrays take no Python values:
+    a list of millions of numbers is a mistake, not a convenience.
+    """
     if value is None:
         if required:
             raise TypeError(f"{name} is required, got None")
         return None
     if isinstance(value, jax.Array):
         return value
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (np.ndarray, np.generic)) and not isinstance(value, np.bool_):
         return jnp.asarray(value)
-    raise TypeError(f"{name} must be a jax or numpy array, got {type(value).__name__}")
+    if python and isinstance(value, (numbers.Real, list, tuple)) and not isinstance(value, bool):
+        host = np.asarray(value)
+        if host.dtype.kind == "f":
+            return jnp.asarray(host, float_dtype)
+        if host.dtype.kind in "iu":
+            return jnp.asarray(host)
+        raise TypeError(f"{name} must hold numbers, got {value!r}")
+    accepted = "a jax or numpy array (or a number or list of numbers)" if python else "a jax or numpy array"
+    raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
 
 
 def floating(name: str, x: jax.Array) -> jax.Array:
@@ -61,16 +80,34 @@ def flag(name: str, value: Any) -> bool:
 
 
 def scale(value: Any, key_dim: int) -> float:
-    """The attention scale: ``K ** -0.5`` when None, else a real Python/numpy number."""
+    """The attention scale: ``K ** -0.5`` when None, else a static real number (Python, NumPy or a concrete JAX scalar).
+
+    It is baked into the compiled kernels, so a traced value cannot be used.
+    """
     if value is None:
         return float(key_dim) ** -0.5
+    if isinstance(value, jax.Array):
+        if not is_concrete(value):
+            raise TypeError(
+                "scale must be a static number, got a traced value: it is compiled into the kernels. "
+                "Pass a Python float (close over it, or make it a static argument of your jit)"
+            )
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        if value.ndim != 0 or value.dtype.kind not in "fiu":
+            raise TypeError(f"scale must be a real number, got an array of shape {value.shape} and dtype {value.dtype}")
+        value = value.item()
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"scale must be a real number (a static Python float, not an array), got {value!r}")
+        raise TypeError(f"scale must be a real number, got {value!r}")
     return float(value)
 
 
 def cu_seqlens(value: Any, batch: int, seq_len: int) -> tuple[jax.Array | None, int]:
-    """Validate packed boundaries; returns them as int32 and the number of sequences N."""
+    """Validate packed boundaries; returns them as int32 and the number of sequences N.
+
+    Concrete values are checked here. Traced ones (under ``jit``) cannot be: the op checks them
+    inside the program instead (``cu_seqlens_valid``) and returns NaN for an invalid call.
+    """
     if value is None:
         return None, batch
     cu = array("cu_seqlens", value)
@@ -92,14 +129,30 @@ def cu_seqlens(value: Any, batch: int, seq_len: int) -> tuple[jax.Array | None, 
     return cu.astype(jnp.int32), cu.shape[0] - 1
 
 
+def cu_seqlens_valid(cu: jax.Array, seq_len: int) -> jax.Array:
+    """The rules of ``cu_seqlens`` as a boolean scalar computed inside the program (for traced boundaries)."""
+    return (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] == seq_len)
+
+
+def placeholder_cu_seqlens(num_seqs: int, seq_len: int) -> jax.Array:
+    """Valid boundaries of the same shape, ``[0, T, T, ..., T]``, run in place of invalid traced ones."""
+    return jnp.where(jnp.arange(num_seqs + 1) == 0, 0, seq_len).astype(jnp.int32)
+
+
 def qkv(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array, tuple[int, int, int, int, int]]:
     """Check ``q, k: [B, T, H, K]`` and ``v: [B, T, H, V]`` of one floating dtype; returns them and (B, T, H, K, V)."""
-    q, k, v = array("q", q), array("k", k), array("v", v)
+    q, k, v = (array(name, x, python=False) for name, x in (("q", q), ("k", k), ("v", v)))
     for name, x in (("q", q), ("k", k), ("v", v)):
         floating(name, x)
         rank(name, x, 4, "[B, T, H, K]" if name != "v" else "[B, T, H, V]")
     positive_dims("q", q, "[B, T, H, K]")
     B, T, H, K = q.shape
+    if T < H:
+        warnings.warn(
+            f"q has shape {tuple(q.shape)}: T = {T} tokens but H = {H} heads. tops expects [B, T, H, K] "
+            "(time before heads); if these are head-first [B, H, T, K] arrays, pass x.swapaxes(1, 2)",
+            LayoutWarning, stacklevel=4,
+        )
     shape("k", k, (B, T, H, K), "[B, T, H, K] like q")
     if tuple(v.shape[:3]) != (B, T, H) or v.shape[3] < 1:
         raise ValueError(f"v must have shape [B, T, H, V] with B, T, H = {(B, T, H)} like q, got {tuple(v.shape)}")
