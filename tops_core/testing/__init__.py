@@ -11,7 +11,7 @@ registered implementation; ini: ``tops_impls``) and ``--tops-reference NAME``.
 
 For every selected implementation the suite runs the case grid its capabilities declare
 (``tops_core.conformance.cases``), forward and every declared gradient, against the reference with
-SPEC.md's tolerances, and checks that each case outside the declarations is rejected by the
+the tolerances of docs/ops.md, and checks that each case outside the declarations is rejected by the
 matcher. The worst measured errors are summarised at the end of the run.
 """
 
@@ -25,6 +25,7 @@ from tops_core.conformance.cases import grid
 from tops_core.conformance.checks import REFERENCE, runnable_here
 
 _RESULTS = pytest.StashKey[list]()
+_SKIPPED = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -38,14 +39,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_RESULTS] = []
+    config.stash[_SKIPPED] = {}
 
 
 def selected_implementations(config: pytest.Config) -> list:
+    """The registered implementations the patterns select; selecting none is a usage error."""
     from tops_core.registry import default_registry
 
     patterns = config.getoption("tops_impl") or config.getini("tops_impls") or ["*"]
-    return [impl for impl in default_registry().all_implementations()
-            if any(fnmatch.fnmatchcase(impl.name, p) for p in patterns)]
+    registered = default_registry().all_implementations()
+    selected = [impl for impl in registered if any(fnmatch.fnmatchcase(impl.name, p) for p in patterns)]
+    if not selected:
+        names = ", ".join(sorted({impl.name for impl in registered})) or "none (see `tops plugins`)"
+        raise pytest.UsageError(f"tops conformance kit: --tops-impl {' '.join(patterns)} matches no registered implementation; registered: {names}")
+    return selected
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -57,6 +64,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for impl in selected_implementations(metafunc.config):
             reason = runnable_here(impl)
             if reason is not None and kind == "supported":
+                metafunc.config.stash[_SKIPPED][(impl.op, impl.name)] = reason
                 params.append(pytest.param((impl, None), marks=pytest.mark.skip(reason=reason)))
                 ids.append(f"{impl.op}:{impl.name}")
                 continue
@@ -80,6 +88,11 @@ def tops_record(request: pytest.FixtureRequest):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    skipped = config.stash.get(_SKIPPED, {})
+    if skipped:
+        terminalreporter.section("tops conformance: accuracy not checked on this machine")
+        for (op_name, impl), reason in sorted(skipped.items()):
+            terminalreporter.write_line(f"{op_name} {impl}: {reason}")
     results = config.stash.get(_RESULTS, [])
     if not results:
         return
