@@ -20,8 +20,8 @@ WORKLOADS = {
     "B2-T4096-H8-K128-V128-g_gamma": bench.workload("simple_gla", (2, 4096, 8, 128, 128), DTYPE, ["g_gamma"]),
     "B1-T8192-H4-K64-V64-g-h0-final": bench.workload(
         "simple_gla", (1, 8192, 4, 64, 64), DTYPE, ["g", "initial_state", "output_final_state"]),
-    "varlen-8seqs-T1024-H8-K128-V128-g_gamma": bench.workload(
-        "simple_gla", (4, 1024, 8, 128, 128), DTYPE, ["g_gamma", "cu_seqlens"]),
+    "varlen-8seqs-T4096-H8-K128-V128-g_gamma": bench.workload(
+        "simple_gla", (1, 4096, 8, 128, 128), DTYPE, ["g_gamma", "cu_seqlens"], num_seqs=8),
     "small-B1-T512-H4-K64-V64-g_gamma": bench.workload("simple_gla", (1, 512, 4, 64, 64), DTYPE, ["g_gamma"]),
 }
 IMPLEMENTATIONS = sorted(impl.name for impl in op("simple_gla").implementations())

@@ -20,7 +20,8 @@ def installed(registry):
 
 def tiny(**overrides):
     shape = overrides.pop("shape", (1, 24, 2, 8, 8))
-    return bench.workload("simple_gla", shape, "float32", overrides.pop("features", ["g_gamma"]))
+    return bench.workload("simple_gla", shape, overrides.pop("dtype", "float32"), overrides.pop("features", ["g_gamma"]),
+                          overrides.pop("num_seqs", None))
 
 
 def test_every_supporting_implementation_is_timed_and_checked(installed):
@@ -59,8 +60,8 @@ def test_a_large_workload_checks_and_compares_at_a_smaller_shape(installed, monk
 
 def test_varlen_workload(installed):
     fakes.register("packed", features=fakes.FEATURES | {"cu_seqlens"}, priority={"cpu": 200})
-    case = tiny(shape=(2, 24, 2, 8, 8), features=["g_gamma", "cu_seqlens"])
-    assert (case.batch, case.seq_len, case.seqlens) == (1, 48, (9, 15, 9, 15))
+    case = tiny(shape=(1, 48, 2, 8, 8), features=["g_gamma", "cu_seqlens"], num_seqs=4)
+    assert (case.batch, case.seq_len, case.seqlens) == (1, 48, (8, 16, 8, 16))
     report = bench.run(case, budget=0.05, max_repeats=3)
     rows = {row.implementation: row for row in report.rows}
     assert set(rows) == {"fake.packed", "ref.recurrent"} and rows["ref.recurrent"].within_tolerance
@@ -72,18 +73,54 @@ def test_varlen_workload(installed):
 def test_cli_bench(installed, capsys):
     assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable,ref.recurrent", "--budget", "0.05"]) == 0
     out = capsys.readouterr().out
-    assert "tops bench simple_gla: B=1 T=16 H=2 K=8 V=8 float32 on cpu, with g_gamma" in out
+    assert out.startswith("tops bench simple_gla: B=1 T=16 H=2 K=8 V=8 float32 on cpu, with g_gamma\n")
     assert "fake.kernel_only" not in out
+
+
+def test_cli_bench_exits_nonzero_when_a_row_fails(installed, capsys):
+    fakes.register("packed", features=fakes.FEATURES | {"cu_seqlens"}, priority={"cpu": 200})
+    argv = ["bench", "--shape", "1,24,2,8,8", "--with", "g_gamma,cu_seqlens", "--num-seqs", "3", "--budget", "0.05"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "N=3" in captured.out and "FAIL: fake.packed outside the tolerance for float32" in captured.err
+
+
+def test_cli_bench_float64_runs_in_float64_without_x64_enabled_by_the_user(installed, capsys):
+    import jax
+
+    import tops_plugins_xla
+
+    installed.register_plugin(tops_plugins_xla, "xla")
+    assert not jax.config.jax_enable_x64
+    assert main(["bench", "--shape", "1,16,2,8,8", "--dtype", "float64", "--impl", "xla.chunk", "--budget", "0.05"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("xla.chunk"))
+    assert "float64 on cpu" in out and row.endswith(" ok")
+    forward_error, gradient_error = float(row.split()[-4]), float(row.split()[-2])
+    assert forward_error < 1e-13 and gradient_error < 1e-13, "computed in float64, not float32"
+    assert not jax.config.jax_enable_x64
 
 
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--shape", "1,2,3"], "--shape must be B,T,H,K,V"),
     (["bench", "--with", "alibi"], "unknown feature(s) ['alibi']"),
+    (["bench", "--num-seqs", "3"], "--num-seqs describes packed sequences: add cu_seqlens to --with"),
+    (["bench", "--with", "cu_seqlens", "--shape", "2,64,2,8,8"], "cu_seqlens packs the sequences along T and requires B == 1, got B = 2"),
+    (["bench", "--impl", "nope"], "unknown implementation(s) ['nope'] of simple_gla"),
+    (["bench", "--plot", "/nonexistent/x.png"], "--plot /nonexistent/x.png: the directory /nonexistent does not exist"),
 ])
-def test_cli_bench_rejects_bad_arguments(installed, argv, message):
-    with pytest.raises((SystemExit, ValueError)) as raised:
-        main(argv)
-    assert message in str(raised.value)
+def test_cli_bench_rejects_bad_arguments_in_one_line_before_any_work(installed, capsys, argv, message):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("tops: error: ") and message in captured.err
+    assert captured.err.count("\n") == 1
+
+
+def test_cli_bench_names_why_a_kernel_cannot_run_here(installed, capsys):
+    fakes.register("tpu_kernel", platforms={"tpu"}, interpretable=True, backward=None, priority={"tpu": 200})
+    assert main(["bench", "--impl", "fake.tpu_kernel"]) == 2
+    assert ("tops: error: fake.tpu_kernel cannot run this workload here: runs on tpu, this call is on cpu "
+            "(interpret mode is off; TOPS_INTERPRET=1 runs it in Pallas' TPU interpreter)") in capsys.readouterr().err
 
 
 def test_unknown_implementation_is_named(installed):
@@ -91,12 +128,19 @@ def test_unknown_implementation_is_named(installed):
         bench.run(tiny(), names=["fake.nope"])
 
 
-def test_progress_is_silent_off_a_terminal():
+def test_progress_prints_a_line_per_step_off_a_terminal():
     stream = io.StringIO()
-    progress = bench.Progress(3, stream)
+    progress = bench.Progress(2, stream)
     progress.step("one")
+    progress.step("two")
     progress.close()
-    assert stream.getvalue() == ""
+    assert stream.getvalue() == "[1/2] one\n[2/2] two\n"
+
+
+def test_the_progress_total_counts_every_step(installed, capsys):
+    bench.run(tiny(), budget=0.02, max_repeats=3)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(line.startswith(f"[{i}/{len(lines)}] ") for i, line in enumerate(lines, 1))
 
 
 def test_progress_draws_on_a_terminal():
@@ -110,8 +154,15 @@ def test_progress_draws_on_a_terminal():
     assert "[" in stream.getvalue() and "0/2 compiling" in stream.getvalue()
 
 
-def test_plot_writes_a_png(installed, tmp_path):
+def test_plot_writes_a_png_with_ticks_at_its_points(installed, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
+    plt = bench.pyplot()
+    figures = []
+    monkeypatch.setattr(plt, "subplots", lambda *a, subplots=plt.subplots, **k: figures.append(subplots(*a, **k)) or figures[-1])
     path = tmp_path / "times.png"
     bench.plot(tiny(), ["fake.portable"], str(path), budget=0.02)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _, axes = figures[0]
+    for axis in axes:
+        points = sorted(axis.get_lines()[0].get_xdata())
+        assert list(axis.get_xticks()) == points == [24, 48, 64]

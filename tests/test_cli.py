@@ -39,7 +39,7 @@ def test_list_all_ops(kernels, capsys):
 def test_explain_describes_a_call_and_prints_both_decisions(kernels, capsys):
     assert main(["explain", "simple_gla", "--shape", "2,4096,8,128,128", "--with", "g_gamma,output_final_state"]) == 0
     out = capsys.readouterr().out
-    assert "simple_gla forward: B=2 T=4096 H=8 K=128 V=128 bfloat16 on cpu; with g_gamma (ndim 1), output_final_state" in out
+    assert "simple_gla forward: B=2 T=4096 H=8 K=128 V=128 float32 on cpu; with g_gamma (ndim 1), output_final_state" in out
     assert re.search(r"x fake.kernel +rejected: runs on tpu, this call is on cpu \(interpret mode is off", out)
     assert out.count("selected: fake.portable") == 2
 
@@ -73,12 +73,49 @@ def test_explain_force_strict_deny_and_ndim(kernels, capsys):
     (["explain", "simple_gla", "--shape", "2,64"], "--shape must be B,T,H,K,V"),
     (["explain", "simple_gla", "--with", "alibi"], "unknown feature(s) ['alibi']"),
     (["explain", "simple_gla", "--with", "g", "--ndim", "g=1"], "--ndim takes NAME=RANK"),
-    (["explain", "simple_gla", "--with", "cu_seqlens"], "cu_seqlens requires B == 1"),
+    (["explain", "simple_gla", "--with", "cu_seqlens"], "cu_seqlens packs the sequences along T and requires B == 1"),
+    (["explain", "simple_gla", "--num-seqs", "3"], "--num-seqs describes packed sequences: add cu_seqlens to --with"),
+    (["explain", "simple_gla", "--force", "nope.impl"], "unknown implementation 'nope.impl' of simple_gla; registered: fake.kernel, fake.portable"),
 ])
-def test_explain_rejects_malformed_descriptions(kernels, argv, message):
+def test_explain_rejects_malformed_descriptions_in_one_line(kernels, capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tops: error: ") and message in err and err.count("\n") == 1
+
+
+def test_explain_and_bench_share_their_defaults(kernels, capsys):
+    from tops_core.cli import build_parser
+
+    parser = build_parser()
+    explain, bench = parser.parse_args(["explain", "simple_gla"]), parser.parse_args(["bench"])
+    for option in ("shape", "dtype", "with_features", "num_seqs"):
+        assert getattr(explain, option) == getattr(bench, option)
+    main(["explain", "simple_gla"])
+    assert "float32 on cpu" in capsys.readouterr().out
+    main(["explain", "simple_gla", "--platform", "tpu"])
+    assert "bfloat16 on tpu" in capsys.readouterr().out
+
+
+def test_version(capsys):
     with pytest.raises(SystemExit) as raised:
-        main(argv)
-    assert message in str(raised.value)
+        main(["--version"])
+    assert raised.value.code == 0
+    assert re.match(r"tops-core [\d.]+; jax [\d.]+, jaxlib [\d.]+; Python ", capsys.readouterr().out)
+
+
+def test_plugins_shows_versions_backend_and_devices(kernels, capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert re.match(r"tops-core .*; jax .*, jaxlib .*\nbackend: cpu; devices: cpu \(cpu:0\)", out)
+
+
+def test_a_broken_pipe_ends_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    script = "import sys; from tops_core.cli import main; sys.exit(main(['list']))"
+    result = subprocess.run(f"{sys.executable} -c \"{script}\" | head -1", shell=True, capture_output=True, text=True, timeout=120)
+    assert result.stdout.startswith("kda:") and "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
 
 
 def test_plugins_lists_in_process_plugins(kernels, capsys):

@@ -9,17 +9,19 @@ smaller *check* shape unless the workload itself is small; the table says which.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from tops_core.callspec import CallSpec
+from tops_core.capabilities import FLOAT_DTYPES
 from tops_core.conformance import data
 from tops_core.conformance.cases import Case
 from tops_core.conformance.checks import REFERENCE, compare, evaluate
@@ -76,31 +78,45 @@ def default_dtype(platform: str) -> str:
     return "float32" if platform == "cpu" else "bfloat16"
 
 
-def workload(op_name: str, shape: Sequence[int], dtype: str, features: Sequence[str]) -> Case:
-    """The benchmark call; with ``cu_seqlens`` the ``B * T`` tokens are packed into ``2 B`` uneven sequences."""
+def workload(op_name: str, shape: Sequence[int], dtype: str, features: Sequence[str], num_seqs: int | None = None) -> Case:
+    """The benchmark call; with ``cu_seqlens`` (``B == 1``) the ``T`` tokens are packed into ``num_seqs`` uneven sequences."""
     B, T, H, K, V = shape
     contract = op(op_name)
     unknown = set(features) - contract.features
     if unknown:
         raise ValueError(f"unknown feature(s) {sorted(unknown)} for {op_name}; known: {', '.join(sorted(contract.features))}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
     case = Case(op_name, "workload", dtype=dtype, batch=B, seq_len=T, heads=H, key_dim=K, value_dim=V)
-    if "cu_seqlens" in features:
-        return case.with_features("workload", frozenset(features), batch=1, seq_len=B * T, seqlens=_packed(B, T))
-    return case.with_features("workload", frozenset(features))
+    if "cu_seqlens" not in features:
+        if num_seqs is not None:
+            raise ValueError("the number of sequences only applies to packed workloads (with cu_seqlens)")
+        return case.with_features("workload", frozenset(features))
+    if B != 1:
+        raise ValueError(f"cu_seqlens packs the sequences along T and requires B == 1, got B = {B}")
+    num_seqs = 1 if num_seqs is None else num_seqs
+    if num_seqs < 1:
+        raise ValueError(f"the number of packed sequences must be at least 1, got {num_seqs}")
+    return case.with_features("workload", frozenset(features), seq_len=T, seqlens=packed_lengths(num_seqs, T))
 
 
-def _packed(sequences: int, seq_len: int) -> tuple[int, ...]:
-    """``2 * sequences`` lengths summing to ``sequences * seq_len``, pairs split off the chunk grid."""
-    short = seq_len // 3 + 1
-    return (short, seq_len - short) * sequences
+def packed_lengths(num_seqs: int, seq_len: int) -> tuple[int, ...]:
+    """``num_seqs`` lengths summing to ``seq_len``, alternately a third shorter and a third longer than
+    the mean, so that boundaries fall off any chunk grid."""
+    mean = seq_len // num_seqs
+    lengths = [mean - mean // 3 if i % 2 == 0 else mean + mean // 3 for i in range(num_seqs)]
+    if num_seqs % 2:
+        lengths[-1] = mean
+    lengths[-1] += seq_len - sum(lengths)
+    return tuple(lengths)
 
 
 def check_shape(case: Case) -> Case:
     """A shape the float64 reference handles in seconds, with the workload's head dims and features."""
     seq_len = min(case.seq_len, 512)
-    changes: dict[str, Any] = dict(batch=1, seq_len=seq_len, heads=min(case.heads, 4))
+    changes: dict[str, Any] = dict(batch=1 if case.seqlens is None else case.batch, seq_len=seq_len, heads=min(case.heads, 4))
     if case.seqlens is not None:
-        changes["seqlens"] = _packed(1, seq_len)
+        changes["seqlens"] = packed_lengths(min(len(case.seqlens), seq_len), seq_len)
     return dataclasses.replace(case, name="check", **changes)
 
 
@@ -147,45 +163,66 @@ def time_call(function: Callable, args: tuple, budget: float, max_repeats: int) 
 
 
 class Progress:
-    """A one-line progress bar on stderr, silent when stderr is not a terminal."""
+    """Progress on stderr: a one-line bar on a terminal, one plain line per step otherwise (logs, CI)."""
 
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.done, self.stream = total, 0, stream
-        self.enabled = stream.isatty()
+    def __init__(self, total: int, stream=None):
+        self.total, self.done, self.stream = total, 0, stream or sys.stderr
+        self.terminal = self.stream.isatty()
 
     def step(self, label: str) -> None:
-        if self.enabled:
+        if self.terminal:
             filled = int(24 * self.done / max(self.total, 1))
             self.stream.write(f"\r[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} {label:<48.48}")
-            self.stream.flush()
+        else:
+            self.stream.write(f"[{self.done + 1}/{self.total}] {label}\n")
+        self.stream.flush()
         self.done += 1
 
     def close(self) -> None:
-        if self.enabled:
+        if self.terminal:
             self.stream.write("\r" + " " * 80 + "\r")
             self.stream.flush()
 
 
 def candidates(case: Case, platform: str, names: Sequence[str] | None) -> tuple[list[Implementation], CallSpec]:
+    """The implementations that run ``case`` here (only ``names``, when given); naming one that cannot is an error."""
     contract = op(case.op)
     policy = current_policy(case.op)
     spec = case.spec(platform, policy.interpret)
-    implementations = [impl for impl in contract.implementations() if not impl.reasons(spec, "forward")]
+    registered = {impl.name: impl for impl in contract.implementations()}
     if names:
-        unknown = set(names) - {impl.name for impl in contract.implementations()}
+        unknown = sorted(set(names) - set(registered))
         if unknown:
-            raise ValueError(f"unknown implementation(s) {sorted(unknown)} of {case.op}")
-        implementations = [impl for impl in implementations if impl.name in names]
+            raise ValueError(f"unknown implementation(s) {unknown} of {case.op}; registered: {', '.join(sorted(registered))}")
+        for name in names:
+            reasons = registered[name].reasons(spec, "forward")
+            if reasons:
+                raise ValueError(f"{name} cannot run this workload here: {'; '.join(reasons)}")
+    implementations = [impl for impl in registered.values() if not impl.reasons(spec, "forward") and (not names or impl.name in names)]
     return sorted(implementations, key=lambda impl: impl.name), spec
+
+
+@contextlib.contextmanager
+def dtype_scope(case: Case) -> Iterator[None]:
+    """float64 workloads need x64 on, or their arrays would silently be float32."""
+    with contextlib.ExitStack() as stack:
+        if case.dtype == "float64":
+            stack.enter_context(jax.enable_x64(True))
+        yield
 
 
 def run(case: Case, names: Sequence[str] | None = None, budget: float = 2.0, max_repeats: int = 10) -> Report:
     """Benchmark ``case`` on this machine; see the module docstring."""
+    with dtype_scope(case):
+        return _run(case, names, budget, max_repeats)
+
+
+def _run(case: Case, names: Sequence[str] | None, budget: float, max_repeats: int) -> Report:
     platform = platform_of([])
     contract = op(case.op)
     implementations, spec = candidates(case, platform, names)
     if not implementations:
-        raise NoImplementationError(f"no implementation of {case.op} supports {spec.describe()} here (see `tops explain`)")
+        raise NoImplementationError(f"no implementation of {case.op} supports {spec.describe()} here (`tops explain` says why)")
     reference_at_workload = elements(case) <= REFERENCE_MAX_ELEMENTS
     check = case if reference_at_workload else check_shape(case)
     policy = current_policy(case.op)
@@ -195,11 +232,6 @@ def run(case: Case, names: Sequence[str] | None = None, budget: float = 2.0, max
     except NoImplementationError:
         pass
 
-    progress = Progress(total=4 * len(implementations) + 1)
-    reference = None
-    if any(impl.name == REFERENCE for impl in contract.implementations()):
-        progress.step(f"{REFERENCE} at the check shape")
-        reference = evaluate(check, REFERENCE, backward=True)
     rows = []
     for impl in implementations:
         row = Row(impl.name, interpreted=impl.capabilities.interpreted(spec))
@@ -209,14 +241,26 @@ def run(case: Case, names: Sequence[str] | None = None, budget: float = 2.0, max
             row.differentiable = row.backward_by is not None
         if impl.name == REFERENCE and not reference_at_workload:
             row.note = "not timed at the workload (its backward stores every state)"
-        else:
-            _time(row, case, progress, budget, max_repeats, "forward", "forward_backward")
-        if not reference_at_workload:
-            _time(row, check, progress, budget / 2, max_repeats, "check_forward", "check_forward_backward")
-        if reference is not None:
-            progress.step(f"{impl.name} accuracy")
-            _accuracy(row, check, reference)
         rows.append(row)
+    has_reference = any(impl.name == REFERENCE for impl in contract.implementations())
+    shapes = {row.implementation: [] if row.note else [case] for row in rows}
+    if not reference_at_workload:
+        for timed in shapes.values():
+            timed.append(check)
+    progress = Progress(total=int(has_reference) + sum(
+        len(shapes[row.implementation]) * (1 + row.differentiable) + int(has_reference) for row in rows))
+
+    reference = None
+    if has_reference:
+        progress.step(f"{REFERENCE} at the check shape")
+        reference = evaluate(check, REFERENCE, backward=True)
+    for row in rows:
+        for timed in shapes[row.implementation]:
+            fields = ("forward", "forward_backward") if timed is case else ("check_forward", "check_forward_backward")
+            _time(row, timed, progress, budget if timed is case else budget / 2, max_repeats, *fields)
+        if reference is not None:
+            progress.step(f"{row.implementation} accuracy")
+            _accuracy(row, check, reference)
     progress.close()
     return Report(case, check, platform, reference_at_workload, rows)
 
@@ -248,11 +292,24 @@ def _accuracy(row: Row, case: Case, reference: tuple) -> None:
     row.within_tolerance = all(m.passed for m in measurements)
 
 
-def format_report(report: Report) -> str:
-    case = report.workload
+def describe_workload(case: Case, platform: str) -> str:
+    """The report's first line: the op, the workload and where it runs."""
     shape = f"B={case.batch} T={case.seq_len} H={case.heads} K={case.key_dim} V={case.value_dim}"
+    if case.seqlens is not None:
+        shape += f" N={len(case.seqlens)}"
     features = ", ".join(sorted(case.features)) or "no optional inputs"
-    lines = [f"tops bench {case.op}: {shape} {case.dtype} on {report.platform}, with {features}", ""]
+    return f"tops bench {case.op}: {shape} {case.dtype} on {platform}, with {features}"
+
+
+def failures(report: Report) -> list[str]:
+    """The implementations whose results were outside the tolerance."""
+    return [row.implementation for row in report.rows if row.within_tolerance is False]
+
+
+def format_report(report: Report, header: bool = True) -> str:
+    """The report as text; ``header=False`` leaves out the workload line (printed before the run)."""
+    case = report.workload
+    lines = [describe_workload(case, report.platform), ""] if header else []
     check = report.check
     at = "workload" if report.reference_at_workload else f"B={check.batch} T={check.seq_len} H={check.heads} K={check.key_dim} V={check.value_dim}"
     reference = next((r for r in report.rows if r.implementation == REFERENCE), None)
@@ -269,7 +326,7 @@ def format_report(report: Report) -> str:
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
     lines.append("")
     lines.append(f"Speedup and error measured at {at} against the float64 reference ({REFERENCE}); "
-                 "errors are relative RMS, 'ok' = within SPEC.md's tolerance for the dtype.")
+                 "errors are relative RMS, 'ok' = within the tolerance for the dtype (docs/ops.md).")
     for row in report.rows:
         if row.note:
             lines.append(f"{row.implementation}: {row.note}.")
@@ -294,15 +351,28 @@ def _errors(row: Row) -> str:
     return f"{row.forward_error:.1e} / {gradient} {'ok' if row.within_tolerance else 'FAIL'}"
 
 
-def plot(case: Case, names: Sequence[str] | None, path: str, budget: float = 1.0) -> None:
-    """A PNG of time against sequence length per implementation, forward and forward+backward."""
+def pyplot():
+    """matplotlib's pyplot on the Agg backend; a ValueError naming the extra when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'tops-core[plot]'") from None
+        raise ValueError("--plot needs matplotlib: pip install 'tops-core[plot]'") from None
+    return plt
+
+
+def plot(case: Case, names: Sequence[str] | None, path: str, budget: float = 1.0) -> None:
+    """A PNG of time against sequence length per implementation, forward and forward+backward."""
+    with dtype_scope(case):
+        _plot(case, names, path, budget)
+
+
+def _plot(case: Case, names: Sequence[str] | None, path: str, budget: float) -> None:
+    plt = pyplot()
+    from matplotlib.ticker import NullLocator
+
     lengths = sorted({max(case.seq_len // 4, 64), max(case.seq_len // 2, 64), case.seq_len, case.seq_len * 2})
     implementations, spec = candidates(case, platform_of([]), names)
     implementations = [impl for impl in implementations if impl.name != REFERENCE or elements(case) * 2 <= REFERENCE_MAX_ELEMENTS]
@@ -311,7 +381,8 @@ def plot(case: Case, names: Sequence[str] | None, path: str, budget: float = 1.0
     for impl in implementations:
         series: dict[str, list[float]] = {"forward": [], "forward+backward": []}
         for seq_len in lengths:
-            at = dataclasses.replace(case, seq_len=seq_len, seqlens=(seq_len,) if case.seqlens is not None else None)
+            seqlens = packed_lengths(len(case.seqlens), seq_len) if case.seqlens is not None else None
+            at = dataclasses.replace(case, seq_len=seq_len, seqlens=seqlens)
             forward, forward_backward, forward_args, backward_args = programs(at, impl.name)
             progress.step(f"{impl.name} T={seq_len} forward")
             series["forward"].append(time_call(forward, forward_args, budget, 5).median)
@@ -325,6 +396,8 @@ def plot(case: Case, names: Sequence[str] | None, path: str, budget: float = 1.0
     for axis in axes:
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
+        axis.set_xticks(lengths, [str(length) for length in lengths])
+        axis.xaxis.set_minor_locator(NullLocator())
         axis.set_xlabel("sequence length T")
         axis.set_ylabel("time (ms)")
         axis.grid(True, which="both", alpha=0.3)

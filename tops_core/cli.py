@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import os
+import platform as python_platform
 import sys
 from collections.abc import Sequence
 
@@ -11,18 +14,45 @@ from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.capabilities import FLOAT_DTYPES
 from tops_core.dispatch import NoImplementationError, pairing_note
 from tops_core.ops import CONTRACTS, op
-from tops_core.ops.base import platform_of
+from tops_core.ops.base import ContractError, platform_of
 from tops_core.policy import Force, current_policy
-from tops_core.registry import default_registry
+from tops_core.registry import PluginError, default_registry
+
+DEFAULT_SHAPE = "2,4096,8,128,128"
+DEFAULT_DTYPES = "float32 on cpu, bfloat16 on gpu and tpu"
+
+
+class UsageError(Exception):
+    """A command line that cannot be run as written; printed as one line."""
+
+
+def versions() -> str:
+    """tops-core, jax and jaxlib versions, and the Python running them."""
+    def version(distribution: str) -> str:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (f"tops-core {version('tops-core')}; jax {version('jax')}, jaxlib {version('jaxlib')}; "
+            f"Python {python_platform.python_version()}")
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    import jax
+
     registry = default_registry()
+    print(versions())
+    devices = jax.devices()
+    described = ", ".join(f"{d.device_kind} ({d.platform}:{d.id})" for d in devices[:8]) + (f", ... ({len(devices)} in all)" if len(devices) > 8 else "")
+    print(f"backend: {jax.default_backend()}; devices: {described}\n")
     rows = [("plugin", "distribution", "version", "implementations")]
     for info in sorted(registry.plugins(), key=lambda p: p.name):
         implementations = ", ".join(f"{impl} ({op})" for op, impl in info.implementations) or "-"
         rows.append((info.name, info.distribution or f"({info.source})", info.version or "-", implementations))
     print(_table(rows))
+    for note in registry.environment_notes():
+        print(f"note: {note}")
     quarantined = registry.quarantined()
     if quarantined:
         print(f"\nquarantined ({len(quarantined)}):")
@@ -30,6 +60,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print(f"  {plugin.name} ({plugin.distribution or '?'} {plugin.version or ''}): {plugin.error}".replace(" )", ")"))
             if args.verbose:
                 print("    " + plugin.details.rstrip().replace("\n", "\n    "))
+        return 1
     return 0
 
 
@@ -93,6 +124,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         strict=policy.strict or args.strict,
         interpret=policy.interpret or args.interpret,
     )
+    if policy.force is not None:
+        registered = {impl.name for impl in contract.implementations()}
+        if policy.force.implementation not in registered:
+            raise UsageError(f"unknown implementation {policy.force.implementation!r} of {contract.name}; registered: {', '.join(sorted(registered)) or 'none'}")
     spec = dataclasses.replace(spec, interpret=policy.interpret)
     decisions = {}
     for direction in ("forward", "backward"):
@@ -109,40 +144,78 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _features(contract, args: argparse.Namespace) -> list[str]:
+    from tops_core import bench
+
+    features = _parse_list(args.with_features) if args.with_features is not None else list(bench.DEFAULT_FEATURES[contract.name])
+    unknown = set(features) - contract.features
+    if unknown:
+        raise UsageError(f"unknown feature(s) {sorted(unknown)} for {contract.name}; known: {', '.join(sorted(contract.features))}")
+    if args.num_seqs is not None and "cu_seqlens" not in features:
+        raise UsageError("--num-seqs describes packed sequences: add cu_seqlens to --with")
+    return features
+
+
 def _spec_from_args(contract, args: argparse.Namespace) -> CallSpec:
     B, T, H, K, V = _parse_shape(args.shape)
-    features = set(_parse_list(args.with_features))
-    unknown = features - contract.features
-    if unknown:
-        raise SystemExit(f"unknown feature(s) {sorted(unknown)} for {contract.name}; known: {', '.join(sorted(contract.features))}")
+    features = set(_features(contract, args))
     ndims = {name: 1 for name in contract.variable_ndims if name in features}
     for item in args.ndim:
         name, _, value = item.partition("=")
         if name not in contract.variable_ndims or name not in features or not value.isdigit():
-            raise SystemExit(f"--ndim takes NAME=RANK for a given input of variable rank ({', '.join(sorted(contract.variable_ndims)) or 'none'}), got {item!r}")
+            raise UsageError(f"--ndim takes NAME=RANK for a given input of variable rank ({', '.join(sorted(contract.variable_ndims)) or 'none'}), got {item!r}")
         ndims[name] = int(value)
-    num_seqs = args.num_seqs if "cu_seqlens" in features else B
     if "cu_seqlens" in features and B != 1:
-        raise SystemExit("cu_seqlens requires B == 1 (sequences packed along T)")
+        raise UsageError(f"cu_seqlens packs the sequences along T and requires B == 1, got --shape {args.shape}")
+    num_seqs = (args.num_seqs or 1) if "cu_seqlens" in features else B
     return CallSpec(
-        op=contract.name, platform=args.platform, dtype=args.dtype, batch=B, seq_len=T, heads=H, key_dim=K,
-        value_dim=V, num_seqs=num_seqs, features=frozenset(features), ndims=tuple(ndims.items()),
+        op=contract.name, platform=args.platform, dtype=args.dtype or _default_dtype(args.platform), batch=B, seq_len=T,
+        heads=H, key_dim=K, value_dim=V, num_seqs=num_seqs, features=frozenset(features), ndims=tuple(ndims.items()),
     )
+
+
+def _default_dtype(platform: str) -> str:
+    from tops_core import bench
+
+    return bench.default_dtype(platform)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from tops_core import bench
 
-    shape = _parse_shape(args.shape)
-    dtype = args.dtype or bench.default_dtype(platform_of([]))
-    features = _parse_list(args.with_features) if args.with_features is not None else bench.DEFAULT_FEATURES[args.op]
-    case = bench.workload(args.op, shape, dtype, features)
+    contract = op(args.op)
+    features = _features(contract, args)
+    platform = platform_of([])
+    try:
+        case = bench.workload(contract.name, _parse_shape(args.shape), args.dtype or _default_dtype(platform), features, args.num_seqs)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     names = _parse_list(",".join(args.impl))
-    print(bench.format_report(bench.run(case, names, budget=args.budget)))
+    with bench.dtype_scope(case):
+        bench.candidates(case, platform, names)  # unknown or unsupported names fail before any work
+    if args.plot:
+        _check_writable(args.plot)
+        bench.pyplot()
+    print(bench.describe_workload(case, platform), flush=True)
+    report = bench.run(case, names, budget=args.budget)
+    print("\n" + bench.format_report(report, header=False))
     if args.plot:
         bench.plot(case, names, args.plot)
         print(f"\nwrote {args.plot}")
+    failed = bench.failures(report)
+    if failed:
+        print(f"\nFAIL: {', '.join(failed)} outside the tolerance for {case.dtype}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_writable(path: str) -> None:
+    """Refuse a plot path that could not be written, before spending minutes on the benchmark."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"--plot {path}: the directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"--plot {path}: the directory {directory} is not writable")
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -151,7 +224,7 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if len(shape) != 5 or min(shape) < 1:
-        raise SystemExit(f"--shape must be B,T,H,K,V (five positive integers), got {text!r}")
+        raise UsageError(f"--shape must be B,T,H,K,V (five positive integers), got {text!r}")
     return shape
 
 
@@ -164,11 +237,26 @@ def _table(rows: list[tuple[str, ...]], indent: str = "") -> str:
     return "\n".join(indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
+def _call_arguments(parser: argparse.ArgumentParser, default_op: str | None) -> None:
+    """The description of a call, shared by explain and bench (same names, same defaults)."""
+    if default_op is None:
+        parser.add_argument("op", choices=sorted(CONTRACTS))
+    else:
+        parser.add_argument("op", nargs="?", default=default_op, choices=sorted(CONTRACTS), help="default: %(default)s")
+    parser.add_argument("--shape", default=DEFAULT_SHAPE, help="B,T,H,K,V (default: %(default)s)")
+    parser.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"input dtype (default: {DEFAULT_DTYPES})")
+    parser.add_argument("--with", dest="with_features", metavar="FEATURES",
+                        help="comma-separated optional inputs and options, e.g. g_gamma,initial_state,output_final_state "
+                             "(default: g_gamma for simple_gla, use_qk_l2norm for kda)")
+    parser.add_argument("--num-seqs", type=int, metavar="N", help="packed sequences, with cu_seqlens and B = 1 (default: 1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tops", description="Linear-attention kernels: plugins, dispatch decisions and benchmarks.")
+    parser.add_argument("--version", action="version", version=versions())
     commands = parser.add_subparsers(dest="command", required=True)
 
-    plugins = commands.add_parser("plugins", help="installed plugins, their versions, and quarantined ones with reasons")
+    plugins = commands.add_parser("plugins", help="installed plugins, their versions, and quarantined ones with reasons (exit 1 if any)")
     plugins.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of quarantined plugins")
     plugins.set_defaults(run=cmd_plugins)
 
@@ -177,13 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     listing.set_defaults(run=cmd_list)
 
     explain = commands.add_parser("explain", help="describe a call and print the dispatcher's decision trace")
-    explain.add_argument("op", choices=sorted(CONTRACTS))
-    explain.add_argument("--shape", default="2,4096,8,128,128", help="B,T,H,K,V (default: %(default)s)")
-    explain.add_argument("--dtype", default="bfloat16", choices=FLOAT_DTYPES)
-    explain.add_argument("--with", dest="with_features", default="", metavar="FEATURES",
-                         help="comma-separated optional inputs and options, e.g. g_gamma,initial_state,output_final_state")
+    _call_arguments(explain, default_op=None)
     explain.add_argument("--ndim", action="append", default=[], metavar="NAME=RANK", help="rank of an input of variable rank (g_gamma: 0 or 1)")
-    explain.add_argument("--num-seqs", type=int, default=1, help="number of packed sequences with cu_seqlens")
     explain.add_argument("--platform", default=platform_of([]), choices=PLATFORMS, help="default: this machine's (%(default)s)")
     explain.add_argument("--interpret", action="store_true", help="interpret mode: accept TPU kernels off TPU")
     explain.add_argument("--force", metavar="IMPL", help="force an implementation, e.g. xla.chunk")
@@ -191,12 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--strict", action="store_true", help="no fallback past the forced or highest-priority implementation")
     explain.set_defaults(run=cmd_explain)
 
-    bench = commands.add_parser("bench", help="benchmark every implementation that supports a workload (the main job)")
-    bench.add_argument("op", nargs="?", default="simple_gla", choices=sorted(CONTRACTS))
-    bench.add_argument("--shape", default="2,4096,8,128,128", help="B,T,H,K,V (default: %(default)s)")
-    bench.add_argument("--dtype", choices=FLOAT_DTYPES, help="default: float32 on cpu, bfloat16 elsewhere")
-    bench.add_argument("--with", dest="with_features", metavar="FEATURES",
-                       help="comma-separated optional inputs and options (default: g_gamma for simple_gla, use_qk_l2norm for kda)")
+    bench = commands.add_parser("bench", help="benchmark every implementation that supports a workload (the main job); exit 1 if any is outside the tolerance")
+    _call_arguments(bench, default_op="simple_gla")
     bench.add_argument("--impl", action="append", default=[], metavar="NAME", help="only these implementations (repeatable or comma-separated)")
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG of time against sequence length (needs matplotlib)")
     bench.add_argument("--budget", type=float, default=2.0, help="seconds of timed repeats per measurement (default: %(default)s)")
@@ -206,7 +285,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:
+        # `tops list | head`: the reader left; say nothing more, and keep Python's exit-time flush quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (UsageError, ValueError, TypeError, NoImplementationError, PluginError, ContractError) as error:
+        print(f"tops: error: {_first_line(error)}", file=sys.stderr)
+        return 2
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return lines[0] + (" (`tops explain` shows every implementation and why)" if isinstance(error, NoImplementationError) else "")
 
 
 if __name__ == "__main__":
