@@ -1,6 +1,6 @@
 """Plain-jax implementations registered in-process by the core tests (not kernels, not the oracle).
 
-``scan_forward`` is a float32 token-by-token scan of SPEC.md's simple_gla recurrence without
+``scan_forward`` is a float32 token-by-token scan of the simple_gla recurrence (docs/ops.md) without
 varlen; ``vjp_backward`` differentiates it with ``jax.vjp``. They let the core tests exercise
 dispatch, custom_vjp wiring, jit and vmap without any plugin installed.
 """

@@ -1,4 +1,4 @@
-"""Test data as SPEC.md prescribes, deterministic per case.
+"""Test data as docs/ops.md prescribes, deterministic per case.
 
 ``q, k`` unit-normal times ``K ** -0.5`` (kda: L2-normalised unless the kernel normalises),
 ``v`` unit-normal, ``g = log_sigmoid(normal) / 16``, ``g_gamma`` from ALiBi slopes, and strong
