@@ -72,12 +72,13 @@ def test_any_other_supporting_implementation_wins_over_the_oracle(fresh_registry
 
 def test_float64_bits_cross_the_host_callback_unchanged(x64):
     """float64 travels as uint32 pairs both ways, so no thread's x64 setting can round it to float32."""
-    from tops_plugins_ref import recurrence
+    from tops_plugins_ref import callback
+    from tops_plugins_ref.host import wire
 
     value = jnp.asarray([1 + 2.0**-40, -3e-300, np.pi], jnp.float64)
     spec = jax.ShapeDtypeStruct(value.shape, jnp.float64)
-    host = recurrence._host_decode(np.asarray(recurrence._device_encode(value)), jnp.float64)
-    back = recurrence._device_decode(jnp.asarray(recurrence._host_encode(host)), spec)
+    host = wire.decode(np.asarray(callback._device_encode(value)))
+    back = callback._device_decode(jnp.asarray(wire.encode(host)), spec)
     assert host.dtype == np.float64 and back.dtype == jnp.float64
     np.testing.assert_array_equal(host, np.asarray(value))
     np.testing.assert_array_equal(np.asarray(back), np.asarray(value))

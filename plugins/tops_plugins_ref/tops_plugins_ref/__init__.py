@@ -1,7 +1,7 @@
 """Float64 reference implementations of the tops ops (the oracle).
 
-Each op is SPEC.md's recurrence computed token by token in float64 on the CPU host, whatever the
-caller's device and dtype; every other implementation is judged against it. It supports every
+Each op is the recurrence of docs/ops.md computed token by token in float64 NumPy on the CPU host,
+whatever the caller's device and dtype; every other implementation is judged against it. It supports every
 call and ranks below every other implementation, so the dispatcher picks it only when forced
 (``implementation="ref.recurrent"``) or when nothing else supports a call.
 """
@@ -24,7 +24,8 @@ LOWEST_PRIORITY = {platform: -1 for platform in PLATFORMS}
 
 
 def needs_a_cpu_device(spec) -> str | None:
-    """Reject every call in a process whose JAX has no CPU backend, where the host scan cannot run."""
+    """Reject every call in a process whose JAX has no CPU backend: ``jax.pure_callback`` places the
+    host function's operands on a CPU device, so without one the call would fail inside the callback."""
     try:
         jax.devices("cpu")
     except RuntimeError:
@@ -45,7 +46,7 @@ def tops_register_implementations(register):
             predicate=needs_a_cpu_device,
         ),
         priority=LOWEST_PRIORITY,
-        description="float64 token-by-token scan on the CPU host (the oracle); backward by autodiff",
+        description="float64 token-by-token NumPy scan on the CPU host (the oracle); exact hand-written reverse sweep",
     ))
     register(Implementation(
         op="kda",
@@ -56,5 +57,5 @@ def tops_register_implementations(register):
             platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=KDA.features, predicate=needs_a_cpu_device,
         ),
         priority=LOWEST_PRIORITY,
-        description="float64 token-by-token delta-rule scan on the CPU host (the oracle); backward by autodiff",
+        description="float64 token-by-token NumPy delta-rule scan on the CPU host (the oracle); exact hand-written reverse sweep",
     ))
