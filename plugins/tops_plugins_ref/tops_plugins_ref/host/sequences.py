@@ -18,9 +18,10 @@ class Sequences:
             bounds = np.arange(batch + 1) * seq_len
         else:
             bounds = np.asarray(cu_seqlens, np.int64)
-            # The core hands implementations valid boundaries; this is a cheap guard, not the validation.
+            # The core validates boundaries, or replaces invalid traced ones, before any implementation
+            # sees them; this cheap guard only keeps a broken guarantee from indexing out of range.
             if bounds[0] != 0 or np.any(np.diff(bounds) < 0) or bounds[-1] != seq_len:
-                raise ValueError(f"cu_seqlens must end at T = {seq_len}, start at 0 and never decrease; got {bounds.tolist()}")
+                raise ValueError(f"ref.recurrent was handed invalid cu_seqlens {bounds.tolist()} for T = {seq_len}")
         self.batch, self.seq_len = batch, seq_len
         self.count = len(bounds) - 1
         starts, lengths = bounds[:-1], np.diff(bounds)
