@@ -45,6 +45,7 @@ class Decision:
     config: Any
     decided_by: str
     notes: tuple[str, ...] = ()
+    fallback: str | None = None  # why a forced implementation was passed over (a RuntimeWarning)
 
     @property
     def interpreted(self) -> bool:
@@ -113,9 +114,13 @@ def no_implementation_message(
 
 
 def select(
-    implementations: list[Implementation], spec: CallSpec, direction: str, policy: Policy
+    implementations: list[Implementation], spec: CallSpec, direction: str, policy: Policy, warn: bool = True
 ) -> Decision:
-    """Choose an implementation of ``spec.op`` for ``direction`` under ``policy`` (uncached)."""
+    """Choose an implementation of ``spec.op`` for ``direction`` under ``policy`` (uncached).
+
+    ``warn=False`` leaves warning about a forced implementation's fallback to the caller
+    (``Decision.fallback``): a traced call warns only where its program is lowered.
+    """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     by_name = {impl.name: impl for impl in implementations}
@@ -134,9 +139,11 @@ def select(
 
     def decision(name: str, decided_by: str, config: Any = None, notes: tuple[str, ...] = ()) -> Decision:
         impl = by_name[name]
-        return Decision(spec.op, direction, spec, policy, candidates, impl, config if config is not None else impl.config, decided_by, notes)
+        config = config if config is not None else impl.config
+        return Decision(spec.op, direction, spec, policy, candidates, impl, config, decided_by, notes, fallback)
 
     notes: tuple[str, ...] = ()
+    fallback = None
     force = policy.force
     if force is not None:
         if force.implementation not in by_name:
@@ -155,7 +162,9 @@ def select(
             if policy.strict:
                 raise fail(f"the forced implementation {forced.name} does not support this call, and strict mode forbids falling back")
             notes = (f"the forced {forced.name} does not support this call ({'; '.join(candidate.reasons)}); fell back by priority",)
-            warnings.warn(f"tops: {notes[0]}", RuntimeWarning, stacklevel=4)
+            fallback = f"tops: {notes[0]}"
+            if warn:
+                warnings.warn(fallback, RuntimeWarning, stacklevel=4)
 
     supported = [c for c in candidates if c.supported]
     if not supported:

@@ -5,6 +5,11 @@ call an implementation's forward and backward; this base turns that into a ``jax
 function whose forward and backward implementations are selected separately. The residuals
 are the original inputs: a backward recomputes what it needs, so any backward pairs with any
 forward.
+
+Where a call runs: the device of its inputs when none is traced (an eager call). A traced call
+(under ``jit``, ``grad``, ``vmap``, or lowered ahead of time from abstract inputs, perhaps for
+another platform) runs wherever its program is lowered for, so it is decided for every platform
+and the choice is left to the lowering (``tops_core.lowering``).
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from tops_core.callspec import CallSpec
+from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.dispatch import Decision, NoImplementationError, pairing_note, select
+from tops_core.lowering import Choice, stage_per_platform
 from tops_core.ops import validation
 from tops_core.ops.validation import is_concrete
 from tops_core.policy import ForceRequest, Policy, current_policy
@@ -34,13 +40,16 @@ class Prepared:
     """A validated call: array inputs by name (``None`` when absent), static options, and the call spec.
 
     ``checks_cu_seqlens``: the boundaries were traced when the call was validated, so their
-    values are checked inside the program (``_with_trusted_cu_seqlens``).
+    values are checked inside the program (``_with_trusted_cu_seqlens``). ``platform_known``:
+    ``spec.platform`` is the inputs' device (an eager call). Otherwise it is the host's, and the
+    call is decided per platform at lowering.
     """
 
     arrays: Mapping[str, Any]
     options: tuple[tuple[str, Any], ...]
     spec: CallSpec
     checks_cu_seqlens: bool = False
+    platform_known: bool = True
 
     def option(self, name: str) -> Any:
         return dict(self.options)[name]
@@ -48,29 +57,65 @@ class Prepared:
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """The forward and backward decisions for one call; ``str()`` gives the full trace."""
+    """The forward and backward decisions for one call; ``str()`` gives the full trace.
+
+    ``elsewhere``: for a traced call, the same for every other platform it may be lowered for
+    (an ``Explanation``, or the error when no forward supports it there).
+    """
 
     forward: Decision
     backward: Decision | None
     backward_error: str | None = None
+    elsewhere: tuple[tuple[str, Explanation | str], ...] = ()
 
     def __str__(self) -> str:
         if self.backward is None:
-            return f"{self.forward.explain()}\n{self.backward_error}"
-        pairing = pairing_note(self.forward, self.backward)
-        return "\n".join([self.forward.explain(), self.backward.explain()] + ([pairing] if pairing else []))
+            text = f"{self.forward.explain()}\n{self.backward_error}"
+        else:
+            pairing = pairing_note(self.forward, self.backward)
+            text = "\n".join([self.forward.explain(), self.backward.explain()] + ([pairing] if pairing else []))
+        if not self.elsewhere:
+            return text
+        lines = [text, "", "The inputs are traced: the program runs where it is lowered for, so every platform is decided and the lowering keeps its own choice."]
+        for platform, explanation in self.elsewhere:
+            lines += ["", f"if lowered for {platform}:", str(explanation)]
+        lines += ["", "chosen at lowering (forward / backward):"]
+        for platform, explanation in ((self.forward.spec.platform, self), *self.elsewhere):
+            lines.append(f"  {platform}: {_winners(explanation)}")
+        return "\n".join(lines)
+
+
+def _winners(explanation: Explanation | str) -> str:
+    if isinstance(explanation, str):
+        return "no implementation (lowering for it raises NoImplementationError)"
+    backward = explanation.backward.implementation.name if explanation.backward else "no backward"
+    return f"{explanation.forward.implementation.name} / {backward}"
+
+
+def concrete_platform(arrays: list[Any]) -> str | None:
+    """The platform of the inputs' device when none is traced (an eager call); None otherwise.
+
+    A concrete array beside traced ones is a constant of a program that runs wherever it is
+    lowered for, so it says nothing about the platform.
+    """
+    arrays = [x for x in arrays if isinstance(x, jax.Array)]
+    if not arrays or not all(is_concrete(x) for x in arrays):
+        return None
+    return _spec_platform(next(iter(arrays[0].devices())).platform)
+
+
+def host_platform() -> str:
+    """JAX's default device's platform: where a call with no concrete input runs unless lowered elsewhere."""
+    device = jax.config.jax_default_device
+    return _spec_platform(device.platform if isinstance(device, jax.Device) else jax.default_backend())
 
 
 def platform_of(arrays: list[Any]) -> str:
-    """The platform a call runs on: the device of its first concrete input, else JAX's default."""
-    platform = None
-    for x in arrays:
-        if isinstance(x, jax.Array) and is_concrete(x):
-            platform = next(iter(x.devices())).platform
-            break
-    if platform is None:
-        device = jax.config.jax_default_device
-        platform = device.platform if isinstance(device, jax.Device) else jax.default_backend()
+    """The platform a call runs on: its inputs' device in an eager call, else JAX's default."""
+    return concrete_platform(arrays) or host_platform()
+
+
+def _spec_platform(platform: str) -> str:
     return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
@@ -113,6 +158,14 @@ class OpContract:
             return o, None
         return o, jax.ShapeDtypeStruct(self._state_shape(prepared.spec), state_dtype(v.dtype))
 
+    def expected_grads(self, prepared: Prepared) -> Any:
+        """Shapes and dtypes of the gradients: like each given differentiable input, ``None`` for absent ones."""
+        arrays = prepared.arrays
+        return self.grads_type(**{
+            "d" + name: None if arrays[name] is None else jax.ShapeDtypeStruct(tuple(arrays[name].shape), arrays[name].dtype)
+            for name in self.differentiable
+        })
+
     # -- shared by the contracts ------------------------------------------------------------
 
     def make_prepared(
@@ -124,13 +177,15 @@ class OpContract:
         features = {f for f in self.features if arrays.get(f) is not None or values.get(f) is True}
         q, v = arrays["q"], arrays["v"]
         B, T, H, K = q.shape
+        platform = concrete_platform(list(arrays.values()))
         spec = CallSpec(
-            op=self.name, platform=platform_of(list(arrays.values())), dtype=spec_dtype(q),
+            op=self.name, platform=platform or host_platform(), dtype=spec_dtype(q),
             batch=B, seq_len=T, heads=H, key_dim=K, value_dim=v.shape[-1], num_seqs=num_seqs,
             features=frozenset(features), ndims=tuple(ndims.items()), interpret=interpret,
         )
         cu_seqlens = arrays.get("cu_seqlens")
-        return Prepared(arrays, options, spec, checks_cu_seqlens=cu_seqlens is not None and not is_concrete(cu_seqlens))
+        checks_cu_seqlens = cu_seqlens is not None and not is_concrete(cu_seqlens)
+        return Prepared(arrays, options, spec, checks_cu_seqlens=checks_cu_seqlens, platform_known=platform is not None)
 
     def check_cotangents(self, prepared: Prepared, do: Any, dht: Any) -> tuple[jax.Array, jax.Array | None]:
         """Validate the cotangents of an explicit ``backward`` call."""
@@ -151,27 +206,63 @@ class OpContract:
     def policy(self, implementation: ForceRequest = None) -> Policy:
         return current_policy(self.name, implementation)
 
-    def decide(self, spec: CallSpec, direction: str = "forward", policy: Policy | None = None) -> Decision:
-        """Select an implementation for a call spec (cached per spec, direction and policy)."""
+    def decide(self, spec: CallSpec, direction: str = "forward", policy: Policy | None = None, *, warn: bool = True) -> Decision:
+        """Select an implementation for a call spec (cached per spec, direction and policy).
+
+        ``warn=False``: a forced implementation's fallback is not warned about (see ``dispatch.select``).
+        """
         if spec.op != self.name:
             raise ValueError(f"call spec is for {spec.op!r}, not {self.name!r}")
         policy = self.policy() if policy is None else policy
         registry = default_registry()
         registry.warn_quarantined()
-        key = (spec, direction, policy)
+        key = (spec, direction, policy, warn)
         decision = registry.decisions.get(key)
         if decision is None:
-            decision = select(registry.implementations(self.name), spec, direction, policy)
+            decision = select(registry.implementations(self.name), spec, direction, policy, warn)
             registry.decisions[key] = decision
         return decision
+
+    def decide_per_platform(self, prepared: Prepared, direction: str, policy: Policy) -> dict[str, Choice]:
+        """The decision for the call's platform, and for a traced call those for every other platform.
+
+        The call's own platform decides first and its ``NoImplementationError`` propagates; another
+        platform's is recorded in its place, for the lowering to raise only if it lowers for it.
+        Warning about a forced implementation's fallback is left to ``stage_per_platform``, which
+        knows whether it applies wherever the program is lowered or only on some platforms.
+        """
+        spec = prepared.spec
+        choices: dict[str, Choice] = {spec.platform: self.decide(spec, direction, policy, warn=False)}
+        if prepared.platform_known:
+            return choices
+        for platform in PLATFORMS:
+            if platform not in choices:
+                try:
+                    choices[platform] = self.decide(dataclasses.replace(spec, platform=platform), direction, policy, warn=False)
+                except NoImplementationError as error:
+                    choices[platform] = error
+        return choices
 
     def implementations(self) -> list:
         return default_registry().implementations(self.name)
 
     def _explain(self, prepared: Prepared, policy: Policy) -> Explanation:
-        forward = self.decide(prepared.spec, "forward", policy)
+        explanation = self._explain_spec(prepared.spec, policy, warn=True)
+        if prepared.platform_known:
+            return explanation
+        elsewhere = []
+        for platform in PLATFORMS:
+            if platform != prepared.spec.platform:
+                try:
+                    elsewhere.append((platform, self._explain_spec(dataclasses.replace(prepared.spec, platform=platform), policy, warn=False)))
+                except NoImplementationError as error:
+                    elsewhere.append((platform, str(error)))
+        return dataclasses.replace(explanation, elsewhere=tuple(elsewhere))
+
+    def _explain_spec(self, spec: CallSpec, policy: Policy, warn: bool) -> Explanation:
+        forward = self.decide(spec, "forward", policy, warn=warn)
         try:
-            backward = self.decide(prepared.spec, "backward", policy)
+            backward = self.decide(spec, "backward", policy, warn=warn)
         except NoImplementationError as error:
             return Explanation(forward, None, str(error))
         return Explanation(forward, backward)
@@ -179,28 +270,35 @@ class OpContract:
     # -- execution -------------------------------------------------------------------------
 
     def _forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
-        static = _Static(self, prepared.options, prepared.spec, policy, default_registry().generation, prepared.checks_cu_seqlens)
+        static = _Static(
+            self, prepared.options, prepared.spec, policy, default_registry().generation,
+            prepared.checks_cu_seqlens, prepared.platform_known,
+        )
         return _compiled(static, dict(prepared.arrays))
 
     def _run_forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
-        decision = self.decide(prepared.spec, "forward", policy)
-
-        def run(prepared: Prepared) -> tuple[Any, Any]:
-            outputs = self.call_forward(decision.implementation.forward, prepared, decision.config)
-            self._check_outputs(decision.implementation.name, prepared, outputs)
+        def run(decision: Decision, arrays: dict[str, Any]) -> tuple[Any, Any]:
+            call = dataclasses.replace(prepared, arrays=arrays)
+            outputs = self.call_forward(decision.implementation.forward, call, decision.config)
+            self._check_outputs(decision.implementation.name, call, outputs)
             return outputs
 
-        return _with_trusted_cu_seqlens(prepared, run)
+        choices = self.decide_per_platform(prepared, "forward", policy)
+        return _with_trusted_cu_seqlens(
+            prepared, lambda trusted: stage_per_platform(choices, run, dict(trusted.arrays), lambda: self.expected_outputs(prepared))
+        )
 
     def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any) -> Any:
-        decision = self.decide(prepared.spec, "backward", policy)
-
-        def run(prepared: Prepared) -> Any:
-            grads = self.call_backward(decision.implementation.backward, prepared, do, dht, decision.config)
-            self._check_grads(decision.implementation.name, prepared.arrays, grads)
+        def run(decision: Decision, operands: tuple[dict[str, Any], Any, Any]) -> Any:
+            arrays, do, dht = operands
+            grads = self.call_backward(decision.implementation.backward, dataclasses.replace(prepared, arrays=arrays), do, dht, decision.config)
+            self._check_grads(decision.implementation.name, arrays, grads)
             return grads
 
-        return _with_trusted_cu_seqlens(prepared, run)
+        choices = self.decide_per_platform(prepared, "backward", policy)
+        return _with_trusted_cu_seqlens(
+            prepared, lambda trusted: stage_per_platform(choices, run, (dict(trusted.arrays), do, dht), lambda: self.expected_grads(prepared))
+        )
 
     def _check_outputs(self, impl: str, prepared: Prepared, outputs: Any) -> None:
         if not (isinstance(outputs, tuple) and len(outputs) == 2):
@@ -258,9 +356,10 @@ class _Static:
     policy: Policy
     registry_generation: int
     checks_cu_seqlens: bool
+    platform_known: bool
 
     def prepared(self, arrays: Mapping[str, Any]) -> Prepared:
-        return Prepared(arrays, self.options, self.spec, self.checks_cu_seqlens)
+        return Prepared(arrays, self.options, self.spec, self.checks_cu_seqlens, self.platform_known)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
