@@ -186,6 +186,26 @@ def test_kernels_lower_to_mosaic_for_tpu(head_dims):
         assert lowered.as_text().count("tpu_custom_call") == calls
 
 
+@pytest.mark.parametrize(("kernel", "calls"), [("fused", 1), ("chunk", 2)])
+def test_the_public_op_compiles_its_kernels_where_lowered_for_tpu(kernel, calls, make_inputs):
+    # interpret=None follows the platform the program is lowered for, not this host's: the kernels
+    # are Mosaic custom calls in the TPU lowering, absent from the CPU one, and one program exported
+    # for both runs the portable implementation on CPU.
+    inputs, _ = make_inputs(1, 100, 2, 128, 128, jnp.bfloat16, g_gamma="alibi")
+
+    def forward(inputs):
+        return sg.forward(**inputs, implementation=f"tpu_pallas.{kernel}")[0]
+
+    traced = jax.jit(forward).trace(inputs)
+    assert traced.lower(lowering_platforms=("tpu",)).as_text().count("tpu_custom_call") == calls
+    with pytest.warns(RuntimeWarning, match=f"the forced tpu_pallas.{kernel} does not support this call"):
+        assert "tpu_custom_call" not in traced.lower(lowering_platforms=("cpu",)).as_text()
+        exported = jax.export.export(jax.jit(forward), platforms=("cpu", "tpu"))(inputs)
+    assert exported.mlir_module().count("tpu_custom_call") == calls
+    portable = sg.forward(**inputs, implementation="xla.chunk")[0]
+    np.testing.assert_array_equal(exported.call(inputs), portable)
+
+
 def _primitives_around_kernels(jaxpr) -> set[str]:
     """Names of the primitives in a jaxpr and the jaxprs nested in it, leaving out the kernels' bodies."""
     names = set()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
+import jax
 import jax.numpy as jnp
 import pytest
+import tops_core
 
 from tops_plugins_tpu_pallas import chunk, fused, traffic
 from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan, Relayout, Scalars, Scratch
@@ -98,3 +101,42 @@ def test_lane_padding_copies_are_counted_end_to_end():
     assert f.relayout_per_token == 4 * (100 + 128) * 2
     assert f.kernel_bytes == TOKENS * 4 * 128 * 2 + 16 * 4
     assert f.end_to_end_bytes == f.kernel_bytes + f.relayout_bytes
+
+
+def _cost_estimates(implementation: str, B, T, H, K, V, **inputs) -> list[dict[str, int]]:
+    """The ``pl.CostEstimate`` of every kernel, as it stands in the public op's program lowered for TPU (no TPU needed)."""
+    tokens = jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)
+    values = jax.ShapeDtypeStruct((B, T, H, V), jnp.bfloat16)
+
+    def forward(q, k, v, g):
+        return tops_core.op("simple_gla").forward(q, k, v, g=g, implementation=implementation)[0]
+
+    gates = jax.ShapeDtypeStruct((B, T, H), jnp.float32) if inputs.get("g") else None
+    text = jax.jit(forward).trace(tokens, tokens, values, gates).lower(lowering_platforms=("tpu",)).as_text()
+    fields = re.findall(r"cost_estimate\\22: \{(.*?)\}", text)
+    return [{name: int(value) for name, value in re.findall(r"\\22(\w+)\\22:(\d+)", f)} for f in fields]
+
+
+def test_fused_cost_estimate_counts_every_chunk_of_the_grid():
+    # B=2, T=200 (4 chunks of 64, the last ragged), H=3, K=V=128, with g: 2*3*1*4 = 24 chunk bodies.
+    # Per chunk: the g cumsum (64 x 64) @ (64 x 1), scores (64 x 128) @ (128 x 64), from the state
+    # (64 x 128) @ (128 x 128), attention (64 x 64) @ (64 x 128), the state update (128 x 64) @ (64 x 128);
+    # exp of 64 x 64 decays, 64 output gates, 64 key decays and the chunk's decay.
+    (estimate,) = _cost_estimates("tpu_pallas.fused", 2, 200, 3, 128, 128, g=True)
+    per_chunk = 2 * 64 * 64 + 2 * 64 * 128 * 64 + 2 * 64 * 128 * 128 + 2 * 64 * 64 * 128 + 2 * 128 * 64 * 128
+    assert estimate["flops"] == 24 * per_chunk
+    assert estimate["transcendentals"] == 24 * (64 * 64 + 64 + 64 + 1)
+    # Read q, k, v (bf16) and the 3 decays, write o; g's block holds every head and the 4 chunks are
+    # one grid step, so its block index stays put from head to head: g is read once.
+    tokens = 2 * 200
+    assert estimate["bytes_accessed"] == tokens * 3 * 4 * 128 * 2 + tokens * 3 * 4 + 3 * 4
+
+
+def test_chunk_cost_estimates_split_the_work_between_its_two_kernels():
+    # K=V=256: two value tiles, every block holds the whole K; T=256 is two chunks of 128.
+    states, outputs = _cost_estimates("tpu_pallas.chunk", 1, 256, 2, 256, 256)
+    bodies = 1 * 2 * 2 * 2  # B * H * value tiles * chunks
+    assert states["flops"] == bodies * 2 * 256 * 128 * 128  # the state update, (256 x 128) @ (128 x 128)
+    assert states["transcendentals"] == bodies * (128 + 1)
+    assert outputs["flops"] == bodies * (2 * 128 * 256 * 128 + 2 * 128 * 256 * 128 + 2 * 128 * 128 * 128)
+    assert outputs["transcendentals"] == bodies * (128 * 128 + 128)

@@ -20,9 +20,10 @@ from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, traffic
 from tops_plugins_tpu_pallas.chunkwise import (
-    advance_state, chunk_body_vmem, chunk_output, finish_sequence, for_each_chunk, start_sequence,
+    advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
+    finish_sequence, for_each_chunk, gates_work, start_sequence,
 )
-from tops_plugins_tpu_pallas.config import check_common_fields, interpret_argument
+from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.launch import LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, kernel_operands
 
@@ -30,8 +31,9 @@ from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
     """``chunk_size``: tokens per chunk (64 or 128; 128 halves the chunk-state traffic). ``num_steps``:
-    chunks per grid step in both stages. ``interpret``: None (interpret when not on a TPU), True
-    (fast interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False (always compile)."""
+    chunks per grid step in both stages. ``interpret``: None (compile where lowered for a TPU,
+    interpret elsewhere), True (fast interpreter), a ``pltpu.InterpretParams`` (faithful
+    interpreter) or False (always compile)."""
 
     chunk_size: int = 128
     num_steps: int = 4
@@ -47,6 +49,8 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     start = (blocks.state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
     end = (blocks.state("final_state", geometry, jnp.float32),) if output_final_state else ()
     k, v = blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype)
+    chunks, gating = chunks_of_the_grid(geometry), gates_work(geometry, gate_dtype is not None)
+    states_work, outputs_work = (gating + advance_state_work(geometry)) * chunks, (gating + chunk_output_work(geometry)) * chunks
     states = LaunchPlan(
         name="simple_gla_chunk_states",
         grid=blocks.grid(geometry),
@@ -56,6 +60,8 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
         outputs=(blocks.chunk_states(geometry), *end),
         scratch=(blocks.running_state(geometry),),
         body_vmem=chunk_body_vmem(geometry),
+        flops=states_work.flops,
+        transcendentals=states_work.transcendentals,
     )
     outputs = LaunchPlan(
         name="simple_gla_chunk_outputs",
@@ -65,6 +71,8 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
         inputs=(blocks.key_rows("q", geometry, dtype), k, v, *gate, blocks.chunk_states(geometry)),
         outputs=(blocks.value_rows("o", geometry, dtype),),
         body_vmem=chunk_body_vmem(geometry),
+        flops=outputs_work.flops,
+        transcendentals=outputs_work.transcendentals,
     )
     return states, outputs
 
@@ -109,12 +117,14 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     )
     traffic.check_vmem(states_plan)
     traffic.check_vmem(outputs_plan)
-    interpret = interpret_argument(config)
     operands = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)
-    stage1 = states_plan.call(functools.partial(_states_kernel, plan=states_plan, geometry=geometry), operands, interpret)
+    stage1 = states_plan.call(
+        functools.partial(_states_kernel, plan=states_plan, geometry=geometry), operands, config.interpret,
+        traffic.cost_estimate(states_plan),
+    )
     stage2 = outputs_plan.call(
         functools.partial(_outputs_kernel, plan=outputs_plan, geometry=geometry, scale=scale),
-        {**operands, "chunk_states": stage1["chunk_states"]}, interpret,
+        {**operands, "chunk_states": stage1["chunk_states"]}, config.interpret, traffic.cost_estimate(outputs_plan),
     )
     final_state = caller_state(stage1["final_state"], geometry) if output_final_state else None
     return caller_output(stage2["o"], geometry), final_state

@@ -114,6 +114,48 @@ def advance_state(state: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGate
     return state * jnp.exp(gates.total) + matmul(weighted_keys, v, mxu_operand_dtype(k.dtype), _COLUMNS_BY_COLUMNS)
 
 
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Matmul flops (2 per multiply-add) and transcendentals (``exp``) of a piece of kernel code.
+
+    Counted op by op from the code above, per value tile (128 lanes), as the kernels run it: a
+    ragged last chunk computes whole, and ``scores`` is recomputed for every value tile.
+    Elementwise arithmetic is left out: it is small beside the matmuls and runs on other units.
+    """
+
+    flops: int = 0
+    transcendentals: int = 0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.transcendentals + other.transcendentals)
+
+    def __mul__(self, times: int) -> Work:
+        return Work(self.flops * times, self.transcendentals * times)
+
+
+def gates_work(geometry: Geometry, gated: bool) -> Work:
+    """``ChunkGates.compute``: with ``g``, the cumulative sum as a (C x C) @ (C x 1) matmul."""
+    C = geometry.chunk_size
+    return Work(flops=2 * C * C) if gated else Work()
+
+
+def chunk_output_work(geometry: Geometry) -> Work:
+    """``chunk_output``: scores (C x K) @ (K x C), from the state (C x K) @ (K x 128), attention (C x C) @ (C x 128); exp of the C x C decays and of C gates."""
+    C, K = geometry.chunk_size, geometry.padded_key_dim
+    return Work(flops=2 * C * C * K + 2 * C * K * LANES + 2 * C * C * LANES, transcendentals=C * C + C)
+
+
+def advance_state_work(geometry: Geometry) -> Work:
+    """``advance_state``: decayed keys (K x C) @ values (C x 128); exp of C key decays and of the chunk's decay."""
+    C, K = geometry.chunk_size, geometry.padded_key_dim
+    return Work(flops=2 * C * K * LANES, transcendentals=C + 1)
+
+
+def chunks_of_the_grid(geometry: Geometry) -> int:
+    """How many times a grid runs the chunk body: every chunk of every (batch, head, value tile)."""
+    return geometry.batch * geometry.heads * geometry.value_tiles * geometry.num_chunks
+
+
 def chunk_body_vmem(geometry: Geometry) -> int:
     """Bytes of the float32 values one chunk holds at once, an upper estimate for every kernel here.
 

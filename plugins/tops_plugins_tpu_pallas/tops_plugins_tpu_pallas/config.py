@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 from jax.experimental.pallas import tpu as pltpu
 
 CHUNK_SIZES = (64, 128)
@@ -19,14 +18,7 @@ def check_common_fields(config: Any) -> None:
         raise ValueError(f"{name}.num_steps must be an int >= 1, got {config.num_steps!r}")
     if not (config.interpret is None or isinstance(config.interpret, (bool, pltpu.InterpretParams))):
         raise TypeError(
-            f"{name}.interpret must be None (interpret when not on a TPU), True (the fast interpreter), "
+            f"{name}.interpret must be None (compile where lowered for a TPU, interpret elsewhere), True (the fast interpreter), "
             f"a pltpu.InterpretParams (the faithful one) or False (always compile with Mosaic, e.g. to "
             f"lower for TPU ahead of time on a host without one), got {config.interpret!r}"
         )
-
-
-def interpret_argument(config: Any) -> Any:
-    """The ``interpret=`` argument for ``pl.pallas_call``: compile on a TPU, interpret anywhere else unless the config says how."""
-    if config.interpret is None:
-        return jax.default_backend() != "tpu"
-    return config.interpret

@@ -20,9 +20,10 @@ from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, traffic
 from tops_plugins_tpu_pallas.chunkwise import (
-    advance_state, chunk_body_vmem, chunk_output, finish_sequence, for_each_chunk, start_sequence,
+    advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
+    finish_sequence, for_each_chunk, gates_work, start_sequence,
 )
-from tops_plugins_tpu_pallas.config import check_common_fields, interpret_argument
+from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.launch import LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, kernel_operands
 
@@ -30,8 +31,8 @@ from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
     """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step.
-    ``interpret``: None (interpret when not on a TPU), True (fast interpreter), a
-    ``pltpu.InterpretParams`` (faithful interpreter) or False (always compile)."""
+    ``interpret``: None (compile where lowered for a TPU, interpret elsewhere), True (fast
+    interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False (always compile)."""
 
     chunk_size: int = 64
     num_steps: int = 4
@@ -51,6 +52,7 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     outputs = [blocks.value_rows("o", geometry, dtype)]
     if output_final_state:
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
+    work = (gates_work(geometry, gate_dtype is not None) + chunk_output_work(geometry) + advance_state_work(geometry)) * chunks_of_the_grid(geometry)
     return (LaunchPlan(
         name="simple_gla_fused",
         grid=blocks.grid(geometry),
@@ -60,6 +62,8 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
         outputs=tuple(outputs),
         scratch=(blocks.running_state(geometry),),
         body_vmem=chunk_body_vmem(geometry),
+        flops=work.flops,
+        transcendentals=work.transcendentals,
     ),)
 
 
@@ -92,7 +96,8 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     )
     traffic.check_vmem(launch)
     kernel = functools.partial(_kernel, plan=launch, geometry=geometry, scale=scale)
-    results = launch.call(kernel, kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), interpret_argument(config))
+    operands = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)
+    results = launch.call(kernel, operands, config.interpret, traffic.cost_estimate(launch))
     final_state = caller_state(results["final_state"], geometry) if output_final_state else None
     return caller_output(results["o"], geometry), final_state
 

@@ -9,14 +9,17 @@ and its dimension semantics. ``LaunchPlan.call`` builds the ``pl.pallas_call`` f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from tops_core.lowering import per_platform
 
 SEMANTICS = ("parallel", "arbitrary")
 
@@ -61,11 +64,17 @@ class Blocked(_Array):
         if len(self.block_shape) != len(self.shape):
             raise ValueError(f"{self.name}: block shape {self.block_shape} and array shape {self.shape} differ in rank")
 
-    def block_elements(self, index: Sequence[int]) -> int:
-        """Elements of the block at ``index`` that lie inside the array (fewer than a whole block at a ragged edge)."""
-        return math.prod(
-            1 if block is None else min(block, size - i * block) for size, block, i in zip(self.shape, self.block_shape, index)
-        )
+    def block_elements(self, index: Sequence[Any]) -> Any:
+        """Elements of the block at ``index`` that lie inside the array (fewer than a whole block at a ragged edge).
+
+        ``index`` holds one block index per dimension, each an int or a NumPy array of them (then
+        the result is an array: one count per grid point).
+        """
+        counts = [
+            1 if block is None else np.minimum(block, size - np.asarray(i) * block)
+            for size, block, i in zip(self.shape, self.block_shape, index)
+        ]
+        return math.prod(counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +92,8 @@ class LaunchPlan:
     """Grid, dimension semantics and every operand of one ``pallas_call``.
 
     ``body_vmem`` estimates the VMEM the kernel body's own values need (matrices it computes and
-    spills), which no operand describes.
+    spills), which no operand describes. ``flops`` and ``transcendentals`` count what the kernel
+    body computes over the whole grid (``pl.CostEstimate``; the bytes come from the traffic model).
     """
 
     name: str
@@ -94,6 +104,8 @@ class LaunchPlan:
     outputs: tuple[Blocked, ...]
     scratch: tuple[Scratch, ...] = ()
     body_vmem: int = 0
+    flops: int = 0
+    transcendentals: int = 0
 
     def __post_init__(self):
         if len(self.dimension_semantics) != len(self.grid):
@@ -112,8 +124,18 @@ class LaunchPlan:
             raise ValueError(f"{self.name}: kernel got {len(refs)} refs, the plan has {len(names)}: {names}")
         return dict(zip(names, refs))
 
-    def call(self, kernel: Callable[..., None], arrays: dict[str, jax.Array], interpret: Any) -> dict[str, jax.Array]:
-        """Run ``kernel`` over this plan; ``arrays`` holds the scalars and inputs by name, the result the outputs."""
+    def call(
+        self, kernel: Callable[..., None], arrays: dict[str, jax.Array], interpret: Any, cost: pl.CostEstimate | None = None
+    ) -> dict[str, jax.Array]:
+        """Run ``kernel`` over this plan; ``arrays`` holds the scalars and inputs by name, the result the outputs.
+
+        ``cost`` tells XLA what the kernel costs (it cannot see inside a Mosaic kernel); it shows
+        in the compiled program's ``cost_analysis()``.
+
+        ``interpret``: None compiles with Mosaic where the program is lowered for a TPU and runs
+        Pallas' TPU interpreter anywhere else (decided at lowering, so a program lowered for a TPU
+        on a CPU host gets the compiled kernel); otherwise ``pl.pallas_call``'s ``interpret``.
+        """
         for operand in (*self.scalars, *self.inputs):
             x = arrays[operand.name]
             if tuple(x.shape) != operand.shape or jnp.dtype(x.dtype) != operand.dtype:
@@ -128,12 +150,21 @@ class LaunchPlan:
             out_specs=[pl.BlockSpec(x.block_shape, x.index_map) for x in self.outputs],
             scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) for s in self.scratch],
         )
-        results = pl.pallas_call(
-            kernel,
-            grid_spec=grid_spec,
-            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.outputs],
-            compiler_params=pltpu.CompilerParams(dimension_semantics=self.dimension_semantics),
-            interpret=interpret,
-            name=self.name,
-        )(*(arrays[x.name] for x in (*self.scalars, *self.inputs)))
+        operands = [arrays[x.name] for x in (*self.scalars, *self.inputs)]
+
+        def launch(interpret: Any, operands: list[jax.Array]) -> list[jax.Array]:
+            return pl.pallas_call(
+                kernel,
+                grid_spec=grid_spec,
+                out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.outputs],
+                compiler_params=pltpu.CompilerParams(dimension_semantics=self.dimension_semantics),
+                interpret=interpret,
+                cost_estimate=cost,
+                name=self.name,
+            )(*operands)
+
+        if interpret is None:
+            results = per_platform(operands, {"tpu": functools.partial(launch, False), "default": functools.partial(launch, True)})
+        else:
+            results = launch(interpret, operands)
         return {x.name: result for x, result in zip(self.outputs, results)}

@@ -21,11 +21,11 @@ benchmark shape, kernel-only and end to end (with the relayout copies around the
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Sequence
 
 import numpy as np
+from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan
 
@@ -40,10 +40,6 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
-def _block_bytes(operand: Blocked, index: Sequence[int]) -> int:
-    return operand.block_elements(index) * _itemsize(operand.dtype)
-
-
 def _vmem_tile_bytes(shape: Sequence[int], dtype) -> int:
     size = _itemsize(dtype)
     dims = list(shape)
@@ -54,25 +50,38 @@ def _vmem_tile_bytes(shape: Sequence[int], dtype) -> int:
     return math.prod(dims) * size
 
 
+def _grid_points(plan: LaunchPlan) -> np.ndarray:
+    """Every grid point in execution order (row-major, last axis fastest), one column per point."""
+    return np.indices(plan.grid).reshape(len(plan.grid), -1)
+
+
+def _block_indices(operand: Blocked, points: np.ndarray) -> np.ndarray:
+    """The operand's block index at every grid point: one row per array dimension."""
+    index = operand.index_map(*points)
+    return np.stack([np.broadcast_to(np.asarray(i), points.shape[1:]) for i in index])
+
+
+def _moved_bytes(operand: Blocked, index: np.ndarray, moved: np.ndarray) -> int:
+    return int(np.sum(operand.block_elements(index[:, moved]))) * _itemsize(operand.dtype)
+
+
 def kernel_traffic(plan: LaunchPlan) -> tuple[int, int]:
     """Bytes ``(read, written)`` between HBM and VMEM/SMEM over the whole grid of one plan."""
     read = sum(math.prod(s.shape) * _itemsize(s.dtype) for s in plan.scalars)
     written = 0
-    last_in = {x.name: None for x in plan.inputs}
-    last_out = {x.name: None for x in plan.outputs}
-    for point in itertools.product(*(range(n) for n in plan.grid)):
-        for x in plan.inputs:
-            index = tuple(int(i) for i in x.index_map(*point))
-            if index != last_in[x.name]:
-                read += _block_bytes(x, index)
-                last_in[x.name] = index
-        for x in plan.outputs:
-            index = tuple(int(i) for i in x.index_map(*point))
-            if last_out[x.name] is not None and index != last_out[x.name]:
-                written += _block_bytes(x, last_out[x.name])
-            last_out[x.name] = index
-    written += sum(_block_bytes(x, last_out[x.name]) for x in plan.outputs)  # the blocks resident after the last step
+    points = _grid_points(plan)
+    for x in plan.inputs:  # fetched at the first point and wherever the index differs from the previous one
+        index = _block_indices(x, points)
+        read += _moved_bytes(x, index, np.concatenate([[True], _changes(index)]))
+    for x in plan.outputs:  # written back before the index changes, and after the last point
+        index = _block_indices(x, points)
+        written += _moved_bytes(x, index, np.concatenate([_changes(index), [True]]))
     return read, written
+
+
+def _changes(index: np.ndarray) -> np.ndarray:
+    """Whether the block index changes between each grid point and the next."""
+    return np.any(index[:, 1:] != index[:, :-1], axis=0)
 
 
 def relayout_traffic(plans: Sequence[LaunchPlan]) -> tuple[int, int]:
@@ -94,6 +103,11 @@ def vmem_bytes(plan: LaunchPlan) -> int:
         2 * _vmem_tile_bytes([b for b in x.block_shape if b is not None], x.dtype) for x in (*plan.inputs, *plan.outputs)
     )
     return blocks + sum(_vmem_tile_bytes(s.shape, s.dtype) for s in plan.scratch) + plan.body_vmem
+
+
+def cost_estimate(plan: LaunchPlan) -> pl.CostEstimate:
+    """What XLA is told the launch costs: the plan's flops and transcendentals, and the bytes it moves."""
+    return pl.CostEstimate(flops=plan.flops, transcendentals=plan.transcendentals, bytes_accessed=sum(kernel_traffic(plan)))
 
 
 def check_vmem(plan: LaunchPlan) -> None:
