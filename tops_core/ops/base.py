@@ -279,7 +279,8 @@ class OpContract:
     def _run_forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
         def run(decision: Decision, arrays: dict[str, Any]) -> tuple[Any, Any]:
             call = dataclasses.replace(prepared, arrays=arrays)
-            outputs = self.call_forward(decision.implementation.forward, call, decision.config)
+            with _named(decision):
+                outputs = self.call_forward(decision.implementation.forward, call, decision.config)
             self._check_outputs(decision.implementation.name, call, outputs)
             return outputs
 
@@ -291,7 +292,8 @@ class OpContract:
     def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any) -> Any:
         def run(decision: Decision, operands: tuple[dict[str, Any], Any, Any]) -> Any:
             arrays, do, dht = operands
-            grads = self.call_backward(decision.implementation.backward, dataclasses.replace(prepared, arrays=arrays), do, dht, decision.config)
+            with _named(decision):
+                grads = self.call_backward(decision.implementation.backward, dataclasses.replace(prepared, arrays=arrays), do, dht, decision.config)
             self._check_grads(decision.implementation.name, arrays, grads)
             return grads
 
@@ -344,6 +346,11 @@ def _with_trusted_cu_seqlens(prepared: Prepared, run: Any) -> Any:
     trusted = jnp.where(valid, cu_seqlens, validation.placeholder_cu_seqlens(prepared.spec.num_seqs, prepared.spec.seq_len))
     results = run(dataclasses.replace(prepared, arrays={**prepared.arrays, "cu_seqlens": trusted}))
     return jax.tree.map(lambda x: jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype)), results)
+
+
+def _named(decision: Decision) -> Any:
+    """Name what an implementation stages ``<implementation>.<direction>``: the compiled program and profiles say who ran."""
+    return jax.named_scope(f"{decision.implementation.name}.{decision.direction}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,204 @@
+"""Compile for a TPU on a host without one, and read what the compiled program does.
+
+With ``libtpu`` installed (``pip install libtpu``; the ``test`` extra has it), JAX describes the
+devices of a TPU topology that is not attached (``jax.experimental.topologies``), and programs
+lowered for such a device really compile: XLA's TPU compiler lays out the arrays, Mosaic compiles
+the Pallas kernels. Nothing runs. ``compile_for`` places abstract arguments on such a device and
+compiles; ``ProgramFacts`` reads the compiled program: its Mosaic kernels, the relayout copies XLA
+put around them, which implementation each op came from (the dispatcher names its calls
+``<implementation>.<direction>``), and XLA's cost analysis (which includes the kernels' own
+``pl.CostEstimate``).
+
+On a host without a TPU, libtpu's start-up prints warnings (it cannot find the TPU's accelerator
+type and worker hostnames) and takes a lock shared by every process that loads it;
+``quiet_libtpu()`` sets, before libtpu loads, the environment that tells it instead, and does
+nothing on a host with a TPU attached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from tops_core.tpu_generations import GENERATIONS
+
+NO_TPU_ENVIRONMENT = {
+    "TPU_ACCELERATOR_TYPE": "v6e-1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_SKIP_MDS_QUERY": "1",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
+"""What libtpu asks a cloud metadata server for, given instead; and several processes may compile at once."""
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def tpu_attached() -> bool:
+    """Whether a TPU chip sits on this host's PCI bus (what JAX itself checks before starting libtpu)."""
+    return any(pathlib.Path(path).read_text().strip() == _GOOGLE_PCI_VENDOR for path in glob.glob("/sys/bus/pci/devices/*/vendor"))
+
+
+def quiet_libtpu() -> None:
+    """On a host without a TPU, set ``NO_TPU_ENVIRONMENT`` (where unset); effective only before libtpu loads."""
+    if not tpu_attached():
+        for name, value in NO_TPU_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)
+
+
+class CompileOnlyUnavailable(RuntimeError):
+    """No compile-only TPU device here (libtpu is missing, or would not start)."""
+
+
+def device(generation: str) -> jax.Device:
+    """The first device of a compile-only topology of ``generation`` (a key of ``GENERATIONS``)."""
+    from jax.experimental import topologies
+
+    quiet_libtpu()
+    try:
+        return topologies.get_topology_desc(topology_name=GENERATIONS[generation].topology, platform="tpu").devices[0]
+    except Exception as error:  # noqa: BLE001 - libtpu missing or failing to start: the caller decides
+        raise CompileOnlyUnavailable(f"no compile-only {generation} TPU ({error}); pip install libtpu") from error
+
+
+def compile_for(generation: str, function: Callable, *args: Any) -> jax.stages.Compiled:
+    """``jax.jit(function)`` compiled for a ``generation`` TPU; ``args`` are arrays or ``ShapeDtypeStruct``s (pytrees)."""
+    placement = jax.sharding.SingleDeviceSharding(device(generation))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement), args)
+    return jax.jit(function).lower(*abstract).compile()
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<shape>.*?) (?P<opcode>[a-z][\w-]*)\((?P<rest>.*)$")
+_RELAYOUT_OPCODES = {"copy", "transpose", "reshape", "pad", "slice", "concatenate"}
+_DATA_MOVEMENT = _RELAYOUT_OPCODES | {"parameter", "bitcast", "constant", "broadcast", "tuple", "get-tuple-element"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+    """What kernels told XLA they cost (``pl.CostEstimate``), summed."""
+
+    flops: int = 0
+    transcendentals: int = 0
+    bytes_accessed: int = 0
+
+    def __add__(self, other: KernelCost) -> KernelCost:
+        return KernelCost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramFacts:
+    """What a compiled program does, read from its optimised HLO and XLA's cost analysis.
+
+    ``relayouts``: instructions of the entry computation (around the kernels, not inside a
+    loop) that only copy data into another layout or shape: a ``copy``, ``transpose``,
+    non-bitcast ``reshape``, ``pad``, ``slice`` or ``concatenate``, or a fusion of nothing but
+    such moves. XLA's moves between memory spaces (``copy-start``/``copy-done``) are not
+    relayouts. ``relayout_bytes`` counts each as reading and writing its result, in whole TPU
+    tiles (a minor dimension of 16 takes 128 lanes). ``loops``: ``while`` loops, whose body
+    XLA's cost analysis counts once, not once per iteration (the costs then understate the
+    program). ``implementations``: the ``<implementation>.<direction>`` names the dispatcher gave
+    its calls. ``kernel_cost``: the sum of the Mosaic kernels' own cost estimates (flops,
+    transcendentals, bytes). ``flops``, ``transcendentals``, ``bytes_accessed``: XLA's cost
+    analysis of the whole program, which adds what XLA does around the kernels; its bytes also
+    count XLA's prefetches of whole arrays into VMEM, which small programs get.
+    """
+
+    kernels: int
+    kernel_cost: KernelCost
+    relayouts: tuple[str, ...]
+    relayout_bytes: int
+    loops: int
+    implementations: frozenset[str]
+    flops: float
+    transcendentals: float
+    bytes_accessed: float
+
+    @property
+    def hbm_bytes(self) -> int:
+        """The kernels' bytes and the relayout copies', as if every array lived in HBM."""
+        return self.kernel_cost.bytes_accessed + self.relayout_bytes
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> ProgramFacts:
+        text = compiled.as_text()
+        computations, entry = _computations(text)
+        relayouts, moved = [], 0
+        for line in computations[entry]:
+            match = _INSTRUCTION.match(line)
+            if match is None:
+                continue
+            opcode = match["opcode"]
+            if opcode == "fusion":
+                callee = re.search(r"calls=%([\w.-]+)", line)
+                only_moves = callee and all(
+                    (m := _INSTRUCTION.match(inner)) is None or m["opcode"] in _DATA_MOVEMENT for inner in computations.get(callee[1], [])
+                )
+                if not only_moves:
+                    continue
+            elif opcode not in _RELAYOUT_OPCODES:
+                continue
+            relayouts.append(f"{opcode} {match['shape'].split('{')[0]}")
+            moved += 2 * _array_bytes(match["shape"])
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        estimates = [
+            KernelCost(*(int(field[name]) for name in ("flops", "transcendentals", "bytes_accessed")))
+            for field in (json.loads(match) for match in re.findall(r'"cost_estimate":(\{[^}]*\})', text))
+        ]
+        return cls(
+            kernels=text.count('custom_call_target="tpu_custom_call"'),
+            kernel_cost=sum(estimates, KernelCost()),
+            relayouts=tuple(relayouts),
+            relayout_bytes=moved,
+            loops=sum(1 for body in computations.values() for line in body if (m := _INSTRUCTION.match(line)) and m["opcode"] == "while"),
+            implementations=frozenset(re.findall(r"/([a-z][a-z0-9_]*\.[a-z][a-z0-9_]*\.(?:forward|backward))(?:/|\")", text)),
+            flops=float(cost.get("flops", 0.0)),
+            transcendentals=float(cost.get("transcendentals", 0.0)),
+            bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        )
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+    """The instruction lines of every computation in an HLO module, by name, and the entry's name."""
+    computations: dict[str, list[str]] = {}
+    current, entry = None, ""
+    for line in text.splitlines():
+        header = re.match(r"^(ENTRY )?%([\w.-]+) .*\{\s*$", line)
+        if header:
+            current = computations.setdefault(header[2], [])
+            entry = header[2] if header[1] else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return computations, entry
+
+
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_SHAPE = re.compile(r"\(?(?P<dtype>\w+)\[(?P<dims>[\d,]*)\](?:\{(?P<order>[\d,]*)(?::T\((?P<tile>\d+),(?P<lanes>\d+)\)(?:\((?P<pack>\d+),1\))?)?)?")
+
+
+def _array_bytes(shape: str) -> int:
+    """Bytes an HLO array occupies, such as ``bf16[8,4096,2048]{2,1,0:T(8,128)(2,1)}``: its two most
+    minor dimensions rounded up to whole tiles (8 rows, times the packing of narrow types, by 128 lanes)."""
+    match = _SHAPE.match(shape)
+    if match is None or match["dtype"] not in _ITEM_BYTES:
+        return 0
+    dims = [int(d) for d in match["dims"].split(",") if d]
+    if match["tile"] and len(dims) >= 2:
+        order = [int(d) for d in match["order"].split(",")]  # minor to major
+        minor, second = order[0], order[1]
+        dims[minor] = -(-dims[minor] // int(match["lanes"])) * int(match["lanes"])
+        rows = int(match["tile"]) * int(match["pack"] or 1)
+        dims[second] = -(-dims[second] // rows) * rows
+    count = 1
+    for size in dims:
+        count *= size
+    return count * _ITEM_BYTES[match["dtype"]]
