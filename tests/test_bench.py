@@ -71,10 +71,31 @@ def test_varlen_workload(installed):
 
 
 def test_cli_bench(installed, capsys):
-    assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable,ref.recurrent", "--budget", "0.05"]) == 0
+    argv = ["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable,ref.recurrent", "--budget", "0.05", "--tpu", "none"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("tops bench simple_gla: B=1 T=16 H=2 K=8 V=8 float32 on cpu, with g_gamma\n")
     assert "fake.kernel_only" not in out
+    assert "Modelled on TPU" not in out
+
+
+def test_cli_bench_adds_the_modelled_tpu_section_off_tpu(installed, capsys, monkeypatch):
+    # The section itself compiles for a compile-only TPU (test_pallas_compile runs it, in a process
+    # of its own); here only that the CLI asks for it, for the generation given, in bf16 by default.
+    from tops_core import tpu_model
+    from tops_core.tpu_generations import GENERATIONS
+
+    asked = []
+
+    def model(case, generation, names):
+        asked.append((case.dtype, generation, names))
+        return tpu_model.TpuModel(case, GENERATIONS[generation], (), (), unavailable="not compiled in this test")
+
+    monkeypatch.setattr(tpu_model, "model", model)
+    assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable", "--budget", "0.05", "--tpu", "v5e"]) == 0
+    out = capsys.readouterr().out
+    assert asked == [("bfloat16", "v5e", ["fake.portable"])]
+    assert "Modelled on TPU v5e, compiled for a compile-only device (nothing ran): simple_gla B=1 T=16 H=2 K=8 V=8 bfloat16" in out
 
 
 def test_cli_bench_exits_nonzero_when_a_row_fails(installed, capsys):

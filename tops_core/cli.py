@@ -10,13 +10,16 @@ import platform as python_platform
 import sys
 from collections.abc import Sequence
 
+from tops_core import compile_only
 from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.capabilities import FLOAT_DTYPES
+from tops_core.conformance.cases import Case
 from tops_core.dispatch import NoImplementationError, pairing_note
 from tops_core.ops import CONTRACTS, op
 from tops_core.ops.base import ContractError, platform_of
 from tops_core.policy import Force, current_policy
 from tops_core.registry import PluginError, default_registry
+from tops_core.tpu_generations import GENERATIONS
 
 DEFAULT_SHAPE = "2,4096,8,128,128"
 DEFAULT_DTYPES = "float32 on cpu, bfloat16 on gpu and tpu"
@@ -202,6 +205,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         bench.plot(case, names, args.plot)
         print(f"\nwrote {args.plot}")
+    if args.tpu != "none" and platform != "tpu":
+        _print_tpu_model(args, case, names)
     failed = bench.failures(report)
     if failed:
         print(f"\nFAIL: {', '.join(failed)} outside the tolerance for {case.dtype}", file=sys.stderr)
@@ -216,6 +221,15 @@ def _check_writable(path: str) -> None:
         raise UsageError(f"--plot {path}: the directory {directory} does not exist")
     if not os.access(directory, os.W_OK):
         raise UsageError(f"--plot {path}: the directory {directory} is not writable")
+
+
+def _print_tpu_model(args: argparse.Namespace, case: Case, names: list[str]) -> None:
+    """The modelled TPU section: the workload compiled for a compile-only TPU (bf16 unless --dtype says)."""
+    from tops_core import bench, tpu_model
+
+    case = dataclasses.replace(case, dtype=args.dtype or _default_dtype("tpu"))
+    with bench.dtype_scope(case):
+        print("\n" + tpu_model.format_model(tpu_model.model(case, args.tpu, names)))
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -279,11 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--impl", action="append", default=[], metavar="NAME", help="only these implementations (repeatable or comma-separated)")
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG of time against sequence length (needs matplotlib)")
     bench.add_argument("--budget", type=float, default=2.0, help="seconds of timed repeats per measurement (default: %(default)s)")
+    bench.add_argument("--tpu", default="v6e", choices=[*GENERATIONS, "none"],
+                       help="off TPU, also model the TPU implementations compiled for this generation (needs libtpu; default: %(default)s)")
     bench.set_defaults(run=cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    compile_only.quiet_libtpu()  # before anything starts JAX's backends, which loads libtpu where installed
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
