@@ -1,0 +1,107 @@
+"""Compiles calls of the public op for compile-only TPUs, for ``test_pallas_compile``, in its own process.
+
+The tests start it with ``JAX_PLATFORMS=cpu`` (nothing tries to open a TPU) and libtpu's no-TPU
+environment, so libtpu's start-up stays out of the test process. It reads one JSON request per
+line on stdin and answers each with one JSON line on stdout: the facts of the compiled program
+(``tops_core.compile_only.ProgramFacts``), or the error.
+
+Requests: ``{"call": {...}}`` compiles the forward of one call, or with ``"gradient": true`` the
+value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
+``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
+text of ``tops bench``'s modelled TPU section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import tops_core
+from tops_core import compile_only, tpu_model
+from tops_core.bench import workload
+
+sg = tops_core.op("simple_gla")
+
+
+def _arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
+    B, T, H, K, V = (call[name] for name in ("B", "T", "H", "K", "V"))
+    dtype = jnp.dtype(call["dtype"])
+    arrays = {
+        "q": jax.ShapeDtypeStruct((B, T, H, K), dtype), "k": jax.ShapeDtypeStruct((B, T, H, K), dtype),
+        "v": jax.ShapeDtypeStruct((B, T, H, V), dtype), "g_gamma": jax.ShapeDtypeStruct((H,), jnp.float32),
+    }
+    if call["g"]:
+        arrays["g"] = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
+    if call["initial_state"]:
+        arrays["initial_state"] = jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)
+    return arrays
+
+
+def _forward(call: dict):
+    def forward(arrays):
+        return sg.forward(**arrays, output_final_state=call["final_state"], implementation=f"tpu_pallas.{call['kernel']}")
+
+    return forward
+
+
+def _loss(call: dict):
+    forward = _forward(call)
+
+    def loss(arrays):
+        o, final_state = forward(arrays)
+        total = jnp.sum(o.astype(jnp.float32) ** 2)
+        return total + jnp.sum(final_state**2) if final_state is not None else total
+
+    return loss
+
+
+def compile_call(call: dict) -> compile_only.ProgramFacts:
+    function = jax.value_and_grad(_loss(call)) if call.get("gradient") else _forward(call)
+    return compile_only.ProgramFacts.of(compile_only.compile_for(call["generation"], function, _arrays(call)))
+
+
+def compile_layer(call: dict) -> compile_only.ProgramFacts:
+    B, T, H, K, V = (call[name] for name in ("B", "T", "H", "K", "V"))
+    dtype, forward = jnp.dtype(call["dtype"]), _forward(call)
+    others = {name: x for name, x in _arrays(call).items() if name not in ("q", "k", "v")}
+
+    def layer(x, wq, wk, wv, wo, others):
+        q, k, v = (x @ wq).reshape(B, T, H, K), (x @ wk).reshape(B, T, H, K), (x @ wv).reshape(B, T, H, V)
+        o, _ = forward({"q": q, "k": k, "v": v, **others})
+        return o.reshape(B, T, H * V) @ wo
+
+    shapes = ((B, T, H * K), (H * K, H * K), (H * K, H * K), (H * K, H * V), (H * V, H * K))
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+    return compile_only.ProgramFacts.of(compile_only.compile_for(call["generation"], layer, *args, others))
+
+
+def bench_section(request: dict) -> str:
+    case = workload("simple_gla", tuple(request["shape"]), request["dtype"], request["features"])
+    return tpu_model.format_model(tpu_model.model(case, request["generation"]))
+
+
+def answer(request: dict) -> dict:
+    if "bench" in request:
+        return {"text": bench_section(request["bench"])}
+    facts = compile_layer(request["layer"]) if "layer" in request else compile_call(request["call"])
+    answer = dataclasses.asdict(facts)
+    answer["implementations"] = sorted(facts.implementations)
+    answer["hbm_bytes"] = facts.hbm_bytes
+    return answer
+
+
+def main() -> None:
+    for line in sys.stdin:
+        try:
+            reply = answer(json.loads(line))
+        except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+            reply = {"error": traceback.format_exc()}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Both kernels compiled for real TPUs (v4, v5e, v5p, v6e) without one: Mosaic and XLA's TPU compiler, through the public op.
+
+``libtpu`` describes TPU topologies that are not attached, and programs lowered for their devices
+compile for real; nothing runs. A worker process (``compile_worker.py``, ``JAX_PLATFORMS=cpu``,
+libtpu's no-TPU environment) does the compiling, so libtpu never loads in the test process and
+its start-up warnings stay out of the output.
+
+The grid: kernel x generation x ragged T (1, 65, 1000) x K x V (32, 100, 200, 256: below, off and
+above one 128-lane tile) x bf16/f32 x with/without ``g``, ``initial_state``, final state. The
+default run compiles a covering design: every pair of values of any two factors appears in some
+call (``covering_design``), forward; the gradient for a subset in which every kernel meets every
+generation and every value of every factor appears. ``-m slow`` compiles the forward of every
+(kernel, generation, T, K, V) and the gradient of every call of the default design.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu (the test extra installs it)")
+
+from tops_core import compile_only  # noqa: E402
+
+FACTORS = {
+    "kernel": ("fused", "chunk"),
+    "generation": ("v4", "v5e", "v5p", "v6e"),
+    "T": (1, 65, 1000),
+    "K": (32, 100, 200, 256),
+    "V": (32, 100, 200, 256),
+    "dtype": ("bfloat16", "float32"),
+    "g": (False, True),
+    "initial_state": (False, True),
+    "final_state": (False, True),
+}
+KERNELS = {"fused": 1, "chunk": 2}  # pallas_calls per forward
+
+
+def covering_design(factors: dict[str, tuple]) -> list[dict]:
+    """Rows in which every pair of values of any two factors appears at least once (greedy, deterministic).
+
+    Each row starts from the first pair not yet covered; every other factor then takes the value
+    that covers most uncovered pairs with the factors already set (the first such value on ties).
+    """
+    names = list(factors)
+    uncovered = {
+        ((a, x), (b, y)) for i, a in enumerate(names) for b in names[i + 1:] for x in factors[a] for y in factors[b]
+    }
+    rows = []
+    while uncovered:
+        (a, x), (b, y) = min(uncovered, key=lambda pair: tuple((names.index(n), factors[n].index(v)) for n, v in pair))
+        row = {a: x, b: y}
+        for name in names:
+            if name not in row:
+                row[name] = max(
+                    factors[name],
+                    key=lambda value: sum(((n, row[n]), (name, value)) in uncovered or ((name, value), (n, row[n])) in uncovered for n in row),
+                )
+        uncovered -= {((a, row[a]), (b, row[b])) for i, a in enumerate(names) for b in names[i + 1:]}
+        rows.append({name: row[name] for name in names})
+    return rows
+
+
+def gradient_subset(rows: list[dict]) -> list[dict]:
+    """Rows of the design in which every kernel meets every generation and every value of every factor appears."""
+    wanted = {("kernel x generation", (k, g)) for k in FACTORS["kernel"] for g in FACTORS["generation"]}
+    wanted |= {(name, value) for name, values in FACTORS.items() for value in values}
+
+    def covers(row):
+        return {("kernel x generation", (row["kernel"], row["generation"]))} | set(row.items())
+
+    chosen = []
+    while wanted:
+        best = max(rows, key=lambda row: len(covers(row) & wanted))
+        chosen.append(best)
+        wanted -= covers(best)
+    return chosen
+
+
+DESIGN = covering_design(FACTORS)
+GRADIENTS = gradient_subset(DESIGN)
+
+
+def _label(call: dict) -> str:
+    features = [name for name in ("g", "initial_state", "final_state") if call[name]]
+    return f"{call['kernel']}-{call['generation']}-T{call['T']}-K{call['K']}-V{call['V']}-{call['dtype']}-{'+'.join(features) or 'plain'}"
+
+
+class Worker:
+    """The compiling process: one JSON request per line in, one JSON answer per line out."""
+
+    def __init__(self):
+        environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        if not compile_only.tpu_attached():
+            environment = {**compile_only.NO_TPU_ENVIRONMENT, **environment}
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("compile_worker.py"))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=environment,
+        )
+
+    def ask(self, request: dict) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            self.stderr.seek(0)
+            pytest.fail(f"the compile worker stopped:\n{self.stderr.read()[-4000:]}")
+        answer = json.loads(line)
+        if "error" in answer:
+            pytest.fail(f"compiling {request} failed:\n{answer['error']}")
+        return answer
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def worker():
+    started = Worker()
+    yield started
+    started.close()
+
+
+def compile_call(worker: Worker, call: dict, gradient: bool = False) -> dict:
+    return worker.ask({"call": {**call, "B": 2, "H": 3, "gradient": gradient}})
+
+
+def test_the_design_covers_every_pair_and_the_gradients_every_kernel_on_every_generation():
+    names = list(FACTORS)
+    for a, b in itertools.combinations(names, 2):
+        assert {(row[a], row[b]) for row in DESIGN} == set(itertools.product(FACTORS[a], FACTORS[b])), (a, b)
+    assert {(row["kernel"], row["generation"]) for row in GRADIENTS} == set(itertools.product(FACTORS["kernel"], FACTORS["generation"]))
+    for name, values in FACTORS.items():
+        assert {row[name] for row in GRADIENTS} == set(values), name
+    assert len(DESIGN) <= 24 and len(GRADIENTS) <= 10  # what keeps the default run's compile time modest
+
+
+@pytest.mark.parametrize("call", DESIGN, ids=_label)
+def test_forward_compiles_to_the_mosaic_kernels(worker, call):
+    facts = compile_call(worker, call)
+    assert facts["kernels"] == KERNELS[call["kernel"]]
+    assert facts["implementations"] == [f"tpu_pallas.{call['kernel']}.forward"]
+    assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0  # every launch told XLA its cost
+
+
+@pytest.mark.parametrize("call", GRADIENTS, ids=_label)
+def test_gradient_compiles_the_kernels_forward_and_the_paired_backward(worker, call):
+    # The kernels are forward-only: the dispatcher pairs them with xla.chunk's backward, in the same TPU program.
+    facts = compile_call(worker, call, gradient=True)
+    assert facts["kernels"] == KERNELS[call["kernel"]]
+    assert facts["implementations"] == sorted([f"tpu_pallas.{call['kernel']}.forward", "xla.chunk.backward"])
+
+
+def test_compiled_cost_analysis_reads_back_the_kernels_estimates(worker):
+    # fused, B=2, T=1000 (16 chunks of 64, the last ragged), H=3, K=V=128 (in place), bf16, g_gamma only:
+    # 2 * 3 * 16 = 96 chunk bodies, counted by hand from chunkwise.py (see test_pallas_traffic.py).
+    call = dict(kernel="fused", generation="v6e", T=1000, K=128, V=128, dtype="bfloat16", g=False, initial_state=False, final_state=False)
+    facts = compile_call(worker, call)
+    C = 64
+    per_chunk = 2 * C * C * 128 + 2 * C * 128 * 128 + 2 * C * C * 128 + 2 * 128 * C * 128
+    assert facts["flops"] == 96 * per_chunk  # XLA adds no flops of its own around the kernel
+    assert facts["transcendentals"] == 96 * (C * C + C + C + 1)
+    kernel_bytes = 2 * 1000 * 3 * 4 * 128 * 2 + 3 * 4  # q, k, v read and o written once, and the decays
+    assert facts["kernel_cost"]["bytes_accessed"] == kernel_bytes
+    assert facts["bytes_accessed"] >= kernel_bytes  # plus what XLA moves around the kernel
+
+
+@pytest.mark.parametrize("kernel", ["fused", "chunk"])
+def test_layout_around_the_kernels_on_v6e(worker, kernel):
+    # K = V = 128 at the benchmark shape. As the program's [B, T, H, D] parameters, q, k, v and o
+    # are tiled over (H, D) and XLA relayouts each to and from the kernels' [B, T, H * D] view;
+    # between projections, x @ W already produces that view and nothing is copied.
+    call = dict(kernel=kernel, generation="v6e", B=8, T=4096, H=16, K=128, V=128, dtype="bfloat16", g=False, initial_state=False, final_state=False)
+    alone = worker.ask({"call": {**call, "gradient": False}})
+    assert len(alone["relayouts"]) == 4
+    in_a_layer = worker.ask({"layer": call})
+    assert in_a_layer["relayouts"] == []
+    assert in_a_layer["hbm_bytes"] == in_a_layer["kernel_cost"]["bytes_accessed"]
+
+
+def test_bench_models_both_kernels_on_tpu(worker):
+    text = worker.ask({"bench": {"shape": [2, 1024, 4, 128, 128], "dtype": "bfloat16", "features": ["g_gamma"], "generation": "v5e"}})["text"]
+    lines = text.splitlines()
+    assert lines[0].startswith("Modelled on TPU v5e, compiled for a compile-only device (nothing ran)")
+    fused = next(line for line in lines if line.startswith("tpu_pallas.fused"))
+    assert "4 / 0" in fused and "1024 (1.00x)" in fused  # in a layer: the floor
+    assert any(line.startswith("tpu_pallas.chunk") for line in lines)
+    assert "xla.chunk: not modelled" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", FACTORS["kernel"])
+@pytest.mark.parametrize("generation", FACTORS["generation"])
+def test_forward_compiles_over_the_full_sweep(worker, kernel, generation):
+    cycle = itertools.cycle(itertools.product((False, True), repeat=3))
+    for T, K, V, dtype in itertools.product(FACTORS["T"], FACTORS["K"], FACTORS["V"], FACTORS["dtype"]):
+        g, initial_state, final_state = next(cycle)
+        call = dict(kernel=kernel, generation=generation, T=T, K=K, V=V, dtype=dtype, g=g, initial_state=initial_state, final_state=final_state)
+        assert compile_call(worker, call)["kernels"] == KERNELS[kernel], _label(call)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", DESIGN, ids=_label)
+def test_gradient_compiles_over_the_design(worker, call):
+    assert compile_call(worker, call, gradient=True)["kernels"] == KERNELS[call["kernel"]]
