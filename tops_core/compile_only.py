@@ -127,7 +127,12 @@ class ProgramFacts:
 
     @classmethod
     def of(cls, compiled: jax.stages.Compiled) -> ProgramFacts:
-        text = compiled.as_text()
+        cost = compiled.cost_analysis()
+        return cls.read(compiled.as_text(), cost[0] if isinstance(cost, list) else cost)
+
+    @classmethod
+    def read(cls, text: str, cost: dict[str, float]) -> ProgramFacts:
+        """The facts of an optimised HLO module's text and XLA's cost analysis of it."""
         computations, entry = _computations(text)
         relayouts, moved = [], 0
         for line in computations[entry]:
@@ -146,8 +151,6 @@ class ProgramFacts:
                 continue
             relayouts.append(f"{opcode} {match['shape'].split('{')[0]}")
             moved += 2 * _array_bytes(match["shape"])
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
         estimates = [
             KernelCost(*(int(field[name]) for name in ("flops", "transcendentals", "bytes_accessed")))
             for field in (json.loads(match) for match in re.findall(r'"cost_estimate":(\{[^}]*\})', text))
@@ -182,12 +185,12 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str]:
 
 
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_SHAPE = re.compile(r"\(?(?P<dtype>\w+)\[(?P<dims>[\d,]*)\](?:\{(?P<order>[\d,]*)(?::T\((?P<tile>\d+),(?P<lanes>\d+)\)(?:\((?P<pack>\d+),1\))?)?)?")
+_SHAPE = re.compile(r"\(?(?P<dtype>\w+)\[(?P<dims>[\d,]*)\](?:\{(?P<order>[\d,]*)(?::T\((?P<tile>\d+),(?P<lanes>\d+)\))?)?")
 
 
 def _array_bytes(shape: str) -> int:
-    """Bytes an HLO array occupies, such as ``bf16[8,4096,2048]{2,1,0:T(8,128)(2,1)}``: its two most
-    minor dimensions rounded up to whole tiles (8 rows, times the packing of narrow types, by 128 lanes)."""
+    """Bytes an HLO array occupies, such as ``f32[8,4096,16]{2,1,0:T(8,128)}``: its two most minor
+    dimensions rounded up to its (first-level) tile, here 8 rows by 128 lanes (so 8x the 16 values)."""
     match = _SHAPE.match(shape)
     if match is None or match["dtype"] not in _ITEM_BYTES:
         return 0
@@ -196,7 +199,7 @@ def _array_bytes(shape: str) -> int:
         order = [int(d) for d in match["order"].split(",")]  # minor to major
         minor, second = order[0], order[1]
         dims[minor] = -(-dims[minor] // int(match["lanes"])) * int(match["lanes"])
-        rows = int(match["tile"]) * int(match["pack"] or 1)
+        rows = int(match["tile"])
         dims[second] = -(-dims[second] // rows) * rows
     count = 1
     for size in dims:

@@ -156,10 +156,11 @@ def format_model(model: TpuModel) -> str:
             roofline(row.alone), roofline(row.in_a_layer),
             f"{row.xla_bytes / tokens:.0f} B/token, {row.xla_flops / 1e9:.1f} GFLOP",
         ))
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    lines = [title, ""] + ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
+    lines = [title, ""]
+    if model.rows:
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table] + [""]
     lines += [
-        "",
         f"B/token (per token and head): the kernels' cost estimates plus the relayout copies XLA adds around the op, in HBM; "
         f"(x) against the floor, reading q, k, v and writing o once: {floor / tokens:.0f} B/token.",
         f"roofline: max(bytes / {tpu.hbm_bytes_per_second / 1e9:.0f} GB/s, kernel flops / {tpu.peak_flops(case.dtype) / 1e12:.0f} TFLOP/s "
