@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
 from jax.interpreters import batching, mlir
 
@@ -125,8 +126,8 @@ def _abstract_eval(*avals, branches, table, warn):
 
 @_per_platform_p.def_impl
 def _run_eagerly(*args, branches, table, warn):
-    platform = next((next(iter(x.devices())).platform for x in args if isinstance(x, jax.Array)), jax.default_backend())
-    return jaxpr_as_fun(_branch(branches, table, platform))(*args)
+    # Compiled where the arguments are, so the lowering picks the branch, as under jit.
+    return jax.jit(functools.partial(_per_platform_p.bind, branches=branches, table=table, warn=warn))(*args)
 
 
 def _lower(ctx, *args, branches, table, warn, platform):
@@ -142,7 +143,7 @@ for _name in sorted({name for names in JAX_PLATFORM_NAMES.values() for name in n
 
 def _batch(args, dims, *, branches, table, warn):
     in_axes = [None if d is None else 0 for d in dims]
-    args = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+    args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
     batched = tuple(jax.make_jaxpr(jax.vmap(jaxpr_as_fun(b), in_axes=in_axes, out_axes=0))(*shapes) for b in branches)
     results = _per_platform_p.bind(*args, branches=batched, table=table, warn=warn)

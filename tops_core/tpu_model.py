@@ -51,8 +51,6 @@ class Modelled:
     """One implementation compiled for the TPU, alone and in a layer, and XLA's cost analysis of it alone."""
 
     implementation: str
-    kernels: int
-    flops: int
     alone: Setting
     in_a_layer: Setting
     xla_bytes: float
@@ -110,13 +108,11 @@ def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = Non
             not_modelled.append((impl.name, "no Mosaic kernel to read a cost estimate from"))
             continue
         in_layer = compile_only.ProgramFacts.of(compile_only.compile_for(generation, *_in_a_layer(case, forward, arrays)))
-        rows.append(Modelled(
-            impl.name, alone.kernels, alone.kernel_cost.flops, setting(alone), setting(in_layer), alone.bytes_accessed, alone.flops,
-        ))
+        rows.append(Modelled(impl.name, setting(alone), setting(in_layer), alone.bytes_accessed, alone.flops))
     return TpuModel(case, tpu, tuple(rows), tuple(not_modelled))
 
 
-def _in_a_layer(case: Case, forward: Callable, arrays: dict[str, jax.ShapeDtypeStruct]) -> tuple[Callable, Any, ...]:
+def _in_a_layer(case: Case, forward: Callable, arrays: dict[str, jax.ShapeDtypeStruct]) -> tuple[Any, ...]:
     """The op between projections, and its abstract arguments: ``x @ W`` reshaped to heads, the op, ``o`` reshaped back and projected."""
     B, T, H, K, V = case.batch, case.seq_len, case.heads, case.key_dim, case.value_dim
     width, dtype = H * K, jnp.dtype(case.dtype)
