@@ -100,7 +100,7 @@ def test_cli_bench_adds_the_modelled_tpu_section_off_tpu(installed, capsys, monk
 
 def test_cli_bench_exits_nonzero_when_a_row_fails(installed, capsys):
     fakes.register("packed", features=fakes.FEATURES | {"cu_seqlens"}, priority={"cpu": 200})
-    argv = ["bench", "--shape", "1,24,2,8,8", "--with", "g_gamma,cu_seqlens", "--num-seqs", "3", "--budget", "0.05"]
+    argv = ["bench", "--shape", "1,24,2,8,8", "--with", "g_gamma,cu_seqlens", "--num-seqs", "3", "--budget", "0.05", "--tpu", "none"]
     assert main(argv) == 1
     captured = capsys.readouterr()
     assert "N=3" in captured.out and "FAIL: fake.packed outside the tolerance for float32" in captured.err
@@ -113,7 +113,7 @@ def test_cli_bench_float64_runs_in_float64_without_x64_enabled_by_the_user(insta
 
     installed.register_plugin(tops_plugins_xla, "xla")
     assert not jax.config.jax_enable_x64
-    assert main(["bench", "--shape", "1,16,2,8,8", "--dtype", "float64", "--impl", "xla.chunk", "--budget", "0.05"]) == 0
+    assert main(["bench", "--shape", "1,16,2,8,8", "--dtype", "float64", "--impl", "xla.chunk", "--budget", "0.05", "--tpu", "none"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("xla.chunk"))
     assert "float64 on cpu" in out and row.endswith(" ok")
