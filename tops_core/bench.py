@@ -3,7 +3,7 @@
 For the workload, each implementation that the matcher accepts on this machine (TPU kernels
 only in interpret mode, labelled as interpreted) is timed jitted, forward and forward+backward
 (a forward-only kernel with the backward the dispatcher pairs it with). The float64 reference
-stores every state in its backward, so accuracy and the speedup against it are measured at a
+sweeps token by token on the host, so accuracy and the speedup against it are measured at a
 smaller *check* shape unless the workload itself is small; the table says which.
 """
 
@@ -240,7 +240,7 @@ def _run(case: Case, names: Sequence[str] | None, budget: float, max_repeats: in
             row.backward_by = _paired_backward(case, spec, impl.name)
             row.differentiable = row.backward_by is not None
         if impl.name == REFERENCE and not reference_at_workload:
-            row.note = "not timed at the workload (its backward stores every state)"
+            row.note = "not timed at the workload (a sequential host sweep: seconds to minutes there)"
         rows.append(row)
     has_reference = any(impl.name == REFERENCE for impl in contract.implementations())
     shapes = {row.implementation: [] if row.note else [case] for row in rows}

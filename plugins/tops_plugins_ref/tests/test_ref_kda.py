@@ -38,7 +38,7 @@ def unit_rows(x):
 
 
 def delta_step(state, q, k, v, g, beta):
-    """One token of SPEC.md's kda recurrence for one head, written out in numpy."""
+    """One token of the kda recurrence (docs/ops.md) for one head, written out in numpy."""
     decayed = np.exp(g)[:, None] * state
     state = decayed + beta * np.outer(k, v - k @ decayed)
     return state, SCALE * q @ state

@@ -1,4 +1,4 @@
-"""Fixtures for the Pallas TPU plugin's tests: SPEC.md-style inputs, the float64 reference, and error checks."""
+"""Fixtures for the Pallas TPU plugin's tests: docs/ops.md-style inputs, the float64 reference, and error checks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import tops_core
 
 def alibi_g_gamma(heads: int, layer: int = 0, layers: int = 24) -> np.ndarray:
-    """SPEC.md's ALiBi-style constant decays: ``-slope_h * (1 - layer / (layers - 1) + 1e-5)``."""
+    """docs/ops.md's ALiBi-style constant decays: ``-slope_h * (1 - layer / (layers - 1) + 1e-5)``."""
     slopes = 2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)
     return -slopes * (1 - layer / (layers - 1) + 1e-5)
 

@@ -6,7 +6,7 @@ to and including token ``i`` and ``S`` the state entering the chunk::
     o_i   = scale * (exp(b_i) * q_i S + sum_{j <= i} exp(b_i - b_j) (q_i . k_j) v_j)
     S_out = exp(b_C) * S + sum_j exp(b_C - b_j) k_j^T v_j
 
-Numerics (DESIGN.md "Numerics", seed 002): only differences of cumulative gates are
+Numerics (docs/architecture.md "Numerics"): only differences of cumulative gates are
 exponentiated, never ``exp(-b)``; the exponent is masked to 0 above the diagonal *before* ``exp``
 (there ``b_i - b_j`` is positive and overflows for strong decays at chunk 128); every matmul
 accumulates in float32, with operands in the dtype ``mxu_operand_dtype`` picks. Rows of a ragged
@@ -35,7 +35,7 @@ def mxu_operand_dtype(input_dtype) -> jnp.dtype:
     """The dtype the float32 intermediates (attention matrix, state, decayed keys) take into the MXU.
 
     bf16 inputs: bf16, as flash-linear-attention does: one MXU pass per matmul, float32
-    accumulation. float32 inputs: float32 at HIGHEST precision, or SPEC.md's float32 tolerance would
+    accumulation. float32 inputs: float32 at HIGHEST precision, or the float32 tolerance (docs/ops.md) would
     not hold on a TPU. README.md "Numerics" gives the measured errors behind this choice.
     """
     return jnp.dtype(input_dtype)
