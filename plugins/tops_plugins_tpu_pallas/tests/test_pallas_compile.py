@@ -191,9 +191,11 @@ def test_layout_around_the_kernels_on_v6e(worker, kernel):
 def test_bench_models_both_kernels_on_tpu(worker):
     text = worker.ask({"bench": {"shape": [2, 1024, 4, 128, 128], "dtype": "bfloat16", "features": ["g_gamma"], "generation": "v5e"}})["text"]
     lines = text.splitlines()
-    assert lines[0].startswith("Modelled on TPU v5e, compiled for a compile-only device (nothing ran)")
-    fused = next(line for line in lines if line.startswith("tpu_pallas.fused"))
-    assert "4 / 0" in fused and "1024 (1.00x)" in fused  # in a layer: the floor
+    assert lines[0].startswith("Modelled on TPU v5e (a model, nothing ran; compiled for a compile-only device)")
+    kernel, op = [line for line in lines if line.startswith("tpu_pallas.fused")]  # the kernel table, then the op table
+    assert "simple_gla_fused" in kernel and kernel.split()[2] == "1024"  # the kernel's bytes per token: the floor
+    assert any(limit in kernel for limit in ("HBM", "issue", "MXU"))
+    assert "4 / 0" in op and "1024 (1.00x)" in op  # in a layer: the floor
     assert any(line.startswith("tpu_pallas.chunk") for line in lines)
     assert "xla.chunk: not modelled" in text
 
