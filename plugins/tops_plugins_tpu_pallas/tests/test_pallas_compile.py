@@ -169,7 +169,9 @@ def test_compiled_cost_analysis_reads_back_the_kernels_estimates(worker):
     C = 64
     per_chunk = 2 * C * C * 128 + 2 * C * 128 * 128 + 2 * C * C * 128 + 2 * 128 * C * 128
     assert facts["flops"] == 96 * per_chunk  # XLA adds no flops of its own around the kernel
-    assert facts["transcendentals"] == 96 * (C * C + C + C + 1)
+    # Without g the gates are computed once per grid step (4 steps of 4 chunks per sequence) and once
+    # more for each step's last chunk, which may be the ragged one: 2 * 3 * 4 * 2 = 48 times.
+    assert facts["transcendentals"] == 48 * (C * C + C + C + 1)
     kernel_bytes = 2 * 1000 * 3 * 4 * 128 * 2 + 3 * 4  # q, k, v read and o written once, and the decays
     assert facts["kernel_cost"]["bytes_accessed"] == kernel_bytes
     assert facts["bytes_accessed"] >= kernel_bytes  # plus what XLA moves around the kernel

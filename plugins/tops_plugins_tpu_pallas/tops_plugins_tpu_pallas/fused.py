@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from tops_plugins_tpu_pallas import blocks, traffic
 from tops_plugins_tpu_pallas.chunkwise import (
     advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
-    finish_sequence, for_each_chunk, gates_work, start_sequence,
+    constant_gates, finish_sequence, gate_computations, gates_work, start_sequence, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.launch import LaunchPlan
@@ -52,7 +52,8 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     outputs = [blocks.value_rows("o", geometry, dtype)]
     if output_final_state:
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
-    work = (gates_work(geometry, gate_dtype is not None) + chunk_output_work(geometry) + advance_state_work(geometry)) * chunks_of_the_grid(geometry)
+    gated = gate_dtype is not None
+    work = (chunk_output_work(geometry) + advance_state_work(geometry)) * chunks_of_the_grid(geometry) + gates_work(geometry, gated) * gate_computations(geometry, gated)
     return (LaunchPlan(
         name="simple_gla_fused",
         grid=blocks.grid(geometry),
@@ -72,14 +73,14 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
 
-    def one_chunk(chunk):
-        gates = chunk.gates(refs, head)
+    constant = constant_gates(refs, head, geometry)
+    state = refs["state"][...]
+    for chunk in step_chunks(geometry, step):
+        gates = chunk.gates(refs, head, constant)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        entering = refs["state"][...]
-        refs["o"][chunk.rows, :] = chunk_output(q, k, v, entering, gates, scale).astype(refs["o"].dtype)
-        refs["state"][...] = advance_state(entering, k, v, gates)
-
-    for_each_chunk(geometry, step, one_chunk)
+        refs["o"][chunk.rows, :] = chunk_output(q, k, v, state, gates, scale).astype(refs["o"].dtype)
+        state = advance_state(state, k, v, gates)
+    refs["state"][...] = state
     finish_sequence(refs, step, geometry)
 
 
