@@ -43,6 +43,10 @@ class ChunkConfig:
         check_common_fields(self)
 
 
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config: ChunkConfig) -> Geometry:
+    return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps)
+
+
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan, LaunchPlan]:
     """The launch plans of stage 1 (states) and stage 2 (outputs) for one call."""
     gate = (blocks.gates(geometry, gate_dtype),) if gate_dtype is not None else ()
@@ -107,7 +111,7 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    geometry = Geometry(B, T, H, K, v.shape[-1], config.chunk_size, config.num_steps)
+    geometry = geometry_of(B, T, H, K, v.shape[-1], config)
     states_plan, outputs_plan = plans(
         geometry, q.dtype,
         gate_dtype=None if g is None else g.dtype,

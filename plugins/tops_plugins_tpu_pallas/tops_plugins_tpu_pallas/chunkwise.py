@@ -64,6 +64,27 @@ def _column_to_row(column: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(rows == cols, column, 0.0), axis=0, keepdims=True)
 
 
+def cumulative_sum(g: jax.Array) -> jax.Array:
+    """The chunk-local cumulative sum of ``g`` ``(C, 1)`` (float32) as one bf16 MXU pass, exact as a float32 HIGHEST product.
+
+    Mosaic has no cumsum, so it is a lower-triangular 0/1 matrix times ``g``. The 0/1 matrix is exact
+    in bf16, and ``g`` splits exactly into three bf16 parts (8 + 8 + 8 bits of its 24-bit
+    significand); laid in lanes 0, 1, 2 of one ``(C, 128)`` operand, they go through the MXU in one
+    bf16 pass (exact products, float32 accumulation), and a lane sum adds the three partial sums.
+    A float32 operand at HIGHEST precision would take six passes of a ``(C, 1)`` column, which
+    was most of a gated chunk's MXU pushes.
+    """
+    size = g.shape[0]
+    high = g.astype(jnp.bfloat16).astype(_F32)
+    middle = (g - high).astype(jnp.bfloat16).astype(_F32)
+    low = g - high - middle
+    lanes = lax.broadcasted_iota(jnp.int32, (size, LANES), 1)
+    parts = jnp.where(lanes == 0, high, jnp.where(lanes == 1, middle, jnp.where(lanes == 2, low, 0.0)))
+    rows, cols = _row_and_column_iotas(size)
+    partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), parts, jnp.bfloat16)
+    return jnp.sum(partial_sums, axis=1, keepdims=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkGates:
     """The decays one chunk applies, already exponentiated, from its cumulative log decays ``b``.
@@ -95,9 +116,7 @@ class ChunkGates:
         column = decay * positions.astype(_F32)
         row = decay * lane_positions.astype(_F32)
         if g is not None:
-            # Chunk-local cumulative sum as a lower-triangular matmul: Mosaic has no cumsum.
-            rows, cols = _row_and_column_iotas(chunk_size)
-            cumulative = matmul((rows >= cols).astype(_F32), g, _F32)
+            cumulative = cumulative_sum(g)
             column = column + cumulative
             row = row + _column_to_row(cumulative)
         total = column[chunk_size - 1 :, :]
@@ -141,10 +160,10 @@ class Work:
 
 
 def gates_work(geometry: Geometry, gated: bool) -> Work:
-    """``ChunkGates.compute`` once: with ``g``, the cumulative sum as a (C x C) @ (C x 1) matmul; exp of the
-    C x C decays, of the C query and C key decays and of the chunk's decay."""
+    """``ChunkGates.compute`` once: with ``g``, the cumulative sum as a (C x C) @ (C x 128) matmul (``cumulative_sum``);
+    exp of the C x C decays, of the C query and C key decays and of the chunk's decay."""
     C = geometry.chunk_size
-    return Work(flops=2 * C * C if gated else 0, transcendentals=C * C + 2 * C + 1)
+    return Work(flops=2 * C * C * LANES if gated else 0, transcendentals=C * C + 2 * C + 1)
 
 
 def gate_computations(geometry: Geometry, gated: bool) -> int:

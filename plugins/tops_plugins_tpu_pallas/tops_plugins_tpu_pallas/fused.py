@@ -30,16 +30,44 @@ from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state
 
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
-    """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step.
-    ``interpret``: None (compile where lowered for a TPU, interpret elsewhere), True (fast
-    interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False (always compile)."""
+    """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step, at most: fewer when
+    the step's blocks would not fit the VMEM budget (``fitting_geometry``). ``full_values``: one grid point
+    per (batch, head) holding all of ``V`` (``q`` and ``k`` read once, the MXU's full width on ``V``), else
+    one per 128-lane value tile. ``interpret``: None (compile where lowered for a TPU, interpret
+    elsewhere), True (fast interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False
+    (always compile).
 
-    chunk_size: int = 64
-    num_steps: int = 4
+    The defaults are what the cost model (README "Modelled on TPU") found fastest on v5e and v6e: a
+    grid step carries a fixed cost of a few hundred cycles, so a step of 1024 rows amortises it, and
+    chunks of 128 halve the MXU rows a token streams for the state (the 64-row chunk's products waste
+    most of v6e's 256-wide MXU).
+    """
+
+    chunk_size: int = 128
+    num_steps: int = 8
+    full_values: bool = True
     interpret: Any = None
 
     def __post_init__(self):
         check_common_fields(self)
+        if not isinstance(self.full_values, bool):
+            raise TypeError(f"FusedConfig.full_values must be a bool, got {self.full_values!r}")
+
+
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config: FusedConfig) -> Geometry:
+    return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values)
+
+
+def fitting_geometry(geometry: Geometry, dtype, **inputs) -> Geometry:
+    """``geometry`` with fewer chunks per step while its plan would not fit the VMEM budget (at least one chunk)."""
+    while geometry.chunks_per_step > 1 and traffic.vmem_bytes(plans(geometry, dtype, **inputs)[0]) > traffic.VMEM_BUDGET:
+        geometry = dataclasses.replace(geometry, num_steps=geometry.chunks_per_step - 1)
+    return geometry
+
+
+def fitted_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
+    """``plans`` for ``fitting_geometry``: what ``forward`` launches."""
+    return plans(fitting_geometry(geometry, dtype, **inputs), dtype, **inputs)
 
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
@@ -88,13 +116,13 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    geometry = Geometry(B, T, H, K, v.shape[-1], config.chunk_size, config.num_steps)
-    (launch,) = plans(
-        geometry, q.dtype,
+    inputs = dict(
         gate_dtype=None if g is None else g.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
+    geometry = fitting_geometry(geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
+    (launch,) = plans(geometry, q.dtype, **inputs)
     traffic.check_vmem(launch)
     kernel = functools.partial(_kernel, plan=launch, geometry=geometry, scale=scale)
     operands = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)
