@@ -1,6 +1,7 @@
 """The main job, ``tops bench``, on tiny workloads with in-process implementations."""
 
 import io
+import json
 
 import pytest
 
@@ -95,7 +96,24 @@ def test_cli_bench_adds_the_modelled_tpu_section_off_tpu(installed, capsys, monk
     assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable", "--budget", "0.05", "--tpu", "v5e"]) == 0
     out = capsys.readouterr().out
     assert asked == [("bfloat16", "v5e", ["fake.portable"])]
-    assert "Modelled on TPU v5e, compiled for a compile-only device (nothing ran): simple_gla B=1 T=16 H=2 K=8 V=8 bfloat16" in out
+    assert "Modelled on TPU v5e (a model, nothing ran; compiled for a compile-only device): simple_gla B=1 T=16 H=2 K=8 V=8 bfloat16" in out
+
+
+def test_cli_bench_json_is_one_document_with_every_figure(installed, capsys, monkeypatch):
+    from tops_core import tpu_model
+    from tops_core.tpu_generations import GENERATIONS
+
+    monkeypatch.setattr(tpu_model, "model", lambda case, generation, names: tpu_model.TpuModel(case, GENERATIONS[generation], (), (), unavailable="not compiled in this test"))
+    assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable,ref.recurrent", "--budget", "0.05", "--tpu", "v5e", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)  # nothing but the document on stdout
+    assert document["workload"]["batch"] == 1 and document["workload"]["features"] == ["g_gamma"]
+    rows = {row["implementation"]: row for row in document["rows"]}
+    assert set(rows) == {"fake.portable", "ref.recurrent"}
+    assert rows["fake.portable"]["forward"]["median"] > 0 and rows["fake.portable"]["within_tolerance"] is True
+    assert rows["fake.portable"]["forward_error"] >= 0
+    assert document["failures"] == []
+    assert document["modelled_tpu"]["generation"] == "v5e"
+    assert document["modelled_tpu"]["unavailable"] == "not compiled in this test"
 
 
 def test_cli_bench_exits_nonzero_when_a_row_fails(installed, capsys):

@@ -333,6 +333,24 @@ def format_report(report: Report, header: bool = True) -> str:
     return "\n".join(lines)
 
 
+def report_json(report: Report) -> dict[str, Any]:
+    """Every figure of the report as JSON values (timings in seconds, relative errors), for ``tops bench --json``."""
+    return {
+        "workload": case_json(report.workload),
+        "check": case_json(report.check),
+        "platform": report.platform,
+        "reference_at_workload": report.reference_at_workload,
+        "rows": [dataclasses.asdict(row) for row in report.rows],
+    }
+
+
+def case_json(case: Case) -> dict[str, Any]:
+    """A workload's fields as JSON values."""
+    fields = dataclasses.asdict(case)
+    fields["features"] = sorted(case.features)
+    return fields
+
+
 def _speedup(row: Row, reference: Row | None, at_workload: bool) -> str:
     if reference is None:
         return "-"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import json
 import os
 import platform as python_platform
 import sys
@@ -199,14 +200,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         _check_writable(args.plot)
         bench.pyplot()
-    print(bench.describe_workload(case, platform), flush=True)
+    if not args.json:
+        print(bench.describe_workload(case, platform), flush=True)
     report = bench.run(case, names, budget=args.budget)
-    print("\n" + bench.format_report(report, header=False))
+    if not args.json:
+        print("\n" + bench.format_report(report, header=False))
     if args.plot:
         bench.plot(case, names, args.plot)
-        print(f"\nwrote {args.plot}")
-    if args.tpu != "none" and platform != "tpu":
-        _print_tpu_model(args, case, names)
+        if not args.json:
+            print(f"\nwrote {args.plot}")
+    model = _tpu_model(args, case, names) if args.tpu != "none" and platform != "tpu" else None
+    if args.json:
+        document = {**bench.report_json(report), "failures": bench.failures(report), "modelled_tpu": None}
+        if model is not None:
+            from tops_core import tpu_model
+
+            document["modelled_tpu"] = tpu_model.model_json(model)
+        print(json.dumps(document, indent=1, default=str))
+    elif model is not None:
+        from tops_core import tpu_model
+
+        print("\n" + tpu_model.format_model(model))
     failed = bench.failures(report)
     if failed:
         print(f"\nFAIL: {', '.join(failed)} outside the tolerance for {case.dtype}", file=sys.stderr)
@@ -223,13 +237,13 @@ def _check_writable(path: str) -> None:
         raise UsageError(f"--plot {path}: the directory {directory} is not writable")
 
 
-def _print_tpu_model(args: argparse.Namespace, case: Case, names: list[str]) -> None:
+def _tpu_model(args: argparse.Namespace, case: Case, names: list[str]):
     """The modelled TPU section: the workload compiled for a compile-only TPU (bf16 unless --dtype says)."""
     from tops_core import bench, tpu_model
 
     case = dataclasses.replace(case, dtype=args.dtype or _default_dtype("tpu"))
     with bench.dtype_scope(case):
-        print("\n" + tpu_model.format_model(tpu_model.model(case, args.tpu, names)))
+        return tpu_model.model(case, args.tpu, names)
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -295,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--budget", type=float, default=2.0, help="seconds of timed repeats per measurement (default: %(default)s)")
     bench.add_argument("--tpu", default="v6e", choices=[*GENERATIONS, "none"],
                        help="off TPU, also model the TPU implementations compiled for this generation (needs libtpu; default: %(default)s)")
+    bench.add_argument("--json", action="store_true", help="print every figure of the report (and of the modelled TPU section) as one JSON document")
     bench.set_defaults(run=cmd_bench)
     return parser
 

@@ -9,6 +9,11 @@ put around them, which implementation each op came from (the dispatcher names it
 ``<implementation>.<direction>``), and XLA's cost analysis (which includes the kernels' own
 ``pl.CostEstimate``).
 
+``DumpingCompiler`` compiles in a child process whose libtpu dumps what it compiled
+(``tpu_llo``): Mosaic's LLO and the backend's scheduled bundles of every kernel, read back and
+deleted after each compile. libtpu reads its flags once, when it loads, so the dumps need a process
+of their own; the child also keeps libtpu out of the calling process.
+
 On a host without a TPU, libtpu's start-up prints warnings (it cannot find the TPU's accelerator
 type and worker hostnames) and takes a lock shared by every process that loads it;
 ``quiet_libtpu()`` sets, before libtpu loads, the environment that tells it instead, and does
@@ -17,17 +22,25 @@ nothing on a host with a TPU attached.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import glob
+import importlib
 import json
 import os
 import pathlib
+import pickle
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
+from tops_core import tpu_llo
 from tops_core.tpu_generations import GENERATIONS
 
 NO_TPU_ENVIRONMENT = {
@@ -68,14 +81,20 @@ def device(generation: str) -> jax.Device:
         raise CompileOnlyUnavailable(f"no compile-only {generation} TPU ({error}); pip install libtpu") from error
 
 
-def compile_for(generation: str, function: Callable, *args: Any) -> jax.stages.Compiled:
-    """``jax.jit(function)`` compiled for a ``generation`` TPU; ``args`` are arrays or ``ShapeDtypeStruct``s (pytrees)."""
+def lower_for(generation: str, function: Callable, *args: Any) -> jax.stages.Lowered:
+    """``jax.jit(function)`` lowered for a ``generation`` TPU; ``args`` are arrays or ``ShapeDtypeStruct``s (pytrees)."""
     placement = jax.sharding.SingleDeviceSharding(device(generation))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement), args)
-    return jax.jit(function).lower(*abstract).compile()
+    return jax.jit(function).lower(*abstract)
+
+
+def compile_for(generation: str, function: Callable, *args: Any) -> jax.stages.Compiled:
+    """``jax.jit(function)`` compiled for a ``generation`` TPU; ``args`` are arrays or ``ShapeDtypeStruct``s (pytrees)."""
+    return lower_for(generation, function, *args).compile()
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<shape>.*?) (?P<opcode>[a-z][\w-]*)\((?P<rest>.*)$")
+_KERNEL_ESTIMATE = re.compile(r'^\s*(?:ROOT )?%(\S+) = .*custom_call_target="tpu_custom_call".*?"cost_estimate":(\{[^}]*\})', re.MULTILINE)
 _RELAYOUT_OPCODES = {"copy", "transpose", "reshape", "pad", "slice", "concatenate"}
 _DATA_MOVEMENT = _RELAYOUT_OPCODES | {"parameter", "bitcast", "constant", "broadcast", "tuple", "get-tuple-element"}
 
@@ -104,14 +123,14 @@ class ProgramFacts:
     tiles (a minor dimension of 16 takes 128 lanes). ``loops``: ``while`` loops, whose body
     XLA's cost analysis counts once, not once per iteration (the costs then understate the
     program). ``implementations``: the ``<implementation>.<direction>`` names the dispatcher gave
-    its calls. ``kernel_cost``: the sum of the Mosaic kernels' own cost estimates (flops,
-    transcendentals, bytes). ``flops``, ``transcendentals``, ``bytes_accessed``: XLA's cost
+    its calls. ``kernel_costs``: each Mosaic kernel's own cost estimate (flops, transcendentals,
+    bytes) by its HLO instruction's name; ``kernel_cost`` their sum. ``flops``, ``transcendentals``, ``bytes_accessed``: XLA's cost
     analysis of the whole program, which adds what XLA does around the kernels; its bytes also
     count XLA's prefetches of whole arrays into VMEM, which small programs get.
     """
 
     kernels: int
-    kernel_cost: KernelCost
+    kernel_costs: tuple[tuple[str, KernelCost], ...]
     relayouts: tuple[str, ...]
     relayout_bytes: int
     loops: int
@@ -119,6 +138,10 @@ class ProgramFacts:
     flops: float
     transcendentals: float
     bytes_accessed: float
+
+    @property
+    def kernel_cost(self) -> KernelCost:
+        return sum((cost for _, cost in self.kernel_costs), KernelCost())
 
     @property
     def hbm_bytes(self) -> int:
@@ -151,13 +174,13 @@ class ProgramFacts:
                 continue
             relayouts.append(f"{opcode} {match['shape'].split('{')[0]}")
             moved += 2 * _array_bytes(match["shape"])
-        estimates = [
-            KernelCost(*(int(field[name]) for name in ("flops", "transcendentals", "bytes_accessed")))
-            for field in (json.loads(match) for match in re.findall(r'"cost_estimate":(\{[^}]*\})', text))
-        ]
+        estimates = tuple(
+            (name, KernelCost(*(int(field[key]) for key in ("flops", "transcendentals", "bytes_accessed"))))
+            for name, field in ((m[1], json.loads(m[2])) for m in _KERNEL_ESTIMATE.finditer(text))
+        )
         return cls(
             kernels=text.count('custom_call_target="tpu_custom_call"'),
-            kernel_cost=sum(estimates, KernelCost()),
+            kernel_costs=estimates,
             relayouts=tuple(relayouts),
             relayout_bytes=moved,
             loops=sum(1 for body in computations.values() for line in body if (m := _INSTRUCTION.match(line)) and m["opcode"] == "while"),
@@ -205,3 +228,95 @@ def _array_bytes(shape: str) -> int:
     for size in dims:
         count *= size
     return count * _ITEM_BYTES[match["dtype"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dumped:
+    """A program compiled by ``DumpingCompiler``: what ``ProgramFacts`` reads, every kernel as libtpu
+    dumped it, and the TensorCores of the device it was compiled for (a v4 device is one of its chip's two).
+    A program without a Mosaic kernel is only lowered: no facts, no kernels."""
+
+    facts: ProgramFacts | None
+    kernels: tuple[tpu_llo.DumpedKernel, ...]
+    cores: int
+
+
+class DumpingCompiler:
+    """Compiles for compile-only TPUs in a child process whose libtpu dumps every Mosaic kernel (``tpu_llo``).
+
+    ``compile(generation, factory, **arguments)`` imports ``factory`` (``"package.module:function"``)
+    in the child, calls it with ``arguments`` (JSON values) to get ``(function, *args)``, compiles
+    ``function`` for ``generation`` as ``compile_for`` does and reads the dumps, which are deleted
+    before the next compile; the directory goes when the compiler closes. Use it as a context manager.
+    An error in the child is raised here: ``CompileOnlyUnavailable`` as it is (no libtpu), anything
+    else as a ``RuntimeError`` with the child's traceback.
+    """
+
+    def __init__(self):
+        self.directory = tempfile.mkdtemp(prefix="tops-tpu-dump-")
+        environment = {**os.environ, "JAX_PLATFORMS": "cpu", "LIBTPU_INIT_ARGS": tpu_llo.dump_flags(self.directory)}
+        if not tpu_attached():
+            environment = {**NO_TPU_ENVIRONMENT, **environment}
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tops_core.compile_only"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=environment,
+        )
+
+    def compile(self, generation: str, factory: str, **arguments: Any) -> Dumped:
+        self._process.stdin.write(json.dumps({"generation": generation, "factory": factory, "arguments": arguments}) + "\n")
+        self._process.stdin.flush()
+        line = self._process.stdout.readline()
+        if not line:
+            self._stderr.seek(0)
+            raise CompileOnlyUnavailable(f"the dumping compiler stopped: {self._stderr.read()[-2000:]}")
+        reply = pickle.loads(base64.b64decode(line))
+        if isinstance(reply, CompileOnlyUnavailable):
+            raise reply
+        if isinstance(reply, str):
+            raise RuntimeError(f"compiling {factory}({arguments}) for {generation} failed in the dumping compiler:\n{reply}")
+        return reply
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            self._process.wait(timeout=60)
+        self._stderr.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> DumpingCompiler:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def _serve_dumping_compiler() -> None:
+    """The child of ``DumpingCompiler``: one JSON request per line in, one base64 pickle per line out."""
+    import traceback
+
+    directory = pathlib.Path(re.search(r"--xla_mosaic_dump_to=(\S+)", os.environ["LIBTPU_INIT_ARGS"])[1])
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            module, name = request["factory"].split(":")
+            function, *args = getattr(importlib.import_module(module), name)(**request["arguments"])
+            lowered = lower_for(request["generation"], function, *args)
+            if "tpu_custom_call" in lowered.as_text():
+                reply: Any = Dumped(ProgramFacts.of(lowered.compile()), tuple(tpu_llo.read_directory(directory)), device(request["generation"]).num_cores)
+            else:  # no Mosaic kernel to dump: XLA's own code is not compiled (and not dumped), which takes long
+                reply = Dumped(None, (), device(request["generation"]).num_cores)
+        except CompileOnlyUnavailable as error:
+            reply = error
+        except Exception:  # noqa: BLE001 - reported to the parent, which raises it
+            reply = traceback.format_exc()
+        finally:
+            for path in directory.iterdir():
+                path.unlink()
+        print(base64.b64encode(pickle.dumps(reply)).decode(), flush=True)
+
+
+if __name__ == "__main__":
+    from tops_core.compile_only import _serve_dumping_compiler as serve  # this module's classes, not __main__'s, in the pickles
+
+    serve()

@@ -1,7 +1,7 @@
 """What each TPU generation offers, in one place: the figures the modelled TPU numbers rest on.
 
 Per chip as Google Cloud publishes them (a JAX device is one chip, both TensorCores of a v4 or
-v5p chip together), except VMEM, which is per TensorCore. Sources:
+v5p chip together), except what is per TensorCore (VMEM, MXUs, the VLIW bundle). Sources:
 
 - HBM bandwidth and peak bf16 compute: the Cloud TPU system architecture pages,
   cloud.google.com/tpu/docs/v4, /v5e, /v5p and /v6e ("Peak compute per chip (bf16)", "HBM
@@ -11,6 +11,17 @@ v5p chip together), except VMEM, which is per TensorCore. Sources:
   (the ``jax.lax.Precision`` docstring), so a sixth of the bf16 peak.
 - VMEM per TensorCore and the MXU edge: JAX's Pallas TPU hardware reference
   (docs.jax.dev/en/latest/pallas/tpu/hardware.html); v6e's 256 x 256 MXUs are also on its Cloud page.
+- The default scoped VMEM limit (what a Mosaic kernel may use without ``vmem_limit_bytes``) and
+  the usable VMEM: measured, compiling kernels of growing VMEM for each compile-only chip
+  (libtpu 0.0.52: "Scoped allocation ... limit 16.00M", 32.00M on v6e; v4 has no more than its 16 MiB).
+- MXUs per TensorCore and the VLIW bundle (how many instructions of each kind one cycle issues):
+  libtpu's own machine model, as its scheduled code shows it (the MXUs it names, ``mxu0`` to
+  ``mxu3`` or ``mxu1``, and the "CAPACITY" line of its per-bundle utilization dump).
+- The clock: ``peak bf16 / (TensorCores x MXUs x 2 x edge**2 x rows)``, one bf16 LHS row per MXU
+  per cycle on the 128-wide MXUs: 1.05 GHz (v4, the clock Google's TPU v4 paper gives), 1.5 GHz
+  (v5e), 1.75 GHz (v5p). v6e's is not published: its two 256-wide MXUs reach 918 TFLOP/s at
+  1.75 GHz taking two rows a cycle, or at 3.5 GHz taking one. We take 1.75 GHz, the conservative
+  reading: at 3.5 GHz every issue-bound v6e time in the model halves.
 - The compile-only topology: the names ``jax.experimental.topologies.get_topology_desc`` accepts.
 """
 
@@ -33,6 +44,10 @@ class TpuGeneration:
     tensorcores: int  # per chip
     vmem_bytes: int  # per TensorCore
     mxu: int  # edge of the square systolic array
+    mxus: int  # per TensorCore
+    clock_hz: float
+    scoped_vmem_bytes: int  # what a kernel may use without vmem_limit_bytes
+    vliw_slots: tuple[tuple[str, int], ...]  # instructions of each kind one bundle (cycle) issues, per TensorCore
 
     @property
     def peak_float32_flops(self) -> float:
@@ -42,13 +57,33 @@ class TpuGeneration:
         """Peak matmul rate for inputs of ``dtype``: bf16's for bfloat16, float32's (HIGHEST) otherwise."""
         return self.peak_bf16_flops if dtype == "bfloat16" else self.peak_float32_flops
 
+    def mxu_row_flops(self) -> int:
+        """The MXU work one LHS row streamed through a systolic array stands for: ``2 * edge**2`` flops."""
+        return 2 * self.mxu * self.mxu
+
+
+def _slots(vector_alu: int, loads: int, stores: int, xlu: int, matmul: int) -> tuple[tuple[str, int], ...]:
+    return (("matmul", matmul), ("vector ALU", vector_alu), ("EUP", 1), ("XLU", xlu), ("load", loads), ("store", stores), ("result pop", 2))
+
 
 GENERATIONS: dict[str, TpuGeneration] = {
     g.name: g
     for g in (
-        TpuGeneration("v4", "v4:2x2x1", 1200e9, 275e12, tensorcores=2, vmem_bytes=16 * 2**20, mxu=128),
-        TpuGeneration("v5e", "v5e:1x1", 819e9, 197e12, tensorcores=1, vmem_bytes=128 * 2**20, mxu=128),
-        TpuGeneration("v5p", "v5p:2x2x1", 2765e9, 459e12, tensorcores=2, vmem_bytes=64 * 2**20, mxu=128),
-        TpuGeneration("v6e", "v6e:1x1", 1638e9, 918e12, tensorcores=1, vmem_bytes=128 * 2**20, mxu=256),
+        TpuGeneration(
+            "v4", "v4:2x2x1", 1200e9, 275e12, tensorcores=2, vmem_bytes=16 * 2**20, mxu=128, mxus=4, clock_hz=1.05e9,
+            scoped_vmem_bytes=16 * 2**20, vliw_slots=_slots(vector_alu=2, loads=1, stores=1, xlu=2, matmul=4),
+        ),
+        TpuGeneration(
+            "v5e", "v5e:1x1", 819e9, 197e12, tensorcores=1, vmem_bytes=128 * 2**20, mxu=128, mxus=4, clock_hz=1.5e9,
+            scoped_vmem_bytes=16 * 2**20, vliw_slots=_slots(vector_alu=4, loads=3, stores=1, xlu=3, matmul=4),
+        ),
+        TpuGeneration(
+            "v5p", "v5p:2x2x1", 2765e9, 459e12, tensorcores=2, vmem_bytes=64 * 2**20, mxu=128, mxus=4, clock_hz=1.75e9,
+            scoped_vmem_bytes=16 * 2**20, vliw_slots=_slots(vector_alu=4, loads=3, stores=1, xlu=3, matmul=4),
+        ),
+        TpuGeneration(
+            "v6e", "v6e:1x1", 1638e9, 918e12, tensorcores=1, vmem_bytes=128 * 2**20, mxu=256, mxus=2, clock_hz=1.75e9,
+            scoped_vmem_bytes=32 * 2**20, vliw_slots=_slots(vector_alu=4, loads=3, stores=2, xlu=2, matmul=2),
+        ),
     )
 }

@@ -1,25 +1,39 @@
-"""``tops bench``'s modelled TPU section: the workload compiled for a TPU generation on a host without one.
+"""``tops bench``'s modelled TPU section: a cost model of each TPU kernel, per generation, read from the compiled kernel.
 
-Every implementation that supports the workload natively on TPU (the float64 reference excepted,
-it runs on the host) is forced through the public op and compiled for a compile-only device
-(``compile_only``), in two settings:
+It is a model: nothing runs. Every implementation that supports the workload natively on TPU
+(the float64 reference excepted, it runs on the host) is forced through the public op and compiled
+for a compile-only device of the generation by ``compile_only.DumpingCompiler``, whose libtpu
+dumps each Mosaic kernel (``tpu_llo``). For each kernel:
+
+- **HBM time**: the bytes its cost estimate declares (for this project's kernels, the traffic model
+  of the launch plan that built it) over the chip's HBM bandwidth;
+- **issue time**: the cycles its scheduled VLIW program issues (the backend's final bundles, every
+  loop times its trip count) over the clock: the vector ALU, load/store, EUP and XLU slots, and the
+  dependency chains the scheduler could not hide;
+- **MXU time**: the LHS rows its pushes stream through the systolic arrays (Mosaic's final LLO),
+  each worth ``2 * edge**2`` flops, over the peak rate: what a push of a few rows wastes of a wide
+  MXU counts in full.
+
+The kernel's modelled time is the largest of the three, and that one is the **limit that binds**.
+When issue binds, the model also says whether the VLIW slots explain it (the busiest unit's
+instructions over its slots per bundle) or dependency chains do (the schedule is much longer than
+its busiest unit needs). The op's time adds its kernels and the relayout copies XLA puts around
+them (read off the compiled program) at HBM bandwidth, in two settings:
 
 - **alone**: ``q``, ``k``, ``v`` are the program's ``[B, T, H, D]`` parameters;
 - **in a layer**: ``q``, ``k``, ``v`` come from ``x @ W`` reshaped to heads, and ``o`` is reshaped back
   and projected, as in a model.
 
-In each, the op's bytes are what its Mosaic kernels told XLA they move (their ``pl.CostEstimate``)
-plus the relayout copies XLA put around them, as if every array lived in HBM; the roofline time
-is ``max(bytes / HBM bandwidth, kernel flops / peak)`` with the generation's figures
-(``tpu_generations``); the floor is reading ``q``, ``k``, ``v`` and writing ``o`` once. XLA's own
-cost analysis of the op alone is shown beside: it also counts XLA's prefetches of whole arrays
-into VMEM, which programs of a few tens of MiB get. Nothing runs: every figure is modelled. An
-implementation without a Mosaic kernel (jax.numpy, whose chunk loop XLA's cost analysis counts
-once) is listed as not modelled.
+The floor time reads ``q``, ``k``, ``v`` and writes ``o`` once at HBM bandwidth. The per-generation
+constants (bandwidth, peak, clock, MXUs, VLIW slots) and their sources are in
+``tpu_generations``. Not modelled: stalls (a DMA that is late, an MXU result not ready when
+popped), the pipeline's first and last steps beyond their bundles, and anything XLA overlaps across
+ops. An implementation without a Mosaic kernel (jax.numpy) is listed as not modelled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -28,33 +42,76 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tops_core import compile_only
+from tops_core import compile_only, tpu_llo
+from tops_core.bench import case_json
 from tops_core.conformance import data
 from tops_core.conformance.cases import Case
 from tops_core.conformance.checks import REFERENCE
 from tops_core.ops import op
 from tops_core.tpu_generations import GENERATIONS, TpuGeneration
 
+LIMITS = ("HBM", "issue", "MXU")
+CHAINS = 1.5
+"""A schedule this many times longer than its busiest unit needs is bound by dependency chains, not slots."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelModel:
+    """One Mosaic kernel of an implementation, modelled on one generation (seconds for the whole kernel)."""
+
+    name: str
+    grid_steps: int
+    hbm_bytes: int
+    cycles: int  # issued by one TensorCore
+    counts: tpu_llo.UnitCounts  # the whole grid
+    hbm_seconds: float
+    issue_seconds: float
+    mxu_seconds: float
+    busiest_unit: str
+    busiest_unit_cycles: int  # the cycles the busiest unit's instructions need at its slots per bundle
+
+    @property
+    def seconds(self) -> float:
+        return max(self.hbm_seconds, self.issue_seconds, self.mxu_seconds)
+
+    @property
+    def limit(self) -> str:
+        times = dict(zip(LIMITS, (self.hbm_seconds, self.issue_seconds, self.mxu_seconds)))
+        return max(LIMITS, key=lambda limit: times[limit])
+
+    def describe_limit(self) -> str:
+        if self.limit != "issue":
+            return self.limit
+        if self.cycles > CHAINS * self.busiest_unit_cycles:
+            return f"issue: dependency chains ({self.cycles / max(self.busiest_unit_cycles, 1):.1f}x the {self.busiest_unit} slots' need)"
+        return f"issue: {self.busiest_unit} slots"
+
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """The op in one setting: its bytes (kernels and copies around them) and its roofline time."""
+    """The op in one setting: its bytes (kernels and copies around them) and its modelled time."""
 
     copies: int
     bytes: int
-    seconds: float
-    bound: str  # "memory" or "compute"
+    copy_seconds: float
+    seconds: float  # the kernels' modelled times and the copies'
 
 
 @dataclasses.dataclass(frozen=True)
 class Modelled:
-    """One implementation compiled for the TPU, alone and in a layer, and XLA's cost analysis of it alone."""
+    """One implementation compiled for the TPU: its kernels, the op alone and in a layer, and XLA's cost analysis of it alone."""
 
     implementation: str
+    kernels: tuple[KernelModel, ...]
     alone: Setting
     in_a_layer: Setting
     xla_bytes: float
     xla_flops: float
+
+    @property
+    def limit(self) -> str:
+        """The limit that binds the slowest kernel."""
+        return max(self.kernels, key=lambda kernel: kernel.seconds).describe_limit()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +121,7 @@ class TpuModel:
     rows: tuple[Modelled, ...]
     not_modelled: tuple[tuple[str, str], ...]  # (implementation, why)
     unavailable: str | None = None  # why there is no section at all
+    share: float = 1.0  # of the chip's bandwidth and peak one device has (a v4 device is one of two TensorCores)
 
     @property
     def tokens(self) -> int:
@@ -75,41 +133,116 @@ class TpuModel:
         case = self.workload
         return self.tokens * (2 * case.key_dim + 2 * case.value_dim) * jnp.dtype(case.dtype).itemsize
 
+    @property
+    def cores(self) -> int:
+        """TensorCores of one device (its cycles per token are each TensorCore's, over its share of the tokens)."""
+        return round(self.share * self.generation.tensorcores)
 
-def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = None) -> TpuModel:
-    """Compile the workload's forward for a compile-only ``generation`` TPU with every TPU implementation (or ``names``)."""
+    @property
+    def bandwidth(self) -> float:
+        return self.generation.hbm_bytes_per_second * self.share
+
+    @property
+    def floor_seconds(self) -> float:
+        return self.floor_bytes / self.bandwidth
+
+
+def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = None, compiler: compile_only.DumpingCompiler | None = None) -> TpuModel:
+    """Model the workload's forward on a ``generation`` TPU with every TPU implementation (or ``names``).
+
+    ``compiler``: a ``DumpingCompiler`` to use (and keep open), for several models in a row; one of
+    its own otherwise.
+    """
     tpu = GENERATIONS[generation]
-    try:
-        cores = compile_only.device(generation).num_cores
-    except compile_only.CompileOnlyUnavailable as error:
-        return TpuModel(case, tpu, (), (), unavailable=str(error))
     contract = op(case.op)
     spec = case.spec("tpu", interpret=False)
     candidates = [
-        impl for impl in sorted(contract.implementations(), key=lambda impl: impl.name)
+        impl.name for impl in sorted(contract.implementations(), key=lambda impl: impl.name)
         if impl.name != REFERENCE and not impl.reasons(spec, "forward") and (not names or impl.name in names)
     ]
-    inputs = data.forward_inputs(case)
-    arrays = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in inputs.items() if isinstance(x, jax.Array)}
-    static = {name: x for name, x in inputs.items() if name not in arrays}
-    # A device may be one of the chip's TensorCores (v4's compile-only devices are).
-    share = cores / tpu.tensorcores
-    bandwidth, peak = tpu.hbm_bytes_per_second * share, tpu.peak_flops(case.dtype) * share
+    rows, not_modelled, share = [], [], 1.0
+    try:
+        with contextlib.nullcontext(compiler) if compiler else compile_only.DumpingCompiler() as compiler:
+            for name in candidates:
+                alone = compiler.compile(generation, f"{__name__}:program", case=case_json(case), implementation=name, setting="alone")
+                if not alone.kernels:
+                    not_modelled.append((name, "no Mosaic kernel to read"))
+                    continue
+                in_layer = compiler.compile(generation, f"{__name__}:program", case=case_json(case), implementation=name, setting="in a layer")
+                share = alone.cores / tpu.tensorcores
+                rows.append(_modelled(name, tpu, share, alone, in_layer))
+    except compile_only.CompileOnlyUnavailable as error:
+        return TpuModel(case, tpu, (), (), unavailable=str(error))
+    return TpuModel(case, tpu, tuple(rows), tuple(not_modelled), share=share)
+
+
+def _modelled(name: str, tpu: TpuGeneration, share: float, alone: compile_only.Dumped, in_layer: compile_only.Dumped) -> Modelled:
+    bandwidth, peak = tpu.hbm_bytes_per_second * share, tpu.peak_bf16_flops * share
+    costs = dict(alone.facts.kernel_costs)
+    kernels = tuple(_kernel(tpu, kernel, costs[kernel.name].bytes_accessed, bandwidth, peak, alone.cores) for kernel in alone.kernels)
+    kernel_seconds = sum(kernel.seconds for kernel in kernels)
 
     def setting(facts: compile_only.ProgramFacts) -> Setting:
-        memory, compute = facts.hbm_bytes / bandwidth, facts.kernel_cost.flops / peak
-        return Setting(len(facts.relayouts), facts.hbm_bytes, max(memory, compute), "memory" if memory >= compute else "compute")
+        copy_seconds = facts.relayout_bytes / bandwidth
+        return Setting(len(facts.relayouts), facts.hbm_bytes, copy_seconds, kernel_seconds + copy_seconds)
 
-    rows, not_modelled = [], []
-    for impl in candidates:
-        forward = functools.partial(contract.forward, **static, implementation=impl.name)
-        alone = compile_only.ProgramFacts.of(compile_only.compile_for(generation, lambda arrays: forward(**arrays), arrays))
-        if not alone.kernels:
-            not_modelled.append((impl.name, "no Mosaic kernel to read a cost estimate from"))
-            continue
-        in_layer = compile_only.ProgramFacts.of(compile_only.compile_for(generation, *_in_a_layer(case, forward, arrays)))
-        rows.append(Modelled(impl.name, setting(alone), setting(in_layer), alone.bytes_accessed, alone.flops))
-    return TpuModel(case, tpu, tuple(rows), tuple(not_modelled))
+    return Modelled(name, kernels, setting(alone.facts), setting(in_layer.facts), alone.facts.bytes_accessed, alone.facts.flops)
+
+
+def _kernel(tpu: TpuGeneration, kernel: tpu_llo.DumpedKernel, hbm_bytes: int, bandwidth: float, peak: float, cores: int) -> KernelModel:
+    counts = kernel.mosaic.total
+    slots = dict(tpu.vliw_slots)
+    needs = {
+        "vector ALU": counts.vector_alu / slots["vector ALU"], "EUP": counts.transcendentals / slots["EUP"],
+        "load": counts.loads / slots["load"], "store": counts.stores / slots["store"],
+        "result pop": (counts.mxu_results + counts.transcendentals) / slots["result pop"], "XLU": counts.transposes / slots["XLU"],
+    }
+    busiest = max(needs, key=needs.get)
+    return KernelModel(
+        name=kernel.name,
+        grid_steps=kernel.mosaic.steps,
+        hbm_bytes=hbm_bytes,
+        cycles=kernel.schedule.cycles,
+        counts=counts,
+        hbm_seconds=hbm_bytes / bandwidth,
+        issue_seconds=kernel.schedule.cycles / tpu.clock_hz,
+        mxu_seconds=counts.mxu_rows * tpu.mxu_row_flops() / peak,
+        busiest_unit=busiest,
+        busiest_unit_cycles=round(needs[busiest] / cores),  # the grid's parallel steps are shared by the device's TensorCores
+    )
+
+
+def program(case: dict[str, Any], implementation: str, setting: str) -> tuple[Any, ...]:
+    """The workload's forward forced to ``implementation``, alone or in a layer, and its abstract arguments (``DumpingCompiler``'s factory)."""
+    case = Case(**{
+        **case, "features": frozenset(case["features"]), "ndims": tuple(tuple(pair) for pair in case["ndims"]),
+        "seqlens": None if case["seqlens"] is None else tuple(case["seqlens"]),
+        "config": tuple(tuple(pair) for pair in case["config"]),
+    })
+    arrays, static = _arguments(case)
+    forward = functools.partial(op(case.op).forward, **static, implementation=implementation)
+    if setting == "alone":
+        return (lambda arrays: forward(**arrays), arrays)
+    return _in_a_layer(case, forward, arrays)
+
+
+TOKEN_ARRAYS = ("q", "k", "v", "g", "beta")
+"""The arguments laid out ``[B, T, H, ...]`` (docs/ops.md): the only ones whose shape depends on ``T``."""
+
+
+def _arguments(case: Case) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, Any]]:
+    """The case's abstract arrays and static options.
+
+    Made from the test data of the case cut to one token per sequence (the data of a realistic
+    workload takes seconds to make, and only its shapes are needed), with ``T`` put back.
+    """
+    probe = dataclasses.replace(case, seq_len=1 if case.seqlens is None else len(case.seqlens), seqlens=None if case.seqlens is None else (1,) * len(case.seqlens))
+    inputs = data.forward_inputs(probe)
+    arrays = {
+        name: jax.ShapeDtypeStruct((x.shape[0], case.seq_len, *x.shape[2:]) if name in TOKEN_ARRAYS else x.shape, x.dtype)
+        for name, x in inputs.items() if isinstance(x, jax.Array)
+    }
+    return arrays, {name: x for name, x in inputs.items() if name not in arrays}
 
 
 def _in_a_layer(case: Case, forward: Callable, arrays: dict[str, jax.ShapeDtypeStruct]) -> tuple[Any, ...]:
@@ -127,43 +260,91 @@ def _in_a_layer(case: Case, forward: Callable, arrays: dict[str, jax.ShapeDtypeS
     return (layer, *(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes), others)
 
 
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
+
+
 def format_model(model: TpuModel) -> str:
     case, tpu = model.workload, model.generation
     title = (
-        f"Modelled on TPU {tpu.name}, compiled for a compile-only device (nothing ran): {case.op} "
+        f"Modelled on TPU {tpu.name} (a model, nothing ran; compiled for a compile-only device): {case.op} "
         f"B={case.batch} T={case.seq_len} H={case.heads} K={case.key_dim} V={case.value_dim} {case.dtype}"
     )
     if model.unavailable:
         return f"{title}\n  not available: {model.unavailable}"
     floor, tokens = model.floor_bytes, model.tokens
-
-    def per_token(setting: Setting) -> str:
-        return f"{setting.bytes / tokens:.0f} ({setting.bytes / floor:.2f}x)"
-
-    def roofline(setting: Setting) -> str:
-        time = f"{setting.seconds * 1e3:.3g} ms" if setting.seconds >= 1e-3 else f"{setting.seconds * 1e6:.3g} us"
-        return f"{time} ({setting.bound})"
-
-    header = ("implementation", "copies alone / in a layer", "B/token alone", "B/token in a layer", "roofline alone", "roofline in a layer", "XLA's count alone")
-    table = [header]
-    for row in model.rows:
-        table.append((
-            row.implementation, f"{row.alone.copies} / {row.in_a_layer.copies}", per_token(row.alone), per_token(row.in_a_layer),
-            roofline(row.alone), roofline(row.in_a_layer),
-            f"{row.xla_bytes / tokens:.0f} B/token, {row.xla_flops / 1e9:.1f} GFLOP",
-        ))
     lines = [title, ""]
     if model.rows:
-        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table] + [""]
+        kernels = [("implementation", "kernel", "B/token", "cycles/token", "MXU rows/token", "HBM", "issue", "MXU", "modelled", "limit")]
+        for row in model.rows:
+            for index, kernel in enumerate(row.kernels):
+                kernels.append((
+                    row.implementation if index == 0 else "", kernel.name, f"{kernel.hbm_bytes / tokens:.0f}",
+                    f"{kernel.cycles * model.cores / tokens:.2f}", f"{kernel.counts.mxu_rows / tokens:.2f}",
+                    _time(kernel.hbm_seconds), _time(kernel.issue_seconds), _time(kernel.mxu_seconds), _time(kernel.seconds),
+                    kernel.describe_limit(),
+                ))
+        ops = [("implementation", "copies alone / in a layer", "B/token alone", "B/token in a layer", "modelled alone", "modelled in a layer", "XLA's count alone")]
+        for row in model.rows:
+            ops.append((
+                row.implementation, f"{row.alone.copies} / {row.in_a_layer.copies}",
+                f"{row.alone.bytes / tokens:.0f} ({row.alone.bytes / floor:.2f}x)", f"{row.in_a_layer.bytes / tokens:.0f} ({row.in_a_layer.bytes / floor:.2f}x)",
+                f"{_time(row.alone.seconds)} ({row.alone.seconds / model.floor_seconds:.2f}x)",
+                f"{_time(row.in_a_layer.seconds)} ({row.in_a_layer.seconds / model.floor_seconds:.2f}x)",
+                f"{row.xla_bytes / tokens:.0f} B/token, {row.xla_flops / 1e9:.1f} GFLOP",
+            ))
+        lines += [*_table(kernels), "", *_table(ops), ""]
+    per_core = " per TensorCore" if model.share < 1 else ""
     lines += [
-        f"B/token (per token and head): the kernels' cost estimates plus the relayout copies XLA adds around the op, in HBM; "
-        f"(x) against the floor, reading q, k, v and writing o once: {floor / tokens:.0f} B/token.",
-        f"roofline: max(bytes / {tpu.hbm_bytes_per_second / 1e9:.0f} GB/s, kernel flops / {tpu.peak_flops(case.dtype) / 1e12:.0f} TFLOP/s "
-        f"{case.dtype}); alone: q, k, v, o are [B, T, H, D] parameters; in a layer: between x @ W projections.",
-        "XLA's count: its cost analysis of the op alone, which adds its prefetches of whole arrays into VMEM.",
+        f"Floor (read q, k, v and write o once): {floor / tokens:.0f} B/token, {_time(model.floor_seconds)} at "
+        f"{model.bandwidth / 1e9:.0f} GB/s{per_core}; (x) is against it.",
+        f"Per kernel: HBM = its declared bytes / bandwidth; issue = the cycles its scheduled VLIW bundles issue / "
+        f"{tpu.clock_hz / 1e9:.2f} GHz; MXU = the rows its pushes stream x {tpu.mxu_row_flops()} flops ({tpu.mxu}x{tpu.mxu} MXU) / "
+        f"{tpu.peak_bf16_flops * model.share / 1e12:.0f} TFLOP/s; modelled = the largest, the limit that binds (tops_core/tpu_model.py).",
+        "Per op: its kernels plus the relayout copies XLA adds around them at HBM bandwidth; alone: q, k, v, o are [B, T, H, D] "
+        "parameters; in a layer: between x @ W projections. XLA's count: its own cost analysis of the op alone.",
     ]
     lines += [f"{name}: not modelled ({why})." for name, why in model.not_modelled]
     if not model.rows and not model.not_modelled:
         lines.append("No implementation supports this workload natively on TPU (see `tops explain --platform tpu`).")
     return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def model_json(model: TpuModel) -> dict[str, Any]:
+    """Every figure of the section as JSON values (seconds, bytes, counts), for ``tops bench --json``."""
+    case, tpu = model.workload, model.generation
+    document: dict[str, Any] = {
+        "generation": tpu.name, "workload": case_json(case), "tokens": model.tokens, "unavailable": model.unavailable,
+        "floor_bytes_per_token": model.floor_bytes / model.tokens, "floor_seconds": model.floor_seconds,
+        "bandwidth_bytes_per_second": model.bandwidth, "clock_hz": tpu.clock_hz,
+        "not_modelled": [{"implementation": name, "why": why} for name, why in model.not_modelled],
+        "implementations": [],
+    }
+    for row in model.rows:
+        document["implementations"].append({
+            "implementation": row.implementation,
+            "limit": row.limit,
+            "kernels": [
+                {
+                    "kernel": kernel.name, "grid_steps": kernel.grid_steps, "bytes_per_token": kernel.hbm_bytes / model.tokens,
+                    "cycles": kernel.cycles, "counts": dataclasses.asdict(kernel.counts),
+                    "hbm_seconds": kernel.hbm_seconds, "issue_seconds": kernel.issue_seconds, "mxu_seconds": kernel.mxu_seconds,
+                    "modelled_seconds": kernel.seconds, "limit": kernel.describe_limit(),
+                }
+                for kernel in row.kernels
+            ],
+            **{
+                key: {
+                    "copies": setting.copies, "bytes_per_token": setting.bytes / model.tokens,
+                    "modelled_seconds": setting.seconds, "times_floor": setting.seconds / model.floor_seconds,
+                }
+                for key, setting in (("alone", row.alone), ("in_a_layer", row.in_a_layer))
+            },
+            "xla_bytes": row.xla_bytes, "xla_flops": row.xla_flops,
+        })
+    return document

@@ -91,6 +91,7 @@ def answer(request: dict) -> dict:
     answer = dataclasses.asdict(facts)
     answer["implementations"] = sorted(facts.implementations)
     answer["hbm_bytes"] = facts.hbm_bytes
+    answer["kernel_cost"] = dataclasses.asdict(facts.kernel_cost)
     return answer
 
 

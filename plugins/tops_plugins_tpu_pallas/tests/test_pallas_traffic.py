@@ -118,15 +118,15 @@ def _cost_estimates(implementation: str, B, T, H, K, V, **inputs) -> list[dict[s
 
 
 def test_fused_cost_estimate_counts_every_chunk_of_the_grid():
-    # B=2, T=200 (4 chunks of 64, the last ragged), H=3, K=V=128, with g: 2*3*1*4 = 24 chunk bodies.
-    # Per chunk: the g cumsum (64 x 64) @ (64 x 1), scores (64 x 128) @ (128 x 64), from the state
-    # (64 x 128) @ (128 x 128), attention (64 x 64) @ (64 x 128), the state update (128 x 64) @ (64 x 128);
-    # exp of 64 x 64 decays, 64 output gates, 64 key decays and the chunk's decay.
+    # B=2, T=200 (2 chunks of 128 at the default config, the last ragged), H=3, K=V=128, with g:
+    # 2*3*1*2 = 12 chunk bodies. Per chunk: the g cumsum (128 x 128) @ (128 x 128) (three bf16 parts of
+    # g in three lanes), scores (128 x 128) @ (128 x 128), from the state (128 x 128) @ (128 x 128),
+    # attention (128 x 128) @ (128 x 128), the state update (128 x 128) @ (128 x 128); exp of 128 x 128
+    # decays, 128 output gates, 128 key decays and the chunk's decay (with g, every chunk has its own).
     (estimate,) = _cost_estimates("tpu_pallas.fused", 2, 200, 3, 128, 128, g=True)
-    per_chunk = 2 * 64 * 64 + 2 * 64 * 128 * 64 + 2 * 64 * 128 * 128 + 2 * 64 * 64 * 128 + 2 * 128 * 64 * 128
-    assert estimate["flops"] == 24 * per_chunk
-    assert estimate["transcendentals"] == 24 * (64 * 64 + 64 + 64 + 1)
-    # Read q, k, v (bf16) and the 3 decays, write o; g's block holds every head and the 4 chunks are
+    assert estimate["flops"] == 12 * 5 * 2 * 128**3
+    assert estimate["transcendentals"] == 12 * (128 * 128 + 128 + 128 + 1)
+    # Read q, k, v (bf16) and the 3 decays, write o; g's block holds every head and the 2 chunks are
     # one grid step, so its block index stays put from head to head: g is read once.
     tokens = 2 * 200
     assert estimate["bytes_accessed"] == tokens * 3 * 4 * 128 * 2 + tokens * 3 * 4 + 3 * 4
@@ -137,6 +137,8 @@ def test_chunk_cost_estimates_split_the_work_between_its_two_kernels():
     states, outputs = _cost_estimates("tpu_pallas.chunk", 1, 256, 2, 256, 256)
     bodies = 1 * 2 * 2 * 2  # B * H * value tiles * chunks
     assert states["flops"] == bodies * 2 * 256 * 128 * 128  # the state update, (256 x 128) @ (128 x 128)
-    assert states["transcendentals"] == bodies * (128 + 1)
     assert outputs["flops"] == bodies * (2 * 128 * 256 * 128 + 2 * 128 * 256 * 128 + 2 * 128 * 128 * 128)
-    assert outputs["transcendentals"] == bodies * (128 * 128 + 128)
+    # A constant decay's gates are computed once per grid step (B * H * value tiles = 4 steps of both
+    # chunks): exp of the 128 x 128 decays, 128 query and 128 key decays and the chunk's decay.
+    gates = 4 * (128 * 128 + 128 + 128 + 1)
+    assert states["transcendentals"] == outputs["transcendentals"] == gates

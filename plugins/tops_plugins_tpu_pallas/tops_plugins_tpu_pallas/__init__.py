@@ -4,13 +4,11 @@ Both are forward-only (the dispatcher pairs them with another plugin's backward)
 TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere else.
 """
 
-import math
 
 import jax
 import tops_core
 
 from tops_plugins_tpu_pallas import chunk, fused, traffic
-from tops_plugins_tpu_pallas.layout import LANES, Geometry
 
 TOPS_CORE_API_VERSION = 1
 
@@ -29,18 +27,19 @@ def _prefer_fused(spec: tops_core.CallSpec) -> tuple[bool, str]:
     """The rule between the two kernels, and the facts it rests on.
 
     The fused kernel walks time sequentially, so its only parallelism is one (batch, head, value
-    tile) per core. With at least as many of those as TensorCores it keeps every core busy and
+    block) per core. With at least as many of those as TensorCores it keeps every core busy and
     moves the fewest bytes; with fewer, a core would idle, and the two-stage kernel, whose output
     stage is parallel over time too, is worth writing and re-reading the chunk states.
     """
-    units = spec.batch * spec.heads * math.ceil(spec.value_dim / LANES)
+    geometry = fused.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, FUSED_CONFIG)
+    units = spec.batch * spec.heads * geometry.value_tiles
     cores, where = _tensorcores()
     relation = ">=" if units >= cores else "<"
-    return units >= cores, f"B*H*value tiles = {units} {relation} {where}"
+    return units >= cores, f"B*H*value blocks = {units} {relation} {where}"
 
 
 def _fused_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
-    """200 when B*H*value tiles fill every TensorCore, else 180 (below chunk's 190)"""
+    """200 when B*H*value blocks fill every TensorCore, else 180 (below chunk's 190)"""
     prefer, facts = _prefer_fused(spec)
     if prefer:
         return 200, f"{facts}: fused fills every core, ranks above chunk"
@@ -48,14 +47,17 @@ def _fused_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
 
 
 def _chunk_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
-    """190: below fused when B*H*value tiles fill every TensorCore, above it otherwise"""
+    """190: below fused when B*H*value blocks fill every TensorCore, above it otherwise"""
     prefer, facts = _prefer_fused(spec)
     if prefer:
         return 190, f"{facts}: fused fills every core, chunk ranks below it"
     return 190, f"{facts}: chunk's output stage is parallel over time, ranks above fused"
 
 
-def _fits_vmem(build_plans, config):
+FUSED_CONFIG = fused.FusedConfig()
+
+
+def _fits_vmem(build_plans, config, geometry_of):
     """A capability predicate: reject shapes whose launch plans (default config) exceed the VMEM budget.
 
     The whole padded K sits in every block, so a large K is what can overflow VMEM. The spec does
@@ -64,7 +66,7 @@ def _fits_vmem(build_plans, config):
 
     def predicate(spec: tops_core.CallSpec) -> str | None:
         """blocks and scratch of the default config must fit the VMEM budget (bounds K)"""
-        geometry = Geometry(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config.chunk_size, config.num_steps)
+        geometry = geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
         plans = build_plans(
             geometry, spec.dtype,
             gate_dtype="float32" if "g" in spec.features else None,
@@ -94,9 +96,9 @@ FUSED = tops_core.Implementation(
     op="simple_gla",
     name="fused",
     forward=fused.forward,
-    capabilities=_capabilities(_fits_vmem(fused.plans, fused.FusedConfig())),
+    capabilities=_capabilities(_fits_vmem(fused.fitted_plans, FUSED_CONFIG, fused.geometry_of)),
     priority=_fused_priority,
-    config=fused.FusedConfig(),
+    config=FUSED_CONFIG,
     description="one pallas_call: state in VMEM along a sequential time axis, num_steps chunks per grid step",
 )
 
@@ -104,7 +106,7 @@ CHUNK = tops_core.Implementation(
     op="simple_gla",
     name="chunk",
     forward=chunk.forward,
-    capabilities=_capabilities(_fits_vmem(chunk.plans, chunk.ChunkConfig())),
+    capabilities=_capabilities(_fits_vmem(chunk.plans, chunk.ChunkConfig(), chunk.geometry_of)),
     priority=_chunk_priority,
     config=chunk.ChunkConfig(),
     description="two pallas_calls: chunk states in time order, then outputs parallel over time",

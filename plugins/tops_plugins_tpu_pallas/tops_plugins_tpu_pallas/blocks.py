@@ -54,7 +54,7 @@ def key_rows(name: str, geometry: Geometry, dtype) -> Blocked:
 
 
 def value_rows(name: str, geometry: Geometry, dtype) -> Blocked:
-    """``v`` or ``o``: rows of one step, one value tile of the head's ``V_pad`` columns."""
+    """``v`` or ``o``: rows of one step, one value block of the head's ``V_pad`` columns."""
     g = geometry
 
     def value_tile_columns(b, h, tile, t, *_):
@@ -62,7 +62,7 @@ def value_rows(name: str, geometry: Geometry, dtype) -> Blocked:
 
     return Blocked(
         name, (g.batch, g.seq_len, g.heads * g.padded_value_dim), dtype,
-        (None, g.rows_per_step, LANES), value_tile_columns, g.token_relayout(g.pads_values, g.value_dim, dtype),
+        (None, g.rows_per_step, g.value_block), value_tile_columns, g.token_relayout(g.pads_values, g.value_dim, dtype),
     )
 
 
@@ -73,11 +73,11 @@ def gates(geometry: Geometry, dtype) -> Blocked:
 
 
 def state(name: str, geometry: Geometry, dtype) -> Blocked:
-    """``initial_state`` or ``final_state``: one value tile of one head's state; its block changes only with (b, h, tile)."""
+    """``initial_state`` or ``final_state``: one value block of one head's state; its block changes only with (b, h, tile)."""
     g = geometry
     return Blocked(
         name, (g.batch, g.heads, g.padded_key_dim, g.padded_value_dim), dtype,
-        (None, None, g.padded_key_dim, LANES), _state_tile, g.state_relayout(dtype),
+        (None, None, g.padded_key_dim, g.value_block), _state_tile, g.state_relayout(dtype),
     )
 
 
@@ -86,10 +86,10 @@ def chunk_states(geometry: Geometry) -> Blocked:
     g = geometry
     return Blocked(
         "chunk_states", (g.batch, g.heads, g.num_chunks, g.padded_key_dim, g.padded_value_dim), jnp.float32,
-        (None, None, g.chunks_per_step, g.padded_key_dim, LANES), _chunk_state_tile,
+        (None, None, g.chunks_per_step, g.padded_key_dim, g.value_block), _chunk_state_tile,
     )
 
 
 def running_state(geometry: Geometry) -> Scratch:
     """The float32 state carried along the sequential time axis, in VMEM only."""
-    return Scratch("state", (geometry.padded_key_dim, LANES), jnp.float32)
+    return Scratch("state", (geometry.padded_key_dim, geometry.value_block), jnp.float32)

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from tops_plugins_tpu_pallas import blocks, traffic
 from tops_plugins_tpu_pallas.chunkwise import (
     advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
-    finish_sequence, for_each_chunk, gates_work, start_sequence,
+    constant_gates, finish_sequence, gate_computations, gates_work, start_sequence, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.launch import LaunchPlan
@@ -43,14 +43,19 @@ class ChunkConfig:
         check_common_fields(self)
 
 
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config: ChunkConfig) -> Geometry:
+    return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps)
+
+
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan, LaunchPlan]:
     """The launch plans of stage 1 (states) and stage 2 (outputs) for one call."""
     gate = (blocks.gates(geometry, gate_dtype),) if gate_dtype is not None else ()
     start = (blocks.state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
     end = (blocks.state("final_state", geometry, jnp.float32),) if output_final_state else ()
     k, v = blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype)
-    chunks, gating = chunks_of_the_grid(geometry), gates_work(geometry, gate_dtype is not None)
-    states_work, outputs_work = (gating + advance_state_work(geometry)) * chunks, (gating + chunk_output_work(geometry)) * chunks
+    chunks, gated = chunks_of_the_grid(geometry), gate_dtype is not None
+    gating = gates_work(geometry, gated) * gate_computations(geometry, gated)
+    states_work, outputs_work = advance_state_work(geometry) * chunks + gating, chunk_output_work(geometry) * chunks + gating
     states = LaunchPlan(
         name="simple_gla_chunk_states",
         grid=blocks.grid(geometry),
@@ -82,13 +87,12 @@ def _states_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
 
-    def one_chunk(chunk):
-        gates = chunk.gates(refs, head)
-        entering = refs["state"][...]
-        refs["chunk_states"][chunk.index] = entering
-        refs["state"][...] = advance_state(entering, chunk.read(refs["k"]), chunk.read(refs["v"]), gates)
-
-    for_each_chunk(geometry, step, one_chunk)
+    constant = constant_gates(refs, head, geometry)
+    state = refs["state"][...]
+    for chunk in step_chunks(geometry, step):
+        refs["chunk_states"][chunk.index] = state
+        state = advance_state(state, chunk.read(refs["k"]), chunk.read(refs["v"]), chunk.gates(refs, head, constant))
+    refs["state"][...] = state
     finish_sequence(refs, step, geometry)
 
 
@@ -96,19 +100,18 @@ def _outputs_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
 
-    def one_chunk(chunk):
-        gates = chunk.gates(refs, head)
+    constant = constant_gates(refs, head, geometry)
+    for chunk in step_chunks(geometry, step):
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
+        gates = chunk.gates(refs, head, constant)
         refs["o"][chunk.rows, :] = chunk_output(q, k, v, refs["chunk_states"][chunk.index], gates, scale).astype(refs["o"].dtype)
-
-    for_each_chunk(geometry, step, one_chunk)
 
 
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: ChunkConfig):
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    geometry = Geometry(B, T, H, K, v.shape[-1], config.chunk_size, config.num_steps)
+    geometry = geometry_of(B, T, H, K, v.shape[-1], config)
     states_plan, outputs_plan = plans(
         geometry, q.dtype,
         gate_dtype=None if g is None else g.dtype,

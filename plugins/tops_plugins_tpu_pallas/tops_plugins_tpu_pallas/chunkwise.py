@@ -64,13 +64,41 @@ def _column_to_row(column: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(rows == cols, column, 0.0), axis=0, keepdims=True)
 
 
+def cumulative_sum(g: jax.Array) -> jax.Array:
+    """The chunk-local cumulative sum of ``g`` ``(C, 1)`` (float32) as one bf16 MXU pass, exact as a float32 HIGHEST product.
+
+    Mosaic has no cumsum, so it is a lower-triangular 0/1 matrix times ``g``. The 0/1 matrix is exact
+    in bf16, and ``g`` splits exactly into three bf16 parts (8 + 8 + 8 bits of its 24-bit
+    significand); laid in lanes 0, 1, 2 of one ``(C, 128)`` operand, they go through the MXU in one
+    bf16 pass (exact products, float32 accumulation), and a lane sum adds the three partial sums.
+    A float32 operand at HIGHEST precision would take six passes of a ``(C, 1)`` column, which
+    was most of a gated chunk's MXU pushes.
+    """
+    size = g.shape[0]
+    high = g.astype(jnp.bfloat16).astype(_F32)
+    middle = (g - high).astype(jnp.bfloat16).astype(_F32)
+    low = g - high - middle
+    lanes = lax.broadcasted_iota(jnp.int32, (size, LANES), 1)
+    parts = jnp.where(lanes == 0, high, jnp.where(lanes == 1, middle, jnp.where(lanes == 2, low, 0.0)))
+    rows, cols = _row_and_column_iotas(size)
+    partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), parts, jnp.bfloat16)
+    return jnp.sum(partial_sums, axis=1, keepdims=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkGates:
-    """Cumulative log decays ``b`` inside one chunk, in the two layouts the chunk needs."""
+    """The decays one chunk applies, already exponentiated, from its cumulative log decays ``b``.
 
-    column: jax.Array  # (C, 1): b_i along sublanes, scales rows
-    row: jax.Array  # (1, C): the same values along lanes, for the (i, j) decay matrix
-    total: jax.Array  # (1, 1): b_C, the whole chunk's decay
+    Every exponent is a difference of cumulative gates inside the chunk (``b_i - b_j`` with
+    ``j <= i``, ``b_C - b_j``) or ``b`` itself, masked before ``exp``; nothing here depends on the
+    state, so a constant decay's gates are the same for every whole chunk and a kernel computes
+    them once per grid step.
+    """
+
+    decays: jax.Array  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal
+    query: jax.Array  # (C, 1): exp(b_i), how the state entering the chunk decays up to row i
+    key: jax.Array  # (C, 1): exp(b_C - b_j), how row j's key-value product decays to the chunk's end
+    chunk: jax.Array  # (1, 1): exp(b_C), how the state decays over the whole chunk
 
     @classmethod
     def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int) -> ChunkGates:
@@ -88,39 +116,37 @@ class ChunkGates:
         column = decay * positions.astype(_F32)
         row = decay * lane_positions.astype(_F32)
         if g is not None:
-            # Chunk-local cumulative sum as a lower-triangular matmul: Mosaic has no cumsum.
-            rows, cols = _row_and_column_iotas(chunk_size)
-            cumulative = matmul((rows >= cols).astype(_F32), g, _F32)
+            cumulative = cumulative_sum(g)
             column = column + cumulative
             row = row + _column_to_row(cumulative)
-        return cls(column=column, row=row, total=column[chunk_size - 1 :, :])
+        total = column[chunk_size - 1 :, :]
+        rows, cols = _row_and_column_iotas(chunk_size)
+        causal = rows >= cols
+        decays = jnp.where(causal, jnp.exp(jnp.where(causal, column - row, 0.0)), 0.0)
+        return cls(decays=decays, query=jnp.exp(column), key=jnp.exp(total - column), chunk=jnp.exp(total))
 
 
 def chunk_output(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, gates: ChunkGates, scale: float) -> jax.Array:
-    """``o`` for the chunk's rows (float32, ``(C, value tile)``), from the state entering it."""
+    """``o`` for the chunk's rows (float32, ``(C, value block)``), from the state entering it."""
     operands = mxu_operand_dtype(q.dtype)
-    rows, cols = _row_and_column_iotas(q.shape[0])
-    causal = rows >= cols
-    scores = matmul(q, k, operands, _ROWS_BY_ROWS)
-    decays = jnp.exp(jnp.where(causal, gates.column - gates.row, 0.0))
-    attention = jnp.where(causal, scores * decays, 0.0)
-    from_state = matmul(q, state, operands) * jnp.exp(gates.column)
+    attention = matmul(q, k, operands, _ROWS_BY_ROWS) * gates.decays
+    from_state = matmul(q, state, operands) * gates.query
     return scale * (matmul(attention, v, operands) + from_state)
 
 
 def advance_state(state: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGates) -> jax.Array:
-    """The state leaving the chunk, float32 ``(K_pad, value tile)``."""
-    weighted_keys = k.astype(_F32) * jnp.exp(gates.total - gates.column)
-    return state * jnp.exp(gates.total) + matmul(weighted_keys, v, mxu_operand_dtype(k.dtype), _COLUMNS_BY_COLUMNS)
+    """The state leaving the chunk, float32 ``(K_pad, value block)``."""
+    weighted_keys = k.astype(_F32) * gates.key
+    return state * gates.chunk + matmul(weighted_keys, v, mxu_operand_dtype(k.dtype), _COLUMNS_BY_COLUMNS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Work:
     """Matmul flops (2 per multiply-add) and transcendentals (``exp``) of a piece of kernel code.
 
-    Counted op by op from the code above, per value tile (128 lanes), as the kernels run it: a
-    ragged last chunk computes whole, and ``scores`` is recomputed for every value tile.
-    Elementwise arithmetic is left out: it is small beside the matmuls and runs on other units.
+    Counted op by op from the code above, per value block, as the kernels run it: a ragged last
+    chunk computes whole, and ``scores`` is recomputed for every value block. Elementwise
+    arithmetic is left out: it is small beside the matmuls and runs on other units.
     """
 
     flops: int = 0
@@ -134,45 +160,57 @@ class Work:
 
 
 def gates_work(geometry: Geometry, gated: bool) -> Work:
-    """``ChunkGates.compute``: with ``g``, the cumulative sum as a (C x C) @ (C x 1) matmul."""
+    """``ChunkGates.compute`` once: with ``g``, the cumulative sum as a (C x C) @ (C x 128) matmul (``cumulative_sum``);
+    exp of the C x C decays, of the C query and C key decays and of the chunk's decay."""
     C = geometry.chunk_size
-    return Work(flops=2 * C * C) if gated else Work()
+    return Work(flops=2 * C * C * LANES if gated else 0, transcendentals=C * C + 2 * C + 1)
+
+
+def gate_computations(geometry: Geometry, gated: bool) -> int:
+    """How many times a grid computes ``ChunkGates``: every chunk with ``g``; without, once per grid step
+    (the gates of a constant decay are the same for every whole chunk), twice when the sequence's last
+    chunk is ragged (every step's last chunk may be that one, and computes its own)."""
+    sequences = geometry.batch * geometry.heads * geometry.value_tiles
+    if gated:
+        return sequences * geometry.num_chunks
+    return sequences * geometry.time_steps * (1 + int(geometry.is_ragged))
 
 
 def chunk_output_work(geometry: Geometry) -> Work:
-    """``chunk_output``: scores (C x K) @ (K x C), from the state (C x K) @ (K x 128), attention (C x C) @ (C x 128); exp of the C x C decays and of C gates."""
-    C, K = geometry.chunk_size, geometry.padded_key_dim
-    return Work(flops=2 * C * C * K + 2 * C * K * LANES + 2 * C * C * LANES, transcendentals=C * C + C)
+    """``chunk_output``: scores (C x K) @ (K x C), from the state (C x K) @ (K x Vb), attention (C x C) @ (C x Vb)."""
+    C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
+    return Work(flops=2 * C * C * K + 2 * C * K * Vb + 2 * C * C * Vb)
 
 
 def advance_state_work(geometry: Geometry) -> Work:
-    """``advance_state``: decayed keys (K x C) @ values (C x 128); exp of C key decays and of the chunk's decay."""
-    C, K = geometry.chunk_size, geometry.padded_key_dim
-    return Work(flops=2 * C * K * LANES, transcendentals=C + 1)
+    """``advance_state``: decayed keys (K x C) @ values (C x Vb)."""
+    C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
+    return Work(flops=2 * C * K * Vb)
 
 
 def chunks_of_the_grid(geometry: Geometry) -> int:
-    """How many times a grid runs the chunk body: every chunk of every (batch, head, value tile)."""
+    """How many times a grid runs the chunk body: every chunk of every (batch, head, value block)."""
     return geometry.batch * geometry.heads * geometry.value_tiles * geometry.num_chunks
 
 
 def chunk_body_vmem(geometry: Geometry) -> int:
-    """Bytes of the float32 values one chunk holds at once, an upper estimate for every kernel here.
+    """Bytes of the float32 values one grid step holds at once, an upper estimate for every kernel here.
 
-    A float32 copy of q and the decayed keys (C x K_pad each), scores, decays and attention
-    (C x C each), the state entering and leaving (K_pad x 128 each), two partial outputs (C x 128).
+    A float32 copy of q and the decayed keys (C x K_pad each); scores, attention and the gates'
+    decays (C x C each, the gates twice when a constant decay's are kept for the step); the
+    state entering and leaving (K_pad x Vb each); two partial outputs (C x Vb).
     """
-    C, K = geometry.chunk_size, geometry.padded_key_dim
-    return 4 * (2 * C * K + 3 * C * C + 2 * K * LANES + 2 * C * LANES)
+    C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
+    return 4 * (2 * C * K + 4 * C * C + 2 * K * Vb + 2 * C * Vb)
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """One chunk of a grid step: where its rows sit in the step's blocks, and how many are real tokens."""
 
-    index: jax.Array  # within the step
+    index: int  # within the step
     rows: pl.Slice
-    valid_rows: jax.Array | None  # None when no chunk of the call runs past the end of the sequence
+    valid_rows: jax.Array | None  # None when the chunk is whole (only a sequence's last chunk can be ragged)
 
     def _row_is_real(self) -> jax.Array:
         return lax.broadcasted_iota(jnp.int32, (self.rows.size, 1), 0) < self.valid_rows
@@ -188,8 +226,11 @@ class Chunk:
             return x
         return jnp.where(self._row_is_real(), x, jnp.zeros((), x.dtype))
 
-    def gates(self, refs: dict, head: jax.Array) -> ChunkGates:
-        """The chunk's gates from a kernel's refs: ``decay`` in SMEM and, when given, the all-heads ``g`` block."""
+    def gates(self, refs: dict, head: jax.Array, constant: ChunkGates | None) -> ChunkGates:
+        """The chunk's gates: ``constant`` (the step's, without ``g``) for a whole chunk; else computed from
+        ``decay`` in SMEM and, when given, the all-heads ``g`` block."""
+        if constant is not None and self.valid_rows is None:
+            return constant
         g = None
         if "g" in refs:
             every_head = refs["g"][self.rows, :]
@@ -201,20 +242,28 @@ class Chunk:
         return ChunkGates.compute(refs["decay"][head], g, self.valid_rows, self.rows.size)
 
 
-def for_each_chunk(geometry: Geometry, step: jax.Array, body) -> None:
-    """Run ``body(chunk)`` for the chunks of grid step ``step`` in order.
+def constant_gates(refs: dict, head: jax.Array, geometry: Geometry) -> ChunkGates | None:
+    """A whole chunk's gates when the decay is constant (no ``g``), computed once for the grid step; None with ``g``."""
+    if "g" in refs:
+        return None
+    return ChunkGates.compute(refs["decay"][head], None, None, geometry.chunk_size)
 
-    A loop, not Python unrolling: every chunk runs the one traced body whatever the step size (so
-    no result depends on ``num_steps``) and the kernel stays small to compile.
+
+def step_chunks(geometry: Geometry, step: jax.Array) -> list[Chunk]:
+    """The chunks of grid step ``step`` in order, for a kernel to unroll.
+
+    Unrolled, the chunks of a step are one block of straight-line code, so the scheduler overlaps
+    each chunk's attention (which does not depend on the state) with the previous chunk's state
+    update instead of running one chunk's chain after the other. Every chunk runs the same
+    operations whatever the step size, so no result depends on ``num_steps``. Only the last chunk
+    of the step can be the sequence's ragged last chunk.
     """
-    size = geometry.chunk_size
-
-    def one_chunk(index, carry):
-        rows = pl.ds(pl.multiple_of(index * size, size), size)
-        body(Chunk(index, rows, geometry.valid_rows(step * geometry.chunks_per_step + index)))
-        return carry
-
-    lax.fori_loop(0, geometry.chunks_per_step, one_chunk, None)
+    size, count = geometry.chunk_size, geometry.chunks_per_step
+    last = step * count + count - 1
+    return [
+        Chunk(index, pl.ds(index * size, size), geometry.valid_rows(last) if index == count - 1 else None)
+        for index in range(count)
+    ]
 
 
 def start_sequence(refs: dict, step: jax.Array) -> None:

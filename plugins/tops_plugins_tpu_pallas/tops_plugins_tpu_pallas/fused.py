@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from tops_plugins_tpu_pallas import blocks, traffic
 from tops_plugins_tpu_pallas.chunkwise import (
     advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
-    finish_sequence, for_each_chunk, gates_work, start_sequence,
+    constant_gates, finish_sequence, gate_computations, gates_work, start_sequence, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.launch import LaunchPlan
@@ -30,16 +30,44 @@ from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state
 
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
-    """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step.
-    ``interpret``: None (compile where lowered for a TPU, interpret elsewhere), True (fast
-    interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False (always compile)."""
+    """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step, at most: fewer when
+    the step's blocks would not fit the VMEM budget (``fitting_geometry``). ``full_values``: one grid point
+    per (batch, head) holding all of ``V`` (``q`` and ``k`` read once, the MXU's full width on ``V``), else
+    one per 128-lane value tile. ``interpret``: None (compile where lowered for a TPU, interpret
+    elsewhere), True (fast interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False
+    (always compile).
 
-    chunk_size: int = 64
-    num_steps: int = 4
+    The defaults are what the cost model (README "Modelled on TPU") found fastest on v5e and v6e: a
+    grid step carries a fixed cost of a few hundred cycles, so a step of 1024 rows amortises it, and
+    chunks of 128 halve the MXU rows a token streams for the state (the 64-row chunk's products waste
+    most of v6e's 256-wide MXU).
+    """
+
+    chunk_size: int = 128
+    num_steps: int = 8
+    full_values: bool = True
     interpret: Any = None
 
     def __post_init__(self):
         check_common_fields(self)
+        if not isinstance(self.full_values, bool):
+            raise TypeError(f"FusedConfig.full_values must be a bool, got {self.full_values!r}")
+
+
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config: FusedConfig) -> Geometry:
+    return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values)
+
+
+def fitting_geometry(geometry: Geometry, dtype, **inputs) -> Geometry:
+    """``geometry`` with fewer chunks per step while its plan would not fit the VMEM budget (at least one chunk)."""
+    while geometry.chunks_per_step > 1 and traffic.vmem_bytes(plans(geometry, dtype, **inputs)[0]) > traffic.VMEM_BUDGET:
+        geometry = dataclasses.replace(geometry, num_steps=geometry.chunks_per_step - 1)
+    return geometry
+
+
+def fitted_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
+    """``plans`` for ``fitting_geometry``: what ``forward`` launches."""
+    return plans(fitting_geometry(geometry, dtype, **inputs), dtype, **inputs)
 
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
@@ -52,7 +80,8 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     outputs = [blocks.value_rows("o", geometry, dtype)]
     if output_final_state:
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
-    work = (gates_work(geometry, gate_dtype is not None) + chunk_output_work(geometry) + advance_state_work(geometry)) * chunks_of_the_grid(geometry)
+    gated = gate_dtype is not None
+    work = (chunk_output_work(geometry) + advance_state_work(geometry)) * chunks_of_the_grid(geometry) + gates_work(geometry, gated) * gate_computations(geometry, gated)
     return (LaunchPlan(
         name="simple_gla_fused",
         grid=blocks.grid(geometry),
@@ -72,14 +101,14 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
 
-    def one_chunk(chunk):
-        gates = chunk.gates(refs, head)
+    constant = constant_gates(refs, head, geometry)
+    state = refs["state"][...]
+    for chunk in step_chunks(geometry, step):
+        gates = chunk.gates(refs, head, constant)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        entering = refs["state"][...]
-        refs["o"][chunk.rows, :] = chunk_output(q, k, v, entering, gates, scale).astype(refs["o"].dtype)
-        refs["state"][...] = advance_state(entering, k, v, gates)
-
-    for_each_chunk(geometry, step, one_chunk)
+        refs["o"][chunk.rows, :] = chunk_output(q, k, v, state, gates, scale).astype(refs["o"].dtype)
+        state = advance_state(state, k, v, gates)
+    refs["state"][...] = state
     finish_sequence(refs, step, geometry)
 
 
@@ -87,13 +116,13 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    geometry = Geometry(B, T, H, K, v.shape[-1], config.chunk_size, config.num_steps)
-    (launch,) = plans(
-        geometry, q.dtype,
+    inputs = dict(
         gate_dtype=None if g is None else g.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
+    geometry = fitting_geometry(geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
+    (launch,) = plans(geometry, q.dtype, **inputs)
     traffic.check_vmem(launch)
     kernel = functools.partial(_kernel, plan=launch, geometry=geometry, scale=scale)
     operands = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)

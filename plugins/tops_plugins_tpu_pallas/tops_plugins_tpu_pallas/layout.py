@@ -55,6 +55,7 @@ class Geometry:
     value_dim: int
     chunk_size: int
     num_steps: int
+    full_values: bool = False  # one value block of all of V_pad (else 128-lane value tiles)
 
     @property
     def pads_keys(self) -> bool:
@@ -95,8 +96,13 @@ class Geometry:
         return self.chunks_per_step * self.chunk_size
 
     @property
+    def value_block(self) -> int:
+        """Lanes of V one block (and one grid point) holds: all of ``V_pad``, or one 128-lane tile."""
+        return self.padded_value_dim if self.full_values else LANES
+
+    @property
     def value_tiles(self) -> int:
-        return self.padded_value_dim // LANES
+        return self.padded_value_dim // self.value_block
 
     @property
     def is_ragged(self) -> bool:

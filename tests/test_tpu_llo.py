@@ -1,0 +1,119 @@
+"""Reading what a compiled Mosaic kernel does from libtpu's dumps (``tops_core.tpu_llo``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tops_core import tpu_llo
+
+# A Mosaic final-LLO dump in the shape libtpu writes it (trimmed): a kernel on a grid of 3 whose
+# body runs a loop of 5 trips around one bf16 MXU push, an exp and a transpose, then stores twice;
+# and a helper function without a grid (an index map), which is not a kernel.
+LLO = """module {
+  func.func @kernel(%arg0: i32 {llo.type = i32}) attributes {dimension_semantics = [#xir.dimension_semantics<arbitrary>], iteration_bounds = array<i64: 3>, xir.main} {
+    %16 = llo.constant {value = 0 : i32} : i32
+    %17 = llo.constant {value = 1 : i32} : i32
+    %18 = llo.constant {value = 5 : i32} : i32
+    %scan3A:2 = scf.for %scan3A_0 = %16 to %18 step %17 iter_args(%a = %x) -> (vector<8x128xf32>)  : i32 {
+      %get3A = llo.vector_load %arg1 masked %8 : i32 -> vector<8x128x2xbf16>
+      "llo.vlatch"(%get3A) <{gain_latch_mode = #llo.gain_latch_mode<packed.bf16>, mxu_id = 0 : i32}> : (vector<8x128x2xbf16>) -> ()
+      "llo.vmatmul"(%get3A) <{data_format = #llo.matmul_data_format<bf16>, mxu_id = 0 : i32}> : (vector<8x128x2xbf16>) -> ()
+      %r = "llo.vmatres"() <{data_format = #llo.matmul_data_format<bf16>, mxu_id = 0 : i32}> : () -> vector<8x128xf32>
+      %e = llo.vexp %r : vector<8x128xf32>
+      %t = llo.vxpose %e : vector<8x128xf32>
+      %s = llo.vadd.f32 %t, %a : vector<8x128xf32>
+      scf.yield %s : vector<8x128xf32>
+    } {in_layout = []}
+    llo.vector_store %scan3A#0 into %arg3 : vector<8x128xf32> into i32
+    llo.vector_store %scan3A#1 into %arg3 + %15 : vector<8x128xf32> into i32
+    return {in_layout = []}
+  }
+  func.func @transform_0(%arg0: i32 {llo.type = i32}) -> (i32, i32) attributes {xir.core_type = #xir.core_type<tc>} {
+    %0 = llo.vadd.f32 %arg0, %arg0 : vector<8x128xf32>
+    return %0 : i32
+  }
+}
+"""
+
+
+def test_reads_a_kernels_grid_and_multiplies_loop_bodies_by_their_trips():
+    (kernel,) = tpu_llo.read_mosaic(LLO)
+    assert (kernel.name, kernel.grid, kernel.steps) == ("kernel", (3,), 3)
+    step = kernel.per_step
+    # Per trip: one push of a packed bf16 register (16 LHS rows), one weight load, one result, one exp,
+    # one transpose, one vector add, one load; 5 trips; the two stores after the loop once.
+    assert (step.mxu_pushes, step.mxu_rows, step.weight_loads, step.mxu_results) == (5, 80, 5, 5)
+    assert (step.transcendentals, step.transposes, step.vector_alu, step.loads, step.stores) == (5, 5, 5, 5, 2)
+    assert kernel.total == step * 3
+
+
+# The backend's final bundles (trimmed): two bundles before a loop of 5 trips (exit test at its
+# depth) of three bundles, in which a loop of 4 trips of two bundles is nested.
+BUNDLES = """= control target key start
+LB: loop body
+= control target key end
+
+     0   :  { %7 = vsyncpa [#allocation4], 0 }
+   0x1   :  { %9 = vsyncpa [#allocation5], 0 }
+   0x2 LB: > { %s1 = sadd.s32 1, %s0 }
+   0x3 LB: >> { %v1 = vld [vmem:[#allocation6] sm:$0xff] }
+   0x4   : >> { %p1 = scmp.ge.s32.totalorder %s2, 4 /* loop exit test */ }
+   0x5   : > { %p2 = scmp.ge.s32.totalorder %s1, 5 /* loop exit test */ }
+"""
+
+
+def test_counts_issued_cycles_as_bundles_times_the_trips_of_their_loops():
+    schedule = tpu_llo.read_bundles(BUNDLES, "kernel.1")
+    assert schedule.bundles == 6
+    assert schedule.loops == ((5, 2), (4, 2))  # (trips, bundles at that depth) outermost first
+    assert schedule.cycles == 2 + 5 * (2 + 4 * 2)
+
+
+def matmul_kernel(rows: int, depth: int, columns: int, dtype: str, repeats: int):
+    """A Pallas kernel summing ``repeats`` products ``(rows x depth) @ (depth x columns)`` on a grid of 3 (a ``DumpingCompiler`` factory)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    precision = lax.Precision.HIGHEST if dtype == "float32" else lax.Precision.DEFAULT
+
+    def kernel(x_ref, w_ref, o_ref):
+        def one(_, total):
+            return total + jnp.dot(x_ref[...], w_ref[...], precision=precision, preferred_element_type=jnp.float32)
+
+        o_ref[...] = lax.fori_loop(0, repeats, one, jnp.zeros((rows, columns), jnp.float32))
+
+    def call(x, w):
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((rows, columns), jnp.float32), grid=(3,),
+            in_specs=[pl.BlockSpec((rows, depth), lambda i: (0, 0)), pl.BlockSpec((depth, columns), lambda i: (0, 0))],
+            out_specs=pl.BlockSpec((rows, columns), lambda i: (0, 0)), name="matmuls",
+        )(x, w)
+
+    return call, jax.ShapeDtypeStruct((rows, depth), dtype), jax.ShapeDtypeStruct((depth, columns), dtype)
+
+
+EDGES = {"v4": 128, "v5e": 128, "v5p": 128, "v6e": 256}  # MXU edges (Pallas' TPU hardware reference)
+PASSES = {"bfloat16": 1, "float32": 6}  # a float32 product at HIGHEST is six bf16 passes
+
+
+@pytest.mark.parametrize("generation", sorted(EDGES))
+def test_mxu_rows_of_a_compiled_kernel_match_its_products_on_every_generation(generation, monkeypatch):
+    pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu")
+    from tops_core import compile_only
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the child imports this module's factory
+    edge = EDGES[generation]
+    with compile_only.DumpingCompiler() as compiler:
+        for rows, depth, columns, dtype in ((64, 256, 256, "bfloat16"), (128, 128, 64, "float32")):
+            dumped = compiler.compile(generation, "test_tpu_llo:matmul_kernel", rows=rows, depth=depth, columns=columns, dtype=dtype, repeats=5)
+            (kernel,) = dumped.kernels
+            assert kernel.mosaic.grid == (3,)
+            # Every LHS row streams through one MXU per (depth, columns) tile of the weights, per pass.
+            tiles = math.ceil(depth / edge) * math.ceil(columns / edge)
+            assert kernel.mosaic.per_step.mxu_rows == 5 * rows * tiles * PASSES[dtype], (rows, depth, columns, dtype)
+            assert kernel.schedule.cycles > kernel.schedule.bundles > 0
