@@ -81,6 +81,10 @@ class KDA(OpContract):
     features = frozenset({"initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm"})
     differentiable = ("q", "k", "v", "g", "beta", "initial_state")
     grads_type = KDAGrads
+    dims = {
+        "q": "b t h k", "k": "b t h k", "v": "b t h v", "g": "b t h k", "beta": "b t h",
+        "initial_state": "n h k v", "cu_seqlens": "c",
+    }
 
     def forward(
         self,
