@@ -1,18 +1,24 @@
-"""Sharded calls: each shard of a ``jax.sharding`` mesh runs its own kernel on its own part of the inputs.
+"""Sharded calls: each device of a ``jax.sharding`` mesh runs its own kernel on its own block of the inputs.
 
-An op call traced under ``jax.jit`` has no idea how its inputs will be laid out over devices;
-the SPMD partitioner finds out while compiling. ``partitioned`` hands the call to it through
-``jax.experimental.custom_partitioning``: when the program is compiled for several devices, the
-partitioner tells ``_Plan.partition`` how the operands are sharded, and every device then runs
-the call on its local block, decided by the dispatcher for the block's shapes. Batch and heads
-are independent, so a shard needs nothing from the others; a gradient that sums over them
-(``dg_gamma``) is summed over the mesh with one ``psum``. A sharded sequence needs the state
-carried in from the devices before it: the op's sequence-parallel algorithm
-(``OpContract.sequence_parallel``) exchanges ``K x V`` states only, never tokens. Head and value
-dimensions are never split (the partitioner gathers them if a caller shards them).
+A ``Split`` names the mesh axes that split the batch, the sequence and the heads. Every device
+then runs the call on its block, decided by the dispatcher for the block's shapes. Batch and heads
+are independent, so a device needs nothing from the others, and a gradient summed over them
+(``dg_gamma``) is summed over the mesh with one ``psum``. A split sequence needs the state carried
+in from the devices before: the op's sequence-parallel algorithm (``OpContract.split_sequence``)
+exchanges ``K x V`` states only, never tokens. Head and value dimensions are never split.
+
+The split is applied in one of two ways:
+
+- known when the call is traced (``tops_core.parallel.shard``): the call runs in a
+  ``jax.shard_map`` over the whole mesh. This works on every platform, and is the only way on
+  TPU, whose Pallas kernels JAX runs on several devices only inside a ``shard_map``;
+- otherwise, under ``jax.jit`` with sharded inputs, the SPMD partitioner, which alone knows the
+  inputs' shardings, tells ``Plan.partition`` through ``jax.experimental.custom_partitioning``
+  while compiling. Its Python callback runs in the compilers of CPU and GPU only; lowered for
+  TPU, the call is left whole.
 
 On one device, and under ``jax.vmap`` (which ``custom_partitioning`` does not support), the call
-is the ordinary, unpartitioned one.
+is the ordinary, unsplit one.
 """
 
 from __future__ import annotations
@@ -24,20 +30,71 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
 from jax.interpreters import batching, mlir
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-SPLIT = ("b", "t", "h")
-"""The factors a shard may split: batch, time (the sequence) and heads; every other dimension stays whole."""
+FACTORS = {"b": "batch", "t": "sequence", "h": "heads"}
+"""The dimensions a split may divide, by their factor names in an op's ``dims``; every other one stays whole."""
 
-JAX_TO_SPEC_PLATFORM = {"cuda": "gpu", "rocm": "gpu"}
+_SPEC_PLATFORM = {"cuda": "gpu", "rocm": "gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The mesh axes dividing each factor (``b`` batch, ``t`` sequence, ``h`` heads); hashable."""
+
+    mesh: Any  # jax.sharding.Mesh or AbstractMesh
+    axes: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @classmethod
+    def of(cls, mesh: Any, **axes: tuple[str, ...]) -> Split:
+        return cls(mesh, tuple((factor, tuple(axes.get(factor, ()))) for factor in FACTORS))
+
+    def __getitem__(self, factor: str) -> tuple[str, ...]:
+        return dict(self.axes).get(factor, ())
+
+    def size(self, factor: str) -> int:
+        return math.prod(self.mesh.shape[a] for a in self[factor])
+
+    @classmethod
+    def from_types(cls, x: jax.Array, dims: tuple[str, ...]) -> Split | None:
+        """The split ``x``'s type carries over explicit mesh axes (``jax.sharding.AxisType.Explicit``), if any."""
+        sharding = jax.typeof(x).sharding
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or mesh.empty or not mesh.explicit_axes:
+            return None
+        axes = {}
+        for factor, entry in zip(dims, sharding.spec):
+            named = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            if factor in FACTORS and named:
+                axes[factor] = named
+        return cls.of(mesh, **axes) if axes else None
+
+    @property
+    def platform(self) -> str | None:
+        """The call-spec platform of the mesh's devices, when the mesh knows it."""
+        if isinstance(self.mesh, jax.sharding.Mesh):
+            platform = self.mesh.devices.flat[0].platform
+        elif getattr(self.mesh, "abstract_device", None) is not None:
+            platform = self.mesh.abstract_device.platform
+        else:
+            return None
+        return _SPEC_PLATFORM.get(platform, platform)
+
+    def spec(self, dims: tuple[str, ...]) -> PartitionSpec:
+        return PartitionSpec(*(self[f] or None for f in dims))
+
+    def describe(self, factor: str) -> str:
+        axes = self[factor]
+        return repr(axes[0]) if len(axes) == 1 else repr(axes)
 
 
 @dataclasses.dataclass(frozen=True)
 class SequenceShards:
-    """Where a device's block of a sharded sequence lies: mesh ``axes`` of ``size`` devices, this one's ``index``."""
+    """Where a device's block of a split sequence lies: mesh ``axes`` of ``size`` devices, this one's ``index``."""
 
     axes: tuple[str, ...]
     size: int
@@ -54,127 +111,133 @@ def exclusive_affine_scan(decay: jax.Array, state: jax.Array, shards: SequenceSh
 
     ``decay`` is ``[B, H]`` and ``state`` ``[B, H, K, V]``; the result on device ``p`` is the maps
     of devices ``0 .. p-1`` applied in order to zero (``reverse``: those of ``p+1 .. P-1``, last
-    first). A log-depth scan (Hillis and Steele) over ``ppermute``: one shift and
-    ``ceil(log2(P))`` doubling rounds, each sending one ``[B, H, K, V]`` state per device.
+    first). A log-depth scan (Hillis and Steele) over ``ppermute``: one shift, then
+    ``ceil(log2(P - 1))`` doubling rounds over the ``P - 1`` shifted maps, each sending one
+    ``[B, H, K, V]`` state (and its ``[B, H]`` decay) per device.
     """
     step = -1 if reverse else 1
     first = 0 if not reverse else shards.size - 1
     decay, state = shards.shift(decay, step), shards.shift(state, step)
-    decay = jax.numpy.where(shards.index == first, 1.0, decay)  # nothing before the first device: the identity map
+    decay = jnp.where(shards.index == first, 1.0, decay)  # nothing before the first device: the identity map
     distance = 1
-    while distance < shards.size:
+    while distance < shards.size - 1:
         earlier_decay, earlier_state = shards.shift(decay, step * distance), shards.shift(state, step * distance)
         has_earlier = shards.index >= distance if not reverse else shards.index < shards.size - distance
-        state = state + jax.numpy.where(has_earlier, decay[..., None, None] * earlier_state, 0.0)
-        decay = jax.numpy.where(has_earlier, decay * earlier_decay, decay)
+        state = state + jnp.where(has_earlier, decay[..., None, None] * earlier_state, 0.0)
+        decay = jnp.where(has_earlier, decay * earlier_decay, decay)
         distance *= 2
     return state
 
 
-def partitioned(plan: Plan, operands: Sequence[jax.Array], body: Callable[..., Any]) -> Any:
-    """``body(*operands)``, partitioned by ``plan`` when the program is compiled for several devices."""
-    whole, out_shape = jax.make_jaxpr(body, return_shape=True)(*operands)
-    if any(isinstance(const, jax.core.Tracer) for const in whole.consts):
-        raise ValueError("partitioned: the body closes over a traced value; pass it in the operands")
-    # Traced here rather than when lowering: JAX gives a lowering the devices custom_partitioning
-    # needs only when it finds the primitive in the program.
-    split = jax.make_jaxpr(plan.custom_partitioned(whole))(*operands)
-
-    @jax.custom_jvp
-    def call(*operands):
-        return _partitioned_p.bind(*operands, split=split, whole=whole)
-
-    @call.defjvp
-    def call_jvp(primals, tangents):
-        # Only higher-order gradients differentiate here (the op's own VJP is custom): they
-        # differentiate the unpartitioned body.
-        outs, out_tangents = jax.jvp(jaxpr_as_fun(whole), primals, tangents)
-        return list(outs), list(out_tangents)
-
-    return jax.tree.unflatten(jax.tree.structure(out_shape), call(*operands))
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """How one call is split: the factors of each operand and result, and the call to run on a shard.
+    """How one call splits: the factors of each operand and result, and the call to run on a block.
 
-    ``operand_dims``/``result_dims``: each array's factors, one name per dimension (``b`` batch,
-    ``t`` time, ``h`` heads; others, such as ``k``, ``v``, ``n`` sequences, are never split).
-    ``local(platform, sequence, *operands)`` computes one device's results from its block:
-    ``platform`` is the call-spec platform of the mesh's devices, ``sequence`` the
-    ``SequenceShards`` of a split time axis (``None`` when it is whole). A result without a split
-    factor of the operands is summed over the devices that split it, so a device returns its
-    share. ``unsplittable_sequence``: why the time axis may not be split (``None``: it may).
+    ``out_tree``: the structure of the call's results (``result_dims`` follows its leaves).
+    ``operand_dims``/``result_dims``: each array's factors, one name per dimension (``b``, ``t``,
+    ``h`` may be split; any other name, such as ``k``, ``v``, ``n`` for sequences, stays whole).
+    The first operand (``q``) carries the split the partitioner reports. ``local(platform,
+    sequence, *operands)`` computes one device's results from its block: ``platform`` is the
+    call-spec platform of the mesh's devices (``None`` when unknown), ``sequence`` the
+    ``SequenceShards`` of a split sequence (``None`` when it is whole). A result without a split
+    factor of the operands is summed over the devices that split it, so ``local`` returns its
+    device's share. ``unsplittable_sequence``: why the sequence may not be split (``None``: it may).
     """
 
     operand_dims: tuple[tuple[str, ...], ...]
     result_dims: tuple[tuple[str, ...], ...]
+    out_tree: Any
     local: Callable[..., Any]
     unsplittable_sequence: str | None
 
-    def sharding_rule(self) -> tuple[str, tuple[str, ...]]:
-        """The Shardy rule (``"b t h k, h -> b t h v"``) and the factors that must stay whole."""
-        operands = ", ".join(" ".join(dims) for dims in self.operand_dims)
-        results = ", ".join(" ".join(dims) for dims in self.result_dims)
-        factors = dict.fromkeys(f for dims in self.operand_dims + self.result_dims for f in dims)  # Shardy wants them in this order
-        return f"{operands} -> {results}", tuple(f for f in factors if f not in SPLIT)
+    def check(self, split: Split, seq_len: int) -> None:
+        """Raise ``ValueError`` when the sequence may not be split as ``split`` asks."""
+        if not split["t"]:
+            return
+        size = split.size("t")
+        reason = self.unsplittable_sequence
+        if reason is None and seq_len % size:
+            reason = (
+                f"T={seq_len} is not divisible by its {size} devices; the sequence is split into equal blocks, "
+                f"so pad T to a multiple of {size} (with cu_seqlens, as one more sequence)"
+            )
+        if reason:
+            raise ValueError(f"cannot split the sequence over mesh axis {split.describe('t')}: {reason}")
+
+    def mapped(self, split: Split, operands: Sequence[jax.Array]) -> list[jax.Array]:
+        """The call split over ``split`` in a ``shard_map`` over the whole mesh."""
+        self.check(split, operands[0].shape[self.operand_dims[0].index("t")])
+        run = jax.shard_map(
+            functools.partial(self._local, split, split.platform),
+            mesh=split.mesh,
+            in_specs=tuple(split.spec(dims) for dims in self.operand_dims),
+            out_specs=[split.spec(dims) for dims in self.result_dims],
+            check_vma=False,  # the block's results are replicated where _local says (psum), not where JAX can prove it
+        )
+        return run(*operands)
 
     def custom_partitioned(self, whole: ClosedJaxpr) -> Callable:
+        """``whole`` as a ``custom_partitioning`` function that ``partition`` splits while compiling."""
         function = custom_partitioning(jaxpr_as_fun(whole))
-        rule, whole = self.sharding_rule()
-        function.def_partition(partition=self.partition, sharding_rule=rule, need_replication_factors=whole)
+        factors = dict.fromkeys(f for dims in self.operand_dims + self.result_dims for f in dims)  # Shardy wants this order
+        operands = ", ".join(" ".join(dims) for dims in self.operand_dims)
+        results = ", ".join(" ".join(dims) for dims in self.result_dims)
+        function.def_partition(
+            partition=self.partition, sharding_rule=f"{operands} -> {results}",
+            need_replication_factors=tuple(f for f in factors if f not in FACTORS),
+        )
         return function
 
-    def partition(self, mesh: Mesh, arg_shapes: Sequence[Any], result_shape: Any):
-        axes = self.split_axes(mesh, arg_shapes)
-        arg_shardings = tuple(NamedSharding(mesh, _spec(dims, axes)) for dims in self.operand_dims)
-        result_shardings = [NamedSharding(mesh, _spec(dims, axes)) for dims in self.result_dims]
-        platform = mesh.devices.flat[0].platform
-        return mesh, functools.partial(self._local, mesh, axes, JAX_TO_SPEC_PLATFORM.get(platform, platform)), result_shardings, arg_shardings
-
-    def split_axes(self, mesh: Mesh, arg_shapes: Sequence[Any]) -> dict[str, tuple[str, ...]]:
-        """The mesh axes splitting each factor, read from the first operand's sharding (``q``'s)."""
+    def partition(self, mesh: Any, arg_shapes: Sequence[Any], result_shape: Any):
+        """``custom_partitioning``'s callback: the split the partitioner chose for ``q``, applied to every array."""
         sharding = arg_shapes[0].sharding
-        if not isinstance(sharding, NamedSharding):
-            return {factor: () for factor in SPLIT}  # no axis names to exchange over: run whole
-        spec = tuple(sharding.spec) + (None,) * (len(self.operand_dims[0]) - len(sharding.spec))
-        axes = {factor: () for factor in SPLIT}
-        for factor, entry in zip(self.operand_dims[0], spec):
-            if factor in axes:
-                axes[factor] = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        if axes["t"]:
-            size = math.prod(mesh.shape[a] for a in axes["t"])
-            seq_len = arg_shapes[0].shape[self.operand_dims[0].index("t")]
-            reason = self.unsplittable_sequence
-            if reason is None and seq_len % size:
-                reason = (
-                    f"T={seq_len} is not divisible by the {size} devices of mesh axis {_names(axes['t'])}; "
-                    f"sequence parallelism splits T into equal blocks: pad T to a multiple of {size}"
-                )
-            if reason:
-                raise ValueError(f"cannot split the sequence over mesh axis {_names(axes['t'])}: {reason}")
-        return axes
+        axes = {}
+        if isinstance(sharding, NamedSharding):  # else no axis names to exchange over: leave the call whole
+            for factor, entry in zip(self.operand_dims[0], sharding.spec):
+                if factor in FACTORS and entry is not None:
+                    axes[factor] = (entry,) if isinstance(entry, str) else tuple(entry)
+        split = Split.of(mesh, **axes)
+        self.check(split, arg_shapes[0].shape[self.operand_dims[0].index("t")])
+        arg_shardings = tuple(NamedSharding(mesh, split.spec(dims)) for dims in self.operand_dims)
+        result_shardings = [NamedSharding(mesh, split.spec(dims)) for dims in self.result_dims]
+        return mesh, functools.partial(self._local, split, split.platform), result_shardings, arg_shardings
 
-    def _local(self, mesh: Mesh, axes: dict[str, tuple[str, ...]], platform: str, *operands: jax.Array) -> list[jax.Array]:
+    def _local(self, split: Split, platform: str | None, *operands: jax.Array) -> list[jax.Array]:
         sequence = None
-        if axes["t"]:
-            size = math.prod(mesh.shape[a] for a in axes["t"])
-            sequence = SequenceShards(axes["t"], size, jax.lax.axis_index(axes["t"]))
-        results = self.local(platform, sequence, *operands)
-        split = {f for dims in self.operand_dims for f in dims if f in SPLIT and axes[f]}
-        reduced = []
-        for dims, result in zip(self.result_dims, jax.tree.leaves(results)):
-            over = tuple(a for f in sorted(split - set(dims)) for a in axes[f])
-            reduced.append(jax.lax.psum(result, over) if over else result)
-        return reduced
+        if split["t"]:
+            sequence = SequenceShards(split["t"], split.size("t"), jax.lax.axis_index(split["t"]))
+        results = jax.tree.leaves(self.local(platform, sequence, *operands))
+        split_factors = {f for dims in self.operand_dims for f in dims if split[f]}
+        shared = []
+        for dims, result in zip(self.result_dims, results):
+            over = tuple(a for f in sorted(split_factors - set(dims)) for a in split[f])
+            shared.append(jax.lax.psum(result, over) if over else result)
+        return shared
 
 
-def _spec(dims: tuple[str, ...], axes: dict[str, tuple[str, ...]]) -> PartitionSpec:
-    return PartitionSpec(*(axes.get(f) or None for f in dims))
+def partitioned(plan: Plan, operands: Sequence[jax.Array], body: Callable[..., Any], split: Split | None) -> Any:
+    """``body(*operands)`` split by ``plan``: over ``split`` now, or, when it is ``None``, as the inputs turn out sharded."""
+    if split is not None:
+        return jax.tree.unflatten(plan.out_tree, plan.mapped(split, operands))
+    whole = jax.make_jaxpr(body)(*operands)
+    if any(isinstance(const, jax.core.Tracer) for const in whole.consts):
+        raise ValueError("partitioned: the body closes over a traced value; pass it in the operands")
+    # Traced here rather than when lowering: JAX gives a lowering the devices custom_partitioning
+    # needs only when it finds the primitive in the program.
+    split_later = jax.make_jaxpr(plan.custom_partitioned(whole))(*operands)
 
+    @jax.custom_jvp
+    def call(*operands):
+        return _partitioned_p.bind(*operands, split=split_later, whole=whole)
 
-def _names(axes: tuple[str, ...]) -> str:
-    return repr(axes[0]) if len(axes) == 1 else repr(axes)
+    @call.defjvp
+    def call_jvp(primals, tangents):
+        # Only higher-order gradients differentiate here (the op's own VJP is custom): they
+        # differentiate the unsplit body.
+        outs, out_tangents = jax.jvp(jaxpr_as_fun(whole), primals, tangents)
+        return list(outs), list(out_tangents)
+
+    return jax.tree.unflatten(plan.out_tree, call(*operands))
 
 
 _partitioned_p = Primitive("tops_partitioned")
@@ -196,11 +259,27 @@ def _lower(ctx, *args, split, whole):
     return mlir.lower_fun(jaxpr_as_fun(split), multiple_results=True)(ctx, *args)
 
 
+def _lower_whole(ctx, *args, split, whole):
+    # TPU compilers do not run custom_partitioning's callback ("Custom emitter for
+    # CustomSPMDPartitioning not found"), so the call stays whole; XLA can partition plain
+    # jax.numpy, but a Pallas kernel runs on several devices only inside a shard_map.
+    try:
+        return mlir.lower_fun(jaxpr_as_fun(whole), multiple_results=True)(ctx, *args)
+    except NotImplementedError as error:
+        if "shard_map" not in str(error):
+            raise
+        raise NotImplementedError(
+            "a TPU kernel in a program for several devices runs only split over them explicitly: call the op inside "
+            "tops_core.parallel.shard(mesh, batch=..., heads=..., sequence=...) (JAX cannot split it on TPU by itself)"
+        ) from error
+
+
 mlir.register_lowering(_partitioned_p, _lower)
+mlir.register_lowering(_partitioned_p, _lower_whole, platform="tpu")
 
 
 def _batch(args, dims, *, split, whole):
-    # custom_partitioning has no batching rule: a vmapped call runs unpartitioned.
+    # custom_partitioning has no batching rule: a vmapped call runs unsplit.
     results = jax.vmap(jaxpr_as_fun(whole), in_axes=list(dims), out_axes=0)(*args)
     return list(results), [0] * len(results)
 

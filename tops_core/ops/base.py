@@ -22,12 +22,13 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from tops_core import parallel
 from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.dispatch import Decision, NoImplementationError, pairing_note, select
 from tops_core.lowering import Choice, stage_per_platform
 from tops_core.ops import validation
 from tops_core.ops.validation import is_concrete
-from tops_core.partitioning import Plan, SequenceShards, partitioned
+from tops_core.partitioning import Plan, SequenceShards, Split, partitioned
 from tops_core.policy import ForceRequest, Policy, current_policy
 from tops_core.registry import default_registry
 
@@ -276,16 +277,16 @@ class OpContract:
 
     def _forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
         static = _Static(
-            self, prepared.options, prepared.spec, policy, default_registry().generation,
+            self, prepared.options, prepared.spec, policy, self.split(prepared), default_registry().generation,
             prepared.checks_cu_seqlens, prepared.platform_known,
         )
         return _compiled(static, dict(prepared.arrays))
 
-    def _run_forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
-        return _with_trusted_cu_seqlens(prepared, lambda trusted: self._partitioned("forward", trusted, policy, ()))
+    def _run_forward(self, prepared: Prepared, policy: Policy, split: Split | None) -> tuple[Any, Any]:
+        return _with_trusted_cu_seqlens(prepared, lambda trusted: self._partitioned("forward", trusted, policy, (), split))
 
-    def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any) -> Any:
-        return _with_trusted_cu_seqlens(prepared, lambda trusted: self._partitioned("backward", trusted, policy, (do, dht)))
+    def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any, split: Split | None) -> Any:
+        return _with_trusted_cu_seqlens(prepared, lambda trusted: self._partitioned("backward", trusted, policy, (do, dht), split))
 
     def _staged(self, direction: str, policy: Policy, prepared: Prepared, cotangents: tuple[Any, ...]) -> Any:
         """The call run by the implementation each platform's dispatcher chose (staged per platform)."""
@@ -311,10 +312,13 @@ class OpContract:
 
     # -- sharding --------------------------------------------------------------------------
 
-    def _partitioned(self, direction: str, prepared: Prepared, policy: Policy, cotangents: tuple[Any, ...]) -> Any:
-        """The staged call, split over the devices its inputs are sharded over (``tops_core.partitioning``).
+    def _partitioned(
+        self, direction: str, prepared: Prepared, policy: Policy, cotangents: tuple[Any, ...], split: Split | None,
+    ) -> Any:
+        """The staged call, split over devices (``tops_core.partitioning``): over ``split``
+        (``tops_core.parallel.shard``), or, when it is ``None``, as the compiler finds the inputs sharded.
 
-        Each shard's block is decided afresh by the dispatcher for its own shapes, on the mesh's
+        Each device's block is decided afresh by the dispatcher for its own shapes, on the mesh's
         platform; a split sequence goes through ``split_sequence``.
         """
         named = [(name, prepared.arrays[name]) for name in self.dims if prepared.arrays[name] is not None]  # q first
@@ -330,7 +334,7 @@ class OpContract:
             arrays, cotangents = unflatten(flat)
             return self._staged(direction, policy, dataclasses.replace(prepared, arrays=arrays), cotangents)
 
-        def local(platform: str, sequence: SequenceShards | None, *flat: Any) -> Any:
+        def local(platform: str | None, sequence: SequenceShards | None, *flat: Any) -> Any:
             arrays, cotangents = unflatten(flat)
 
             def run(arrays: dict[str, Any], cotangents: tuple[Any, ...] = cotangents, **options: Any) -> Any:
@@ -342,18 +346,19 @@ class OpContract:
             return self.split_sequence(direction, prepared, arrays, cotangents, sequence, run)
 
         if direction == "forward":
-            o, final_state = self.expected_outputs(prepared)
-            results = [("o", o)] + ([("final_state", final_state)] if final_state is not None else [])
+            expected = self.expected_outputs(prepared)
+            results = [("o", expected[0])] + ([("final_state", expected[1])] if expected[1] is not None else [])
         else:
-            grads = self.expected_grads(prepared)
-            results = [("d" + name, getattr(grads, "d" + name)) for name in self.differentiable if prepared.arrays[name] is not None]
+            expected = self.expected_grads(prepared)
+            results = [("d" + name, getattr(expected, "d" + name)) for name in self.differentiable if prepared.arrays[name] is not None]
         plan = Plan(
             operand_dims=tuple(self._dims(name, x.ndim, prepared) for name, x in named),
             result_dims=tuple(self._dims(name, len(x.shape), prepared) for name, x in results),
+            out_tree=jax.tree.structure(expected),
             local=local,
             unsplittable_sequence=self.sequence_unsplittable(prepared),
         )
-        return partitioned(plan, [x for _, x in named], whole)
+        return partitioned(plan, [x for _, x in named], whole, split)
 
     dims: ClassVar[Mapping[str, str]]
     """Each array's dimensions as factors (``"b t h k"``): ``b`` batch, ``t`` time and ``h`` heads may
@@ -368,11 +373,16 @@ class OpContract:
             dims = ["b" if f == "n" else f for f in dims]
         return tuple(dims[len(dims) - ndim:])  # a scalar g_gamma has no heads factor
 
-    def _block(self, prepared: Prepared, arrays: dict[str, Any], platform: str, options: Mapping[str, Any]) -> Prepared:
+    def _block(self, prepared: Prepared, arrays: dict[str, Any], platform: str | None, options: Mapping[str, Any]) -> Prepared:
         """One device's block of a sharded call: its arrays and the call spec of their shapes, on ``platform``."""
         num_seqs = prepared.spec.num_seqs if arrays.get("cu_seqlens") is not None else arrays["q"].shape[0]
         options = tuple({**dict(prepared.options), **options}.items())
         return self.make_prepared(arrays, options, num_seqs, dict(prepared.spec.ndims), prepared.spec.interpret, platform=platform)
+
+    def split(self, prepared: Prepared) -> Split | None:
+        """How the call is split over devices when that is known now: the ``tops_core.parallel.shard``
+        block it is in, else the split ``q``'s type carries over explicit mesh axes."""
+        return parallel.current() or Split.from_types(prepared.arrays["q"], self._dims("q", 4, prepared))
 
     def sequence_unsplittable(self, prepared: Prepared) -> str | None:
         """Why this call's sequence cannot be split over devices (``None``: it can, with ``split_sequence``)."""
@@ -445,6 +455,7 @@ class _Static:
     options: tuple[tuple[str, Any], ...]
     spec: CallSpec
     policy: Policy
+    split: Split | None
     registry_generation: int
     checks_cu_seqlens: bool
     platform_known: bool
@@ -455,17 +466,17 @@ class _Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _differentiable(static: _Static, arrays: dict[str, Any]) -> tuple[Any, Any]:
-    return static.contract._run_forward(static.prepared(arrays), static.policy)
+    return static.contract._run_forward(static.prepared(arrays), static.policy, static.split)
 
 
 def _differentiable_fwd(static: _Static, arrays: dict[str, Any]):
-    return static.contract._run_forward(static.prepared(arrays), static.policy), arrays
+    return static.contract._run_forward(static.prepared(arrays), static.policy, static.split), arrays
 
 
 def _differentiable_bwd(static: _Static, arrays: dict[str, Any], cotangents: tuple[Any, Any]):
     do, dht = cotangents
     contract = static.contract
-    grads = contract._run_backward(static.prepared(arrays), static.policy, do, dht)
+    grads = contract._run_backward(static.prepared(arrays), static.policy, do, dht, static.split)
     return ({name: getattr(grads, "d" + name) if name in contract.differentiable else None for name in arrays},)
 
 
