@@ -222,6 +222,11 @@ def partitioned(plan: Plan, operands: Sequence[jax.Array], body: Callable[..., A
     whole = jax.make_jaxpr(body)(*operands)
     if any(isinstance(const, jax.core.Tracer) for const in whole.consts):
         raise ValueError("partitioned: the body closes over a traced value; pass it in the operands")
+    if _calls_the_host(whole.jaxpr):
+        # A host callback inside a custom_partitioning function crashes the process when the
+        # program runs on several devices (JAX 0.10.2, CPU: a segfault), so a call whose
+        # implementation runs on the host (the float64 reference) is left whole, for XLA to place.
+        return jax.tree.unflatten(plan.out_tree, jaxpr_as_fun(whole)(*operands))
     # Traced here rather than when lowering: JAX gives a lowering the devices custom_partitioning
     # needs only when it finds the primitive in the program.
     split_later = jax.make_jaxpr(plan.custom_partitioned(whole))(*operands)
@@ -238,6 +243,19 @@ def partitioned(plan: Plan, operands: Sequence[jax.Array], body: Callable[..., A
         return list(outs), list(out_tangents)
 
     return jax.tree.unflatten(plan.out_tree, call(*operands))
+
+
+def _calls_the_host(jaxpr: Any) -> bool:
+    """Whether ``jaxpr``, or a jaxpr inside it, calls back to the host (``jax.pure_callback``)."""
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == "pure_callback":
+            return True
+        for value in equation.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's jaxpr
+                if hasattr(inner, "eqns") and _calls_the_host(inner):
+                    return True
+    return False
 
 
 _partitioned_p = Primitive("tops_partitioned")
