@@ -11,10 +11,10 @@ and answers each with one JSON line:
   ``auto`` (sharded inputs under plain ``jit``), ``shard`` (``tops_core.parallel.shard``) or
   ``types`` (a mesh of explicit axes, the split carried by the inputs' types); ``mesh`` (axis
   sizes), ``split`` (``batch``/``heads``/``sequence`` to the index of a mesh axis, or a list of
-  them), and the data
-  (``B, T, H, K, V, dtype, features, seqlens, strong_decay, scalar_gamma``). ``"backward": true``
-  also compares the explicit ``op.backward``; ``"unplaced": true`` passes unsharded inputs; ``"against": "ref.recurrent"`` computes the
-  single-device results with that implementation.
+  them), the ``op`` (``simple_gla`` unless named) and the data (``B, T, H, K, V, dtype,
+  features, seqlens, strong_decay, scalar_gamma``). ``"backward": true`` also compares the
+  explicit ``op.backward``; ``"unplaced": true`` passes unsharded inputs; ``"against":
+  "ref.recurrent"`` computes the single-device results with that implementation.
 - ``{"collectives": case}``: only compiles the split program and returns its collectives.
 - ``{"tpu": case}``: compiles the split program for a compile-only TPU (``generation``, 4 chips)
   and returns its Mosaic kernels, implementations and collectives, or the error's text.
@@ -37,10 +37,13 @@ from tops_core.conformance.cases import Case
 from tops_core.conformance.compare import relative_error, tolerance
 from tops_core.conformance.data import backward_inputs, forward_inputs
 
-sg = tops_core.op("simple_gla")
-DIFFERENTIABLE = ("q", "k", "v", "g", "g_gamma", "initial_state")
+DIFFERENTIABLE = {"simple_gla": ("q", "k", "v", "g", "g_gamma", "initial_state"), "kda": ("q", "k", "v", "g", "beta", "initial_state")}
 FACTOR_OF = {"batch": 0, "sequence": 1, "heads": 2}
 TPU_TOPOLOGY = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "v4": "v4:2x2x1"}
+
+
+def op_name(case: dict) -> str:
+    return case.get("op", "simple_gla")
 
 
 def conformance_case(case: dict) -> Case:
@@ -49,7 +52,7 @@ def conformance_case(case: dict) -> Case:
     seqlens = tuple(case["seqlens"]) if case.get("seqlens") else None
     T = sum(seqlens) if seqlens else case["T"]
     return Case(
-        op="simple_gla", name=case["name"], dtype=case["dtype"], batch=1 if seqlens else case["B"], seq_len=T,
+        op=op_name(case), name=case["name"], dtype=case["dtype"], batch=1 if seqlens else case["B"], seq_len=T,
         heads=case["H"], key_dim=case["K"], value_dim=case["V"], features=features, ndims=ndims, seqlens=seqlens,
         strong_decay=case.get("strong_decay", False),
     )
@@ -79,7 +82,7 @@ def specs(case: dict, inputs: dict) -> dict[str, PartitionSpec]:
     for name, x in inputs.items():
         if not isinstance(x, jax.Array):
             continue
-        if name in ("q", "k", "v", "g", "do"):
+        if name in ("q", "k", "v", "g", "beta", "do"):
             result[name] = PartitionSpec(*token_spec[: x.ndim])
         elif name in ("initial_state", "dht"):
             result[name] = PartitionSpec(token_spec[0] if not case.get("seqlens") else None, token_spec[2])
@@ -106,18 +109,22 @@ def program(case: dict, mesh: Mesh | None, explicit_backward: bool = False):
             return tops_core.parallel.shard(mesh, **axis_names(case))
         return contextlib.nullcontext()
 
-    final_state_wanted = "output_final_state" in case["features"]
+    op = tops_core.op(op_name(case))
+    options = {"output_final_state": "output_final_state" in case["features"]}
+    if "use_qk_l2norm" in case["features"]:
+        options["use_qk_l2norm"] = True
 
     def run(inputs: dict):
-        given = {name: inputs[name] for name in DIFFERENTIABLE if name in inputs}
-        static = {"cu_seqlens": inputs.get("cu_seqlens"), "output_final_state": final_state_wanted}
+        given = {name: inputs[name] for name in DIFFERENTIABLE[op.name] if name in inputs}
+        static = {"cu_seqlens": inputs.get("cu_seqlens"), **options}
         with scope():
             if explicit_backward:
-                grads = sg.backward(**given, do=inputs["do"], dht=inputs.get("dht"), cu_seqlens=inputs.get("cu_seqlens"))
+                backward_options = {name: value for name, value in static.items() if name != "output_final_state"}
+                grads = op.backward(**given, do=inputs["do"], dht=inputs.get("dht"), **backward_options)
                 return {"d" + name: getattr(grads, "d" + name) for name in given}
 
             def forward(*arrays):
-                return sg.forward(**dict(zip(given, arrays)), **static)
+                return op.forward(**dict(zip(given, arrays)), **static)
 
             (o, final_state), pullback = jax.vjp(forward, *given.values())
             grads = pullback((inputs["do"], inputs.get("dht")))
@@ -133,7 +140,7 @@ def inputs_of(case: dict) -> dict:
     conformance = conformance_case(case)
     forward = forward_inputs(conformance)
     backward = backward_inputs(conformance, forward)
-    arrays = {name: x for name, x in forward.items() if name != "output_final_state"}
+    arrays = {name: x for name, x in forward.items() if isinstance(x, jax.Array)}
     return {**arrays, "do": backward["do"], **({"dht": backward["dht"]} if "dht" in backward else {})}
 
 
@@ -149,7 +156,7 @@ def compare(case: dict) -> dict:
     inputs = inputs_of(case)
     mesh = make_mesh(case, jax.devices())
     answer = {"errors": {}, "tolerances": {}}
-    against = tops_core.use(simple_gla=case["against"]) if case.get("against") else contextlib.nullcontext()
+    against = tops_core.use(**{op_name(case): case["against"]}) if case.get("against") else contextlib.nullcontext()
     for explicit_backward in (False, True) if case.get("backward") else (False,):
         with against:
             single = program(case, None, explicit_backward)(inputs)
@@ -159,7 +166,7 @@ def compare(case: dict) -> dict:
             results = split(sharded_inputs)
             if not explicit_backward:
                 answer["collectives"] = collectives_of(split.lower(sharded_inputs).compile())
-                spec = tuple(results["o"].sharding.spec) + (None,) * 4
+                spec = tuple(getattr(results["o"].sharding, "spec", ())) + (None,) * 4  # none: placed whole on one device
                 answer["o_spec"] = [entry if entry is None or isinstance(entry, str) else list(entry) for entry in spec[:4]]
         for name, got in results.items():
             label = ("backward " if explicit_backward else "") + name
