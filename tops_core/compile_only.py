@@ -27,6 +27,7 @@ import dataclasses
 import glob
 import importlib
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -228,6 +229,40 @@ def _array_bytes(shape: str) -> int:
     for size in dims:
         count *= size
     return count * _ITEM_BYTES[match["dtype"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program: its opcode (``all-reduce``, ``collective-permute``...,
+    an asynchronous one's ``-start`` dropped), the array it moves and that array's bytes."""
+
+    opcode: str
+    shape: str
+    bytes: int
+
+
+_COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter", "collective-broadcast")
+
+
+def collectives(text: str) -> tuple[Collective, ...]:
+    """The collectives of an optimised HLO module's text (any platform), each counted once.
+
+    The bytes are the logical size of the array a device sends or contributes: the operand of an
+    asynchronous ``-start`` (the first element of its result tuple), the result otherwise.
+    """
+    found = []
+    for line in text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match is None:
+            continue
+        opcode = match["opcode"].removesuffix("-start")
+        if opcode not in _COLLECTIVES or match["opcode"].endswith("-done"):
+            continue
+        shapes = [_SHAPE.match(part) for part in re.findall(r"\w+\[[\d,]*\]", match["shape"])]
+        moved = shapes[:1] if match["opcode"].endswith("-start") else shapes
+        size = sum(_ITEM_BYTES.get(m["dtype"], 0) * math.prod(int(d) for d in m["dims"].split(",") if d) for m in moved if m)
+        found.append(Collective(opcode, ", ".join(f"{m['dtype']}[{m['dims']}]" for m in moved if m), size))
+    return tuple(found)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,7 +101,10 @@ def _bind_per_platform(operands: Any, branches: Mapping[str, Callable[[Any], Any
             raise ValueError("per_platform: a branch closes over a traced value; pass it in the operands")
         jaxprs.append(jaxpr)
         out_trees.append(jax.tree.structure(out_shape))
-    if any(tree != out_trees[0] for tree in out_trees) or any(j.out_avals != jaxprs[0].out_avals for j in jaxprs):
+    # Shapes and dtypes must agree; the avals' shardings may not (a branch traced for one shard of
+    # a partitioned call may name the mesh, a Pallas kernel's results never do).
+    types = [[(aval.shape, aval.dtype) for aval in jaxpr.out_avals] for jaxpr in jaxprs]
+    if any(tree != out_trees[0] for tree in out_trees) or any(t != types[0] for t in types):
         raise TypeError(f"per_platform: the branches return different shapes or dtypes: {[j.out_avals for j in jaxprs]}")
     results = _per_platform_p.bind(*leaves, branches=tuple(jaxprs), table=tuple(table), warn=warn)
     return jax.tree.unflatten(out_trees[0], results)

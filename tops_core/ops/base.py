@@ -22,11 +22,13 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from tops_core import parallel
 from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.dispatch import Decision, NoImplementationError, pairing_note, select
 from tops_core.lowering import Choice, stage_per_platform
 from tops_core.ops import validation
 from tops_core.ops.validation import is_concrete
+from tops_core.partitioning import Plan, SequenceShards, Split, partitioned
 from tops_core.policy import ForceRequest, Policy, current_policy
 from tops_core.registry import default_registry
 
@@ -170,22 +172,26 @@ class OpContract:
 
     def make_prepared(
         self, arrays: dict[str, Any], options: tuple[tuple[str, Any], ...], num_seqs: int,
-        ndims: dict[str, int], interpret: bool,
+        ndims: dict[str, int], interpret: bool, platform: str | None = None,
     ) -> Prepared:
-        """Bundle a validated call with its spec; a feature is on when its array is given or its option is True."""
+        """Bundle a validated call with its spec; a feature is on when its array is given or its option is True.
+
+        ``platform``: the platform the call is lowered for when the caller knows it (a shard of a
+        sharded call); the call is still staged per platform.
+        """
         values = dict(options)
         features = {f for f in self.features if arrays.get(f) is not None or values.get(f) is True}
         q, v = arrays["q"], arrays["v"]
         B, T, H, K = q.shape
-        platform = concrete_platform(list(arrays.values()))
+        concrete = concrete_platform(list(arrays.values()))
         spec = CallSpec(
-            op=self.name, platform=platform or host_platform(), dtype=spec_dtype(q),
+            op=self.name, platform=concrete or platform or host_platform(), dtype=spec_dtype(q),
             batch=B, seq_len=T, heads=H, key_dim=K, value_dim=v.shape[-1], num_seqs=num_seqs,
             features=frozenset(features), ndims=tuple(ndims.items()), interpret=interpret,
         )
         cu_seqlens = arrays.get("cu_seqlens")
         checks_cu_seqlens = cu_seqlens is not None and not is_concrete(cu_seqlens)
-        return Prepared(arrays, options, spec, checks_cu_seqlens=checks_cu_seqlens, platform_known=platform is not None)
+        return Prepared(arrays, options, spec, checks_cu_seqlens=checks_cu_seqlens, platform_known=concrete is not None)
 
     def check_cotangents(self, prepared: Prepared, do: Any, dht: Any) -> tuple[jax.Array, jax.Array | None]:
         """Validate the cotangents of an explicit ``backward`` call."""
@@ -271,36 +277,124 @@ class OpContract:
 
     def _forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
         static = _Static(
-            self, prepared.options, prepared.spec, policy, default_registry().generation,
+            self, prepared.options, prepared.spec, policy, self.split(prepared), default_registry().generation,
             prepared.checks_cu_seqlens, prepared.platform_known,
         )
         return _compiled(static, dict(prepared.arrays))
 
-    def _run_forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
-        def run(decision: Decision, arrays: dict[str, Any]) -> tuple[Any, Any]:
-            call = dataclasses.replace(prepared, arrays=arrays)
-            with _named(decision):
-                outputs = self.call_forward(decision.implementation.forward, call, decision.config)
-            self._check_outputs(decision.implementation.name, call, outputs)
-            return outputs
+    def _run_forward(self, prepared: Prepared, policy: Policy, split: Split | None) -> tuple[Any, Any]:
+        return _with_trusted_cu_seqlens(prepared, lambda trusted: self._partitioned("forward", trusted, policy, (), split))
 
-        choices = self.decide_per_platform(prepared, "forward", policy)
-        return _with_trusted_cu_seqlens(
-            prepared, lambda trusted: stage_per_platform(choices, run, dict(trusted.arrays), lambda: self.expected_outputs(prepared))
-        )
+    def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any, split: Split | None) -> Any:
+        return _with_trusted_cu_seqlens(prepared, lambda trusted: self._partitioned("backward", trusted, policy, (do, dht), split))
 
-    def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any) -> Any:
-        def run(decision: Decision, operands: tuple[dict[str, Any], Any, Any]) -> Any:
+    def _staged(self, direction: str, policy: Policy, prepared: Prepared, cotangents: tuple[Any, ...]) -> Any:
+        """The call run by the implementation each platform's dispatcher chose (staged per platform)."""
+        choices = self.decide_per_platform(prepared, direction, policy)
+        if direction == "forward":
+            def run_forward(decision: Decision, arrays: dict[str, Any]) -> tuple[Any, Any]:
+                call = dataclasses.replace(prepared, arrays=arrays)
+                with _named(decision):
+                    outputs = self.call_forward(decision.implementation.forward, call, decision.config)
+                self._check_outputs(decision.implementation.name, call, outputs)
+                return outputs
+
+            return stage_per_platform(choices, run_forward, dict(prepared.arrays), lambda: self.expected_outputs(prepared))
+
+        def run_backward(decision: Decision, operands: tuple[dict[str, Any], Any, Any]) -> Any:
             arrays, do, dht = operands
             with _named(decision):
                 grads = self.call_backward(decision.implementation.backward, dataclasses.replace(prepared, arrays=arrays), do, dht, decision.config)
             self._check_grads(decision.implementation.name, arrays, grads)
             return grads
 
-        choices = self.decide_per_platform(prepared, "backward", policy)
-        return _with_trusted_cu_seqlens(
-            prepared, lambda trusted: stage_per_platform(choices, run, (dict(trusted.arrays), do, dht), lambda: self.expected_grads(prepared))
+        return stage_per_platform(choices, run_backward, (dict(prepared.arrays), *cotangents), lambda: self.expected_grads(prepared))
+
+    # -- sharding --------------------------------------------------------------------------
+
+    def _partitioned(
+        self, direction: str, prepared: Prepared, policy: Policy, cotangents: tuple[Any, ...], split: Split | None,
+    ) -> Any:
+        """The staged call, split over devices (``tops_core.partitioning``): over ``split``
+        (``tops_core.parallel.shard``), or, when it is ``None``, as the compiler finds the inputs sharded.
+
+        Each device's block is decided afresh by the dispatcher for its own shapes, on the mesh's
+        platform; a split sequence goes through ``split_sequence``.
+        """
+        named = [(name, prepared.arrays[name]) for name in self.dims if prepared.arrays[name] is not None]  # q first
+        named += [(name, x) for name, x in zip(("do", "dht"), cotangents) if x is not None]
+        names = [name for name, _ in named]
+
+        def unflatten(flat: tuple[Any, ...]) -> tuple[dict[str, Any], tuple[Any, ...]]:
+            given = dict(zip(names, flat))
+            arrays = {name: given.get(name) for name in prepared.arrays}
+            return arrays, tuple(given.get(name) for name in ("do", "dht")[: len(cotangents)])
+
+        def whole(*flat: Any) -> Any:
+            arrays, cotangents = unflatten(flat)
+            return self._staged(direction, policy, dataclasses.replace(prepared, arrays=arrays), cotangents)
+
+        def local(platform: str | None, sequence: SequenceShards | None, *flat: Any) -> Any:
+            arrays, cotangents = unflatten(flat)
+
+            def run(arrays: dict[str, Any], cotangents: tuple[Any, ...] = cotangents, **options: Any) -> Any:
+                block = self._block(prepared, arrays, platform, options)
+                return self._staged(direction, policy, block, cotangents)
+
+            if sequence is None:
+                return run(arrays)
+            return self.split_sequence(direction, prepared, arrays, cotangents, sequence, run)
+
+        if direction == "forward":
+            expected = self.expected_outputs(prepared)
+            results = [("o", expected[0])] + ([("final_state", expected[1])] if expected[1] is not None else [])
+        else:
+            expected = self.expected_grads(prepared)
+            results = [("d" + name, getattr(expected, "d" + name)) for name in self.differentiable if prepared.arrays[name] is not None]
+        plan = Plan(
+            operand_dims=tuple(self._dims(name, x.ndim, prepared) for name, x in named),
+            result_dims=tuple(self._dims(name, len(x.shape), prepared) for name, x in results),
+            out_tree=jax.tree.structure(expected),
+            local=local,
+            unsplittable_sequence=self.sequence_unsplittable(prepared),
         )
+        return partitioned(plan, [x for _, x in named], whole, split)
+
+    dims: ClassVar[Mapping[str, str]]
+    """Each array's dimensions as factors (``"b t h k"``): ``b`` batch, ``t`` time and ``h`` heads may
+    be split over devices; ``n`` (sequences) is ``b`` when nothing is packed."""
+
+    _DIMS_LIKE: ClassVar[Mapping[str, str]] = {"o": "v", "do": "v", "final_state": "initial_state", "dht": "initial_state"}
+
+    def _dims(self, name: str, ndim: int, prepared: Prepared) -> tuple[str, ...]:
+        array = self._DIMS_LIKE.get(name, name if name in self.dims else name.removeprefix("d"))
+        dims = self.dims[array].split()
+        if prepared.arrays.get("cu_seqlens") is None:
+            dims = ["b" if f == "n" else f for f in dims]
+        return tuple(dims[len(dims) - ndim:])  # a scalar g_gamma has no heads factor
+
+    def _block(self, prepared: Prepared, arrays: dict[str, Any], platform: str | None, options: Mapping[str, Any]) -> Prepared:
+        """One device's block of a sharded call: its arrays and the call spec of their shapes, on ``platform``."""
+        num_seqs = prepared.spec.num_seqs if arrays.get("cu_seqlens") is not None else arrays["q"].shape[0]
+        options = tuple({**dict(prepared.options), **options}.items())
+        return self.make_prepared(arrays, options, num_seqs, dict(prepared.spec.ndims), prepared.spec.interpret, platform=platform)
+
+    def split(self, prepared: Prepared) -> Split | None:
+        """How the call is split over devices when that is known now: the ``tops_core.parallel.shard``
+        block it is in, else the split ``q``'s type carries over explicit mesh axes."""
+        return parallel.current() or Split.from_types(prepared.arrays["q"], self._dims("q", 4, prepared))
+
+    def sequence_unsplittable(self, prepared: Prepared) -> str | None:
+        """Why this call's sequence cannot be split over devices (``None``: it can, with ``split_sequence``)."""
+        return f"{self.name} has no sequence-parallel algorithm; shard the batch or the heads instead"
+
+    def split_sequence(
+        self, direction: str, prepared: Prepared, arrays: dict[str, Any], cotangents: tuple[Any, ...],
+        sequence: SequenceShards, run: Any,
+    ) -> Any:
+        """One device's results when the sequence is split over ``sequence``; ``run(arrays, cotangents, **options)``
+        runs the op on a block. Results that do not have a time axis are this device's share of a sum."""
+        raise NotImplementedError(self.sequence_unsplittable(prepared))
 
     def _check_outputs(self, impl: str, prepared: Prepared, outputs: Any) -> None:
         if not (isinstance(outputs, tuple) and len(outputs) == 2):
@@ -361,6 +455,7 @@ class _Static:
     options: tuple[tuple[str, Any], ...]
     spec: CallSpec
     policy: Policy
+    split: Split | None
     registry_generation: int
     checks_cu_seqlens: bool
     platform_known: bool
@@ -371,17 +466,17 @@ class _Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _differentiable(static: _Static, arrays: dict[str, Any]) -> tuple[Any, Any]:
-    return static.contract._run_forward(static.prepared(arrays), static.policy)
+    return static.contract._run_forward(static.prepared(arrays), static.policy, static.split)
 
 
 def _differentiable_fwd(static: _Static, arrays: dict[str, Any]):
-    return static.contract._run_forward(static.prepared(arrays), static.policy), arrays
+    return static.contract._run_forward(static.prepared(arrays), static.policy, static.split), arrays
 
 
 def _differentiable_bwd(static: _Static, arrays: dict[str, Any], cotangents: tuple[Any, Any]):
     do, dht = cotangents
     contract = static.contract
-    grads = contract._run_backward(static.prepared(arrays), static.policy, do, dht)
+    grads = contract._run_backward(static.prepared(arrays), static.policy, do, dht, static.split)
     return ({name: getattr(grads, "d" + name) if name in contract.differentiable else None for name in arrays},)
 
 

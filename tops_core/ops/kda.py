@@ -81,6 +81,10 @@ class KDA(OpContract):
     features = frozenset({"initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm"})
     differentiable = ("q", "k", "v", "g", "beta", "initial_state")
     grads_type = KDAGrads
+    dims = {
+        "q": "b t h k", "k": "b t h k", "v": "b t h v", "g": "b t h k", "beta": "b t h",
+        "initial_state": "n h k v", "cu_seqlens": "c",
+    }
 
     def forward(
         self,
@@ -122,7 +126,7 @@ class KDA(OpContract):
         policy = self.policy(implementation)
         prepared = self.prepare(q, k, v, g, beta, scale, initial_state, dht is not None, cu_seqlens, use_qk_l2norm, policy.interpret)
         do, dht = self.check_cotangents(prepared, do, dht)
-        return self._run_backward(prepared, policy, do, dht)
+        return self._run_backward(prepared, policy, do, dht, self.split(prepared))
 
     def explain(
         self,

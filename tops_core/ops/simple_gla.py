@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import jax
 
-from tops_core.ops import validation
+from tops_core.ops import simple_gla_sequence, validation
 from tops_core.ops.base import Explanation, OpContract, Prepared, state_dtype
 from tops_core.policy import ForceRequest
 
@@ -84,6 +84,10 @@ class SimpleGLA(OpContract):
     variable_ndims = frozenset({"g_gamma"})
     differentiable = ("q", "k", "v", "g", "g_gamma", "initial_state")
     grads_type = SimpleGLAGrads
+    dims = {
+        "q": "b t h k", "k": "b t h k", "v": "b t h v", "g": "b t h", "g_gamma": "h",
+        "initial_state": "n h k v", "cu_seqlens": "c",
+    }
 
     def forward(
         self,
@@ -123,7 +127,7 @@ class SimpleGLA(OpContract):
         policy = self.policy(implementation)
         prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, dht is not None, cu_seqlens, policy.interpret)
         do, dht = self.check_cotangents(prepared, do, dht)
-        return self._run_backward(prepared, policy, do, dht)
+        return self._run_backward(prepared, policy, do, dht, self.split(prepared))
 
     def explain(
         self,
@@ -165,6 +169,14 @@ class SimpleGLA(OpContract):
         options = (("scale", validation.scale(scale, K)), ("output_final_state", output_final_state))
         ndims = {"g_gamma": g_gamma.ndim} if g_gamma is not None else {}
         return self.make_prepared(arrays, options, N, ndims, interpret)
+
+    def sequence_unsplittable(self, prepared: Prepared) -> str | None:
+        return None
+
+    def split_sequence(self, direction, prepared, arrays, cotangents, sequence, run):
+        if direction == "forward":
+            return simple_gla_sequence.forward(arrays, prepared.option("output_final_state"), sequence, run)
+        return simple_gla_sequence.backward(arrays, *cotangents, prepared.option("scale"), sequence, run)
 
     def call_forward(self, fn: Forward, prepared: Prepared, config: Any):
         a = prepared.arrays

@@ -1,0 +1,246 @@
+"""Split calls equal one device's: batch, heads and the sequence over 2, 4 and 8 devices, forward and every gradient.
+
+A worker process (``sharded_worker.py``) has 8 CPU devices (this process already initialised JAX
+with one). Each case runs the public op on one device and split over a mesh, through
+``jax.vjp`` with the conformance kit's data and cotangents, and compares every result with
+docs/ops.md's tolerances: splits by ``tops_core.parallel.shard``, by sharded inputs under plain
+``jit`` (``custom_partitioning``), and by inputs typed over explicit mesh axes. Packed sequences
+cross device boundaries, start exactly on them, or are empty. The compiled programs' collectives
+show what crosses devices: ``dg_gamma`` alone for batch and heads, states (never tokens) for the
+sequence, the same whatever ``T``. The same calls compile for a 4-chip TPU (compile-only, libtpu),
+the Pallas kernel running on every chip's block.
+
+``-m slow`` runs the float64 sweep: every packing and gate combination over 2, 4 and 8 devices,
+against one device to 1e-10 / 1e-9 and against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tops_core import compile_only
+
+ALL = ["g", "g_gamma", "initial_state", "output_final_state"]
+BASE = dict(dtype="float32", features=ALL, H=4, K=16, V=16)
+
+CASES = [
+    dict(BASE, name="batch-heads-8-auto", mode="auto", mesh=[2, 4], split={"batch": 0, "heads": 1}, B=4, T=64),
+    dict(BASE, name="batch-heads-shard", mode="shard", mesh=[2, 2, 2], split={"batch": 0, "heads": 2}, B=4, T=64, backward=True),
+    dict(BASE, name="sequence-2-packed", mode="shard", mesh=[2], split={"sequence": 0}, T=64, seqlens=[5, 0, 20, 8, 0, 31]),
+    # 16 tokens per device: sequences start and end exactly on device boundaries, and are empty there.
+    dict(BASE, name="sequence-4-packed-on-boundaries", mode="shard", mesh=[4], split={"sequence": 0}, T=64,
+         seqlens=[16, 16, 0, 16, 1, 15, 0], backward=True),
+    dict(BASE, name="sequence-8-packed-auto", mode="auto", mesh=[8], split={"sequence": 0}, T=64, seqlens=[3, 60, 1]),
+    dict(BASE, name="sequence-8-rows-strong-scalar-gamma", mode="shard", mesh=[8], split={"sequence": 0}, B=2, T=64,
+         strong_decay=True, scalar_gamma=True),
+    dict(BASE, name="batch-sequence-heads-types", mode="types", mesh=[2, 2, 2], split={"batch": 0, "sequence": 1, "heads": 2}, B=2, T=64),
+    dict(BASE, name="sequence-over-two-axes-bf16", mode="shard", mesh=[2, 2], split={"sequence": [0, 1]}, B=2, T=128,
+         dtype="bfloat16", features=["g_gamma", "output_final_state"]),
+    dict(BASE, op="kda", name="kda-batch-heads-shard", mode="shard", mesh=[2, 4], split={"batch": 0, "heads": 1}, B=2, T=32,
+         features=["initial_state", "output_final_state", "use_qk_l2norm"], backward=True),
+    dict(BASE, op="kda", name="kda-heads-packed", mode="shard", mesh=[4], split={"heads": 0}, T=40, seqlens=[7, 0, 33],
+         features=["initial_state", "output_final_state"]),
+]
+
+
+def _expected_results(case: dict) -> set[str]:
+    features = set(case["features"])
+    if case.get("op") == "kda":  # its g and beta are always given
+        features |= {"g", "beta"}
+    results = {"o", "dq", "dk", "dv"} | {"d" + name for name in ("g", "g_gamma", "beta", "initial_state") if name in features}
+    return results | ({"final_state"} if "output_final_state" in features else set())
+
+
+class Worker:
+    """The process with 8 CPU devices: one JSON request per line in, one JSON answer per line out."""
+
+    def __init__(self, *arguments: str):
+        environment = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+        if not compile_only.tpu_attached():
+            environment = {**compile_only.NO_TPU_ENVIRONMENT, **environment}
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.answers: dict[str, dict] = {}
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("sharded_worker.py")), *arguments],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=environment,
+        )
+
+    def ask(self, kind: str, case: dict, *, failing: bool = False) -> dict:
+        request = json.dumps({kind: case}, sort_keys=True)
+        if request not in self.answers:  # tests asking the same question share the (slow) answer
+            self.process.stdin.write(request + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+            if not line:
+                self.stderr.seek(0)
+                pytest.fail(f"the worker stopped:\n{self.stderr.read()[-4000:]}")
+            self.answers[request] = json.loads(line)
+        answer = self.answers[request]
+        if ("error" in answer) != failing:
+            pytest.fail(f"{kind} {case['name']}: " + answer.get("error", f"succeeded, expected an error: {answer}"))
+        return answer
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def worker():
+    started = Worker()
+    yield started
+    started.close()
+
+
+def assert_within_tolerance(case: dict, answer: dict) -> None:
+    failures = [f"{name}: {error:.2e} > {answer['tolerances'][name]:.0e}" for name, error in answer["errors"].items() if not error <= answer["tolerances"][name]]
+    assert not failures, f"{case['name']}: " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case["name"])
+def test_a_split_call_equals_one_device_forward_and_every_gradient(worker, case):
+    answer = worker.ask("compare", case)
+    results = _expected_results(case)
+    if case.get("backward"):
+        results |= {"backward " + name for name in results if name.startswith("d")}
+    assert set(answer["errors"]) == results
+    assert_within_tolerance(case, answer)
+    # o comes back split as its inputs were
+    expected = [None] * 4
+    for dimension, axes in case["split"].items():
+        expected[{"batch": 0, "sequence": 1, "heads": 2}[dimension]] = [f"axis{i}" for i in axes] if isinstance(axes, list) else f"axis{axes}"
+    assert answer["o_spec"] == expected
+
+
+def test_batch_and_heads_exchange_only_the_sum_of_dg_gamma(worker):
+    case = CASES[1]
+    collectives = worker.ask("compare", case)["collectives"]
+    heads_per_device = case["H"] // case["mesh"][case["split"]["heads"]]
+    assert collectives == [["all-reduce", f"f32[{heads_per_device}]", 4 * heads_per_device]]
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[5]], ids=lambda case: case["name"])
+def test_the_sequence_exchanges_states_whose_size_does_not_depend_on_T(worker, case):
+    devices = math.prod(case["mesh"])
+    longer = dict(case, T=4 * case["T"], seqlens=[4 * n for n in case["seqlens"]] if case.get("seqlens") else None)
+    short, long = worker.ask("collectives", case)["collectives"], worker.ask("collectives", longer)["collectives"]
+    assert sorted(short) == sorted(long)  # nothing that crosses devices grows with T
+    rows = 1 if case.get("seqlens") else case["B"]
+    sequences = len(case["seqlens"]) if case.get("seqlens") else case["B"]
+    state, decays = 4 * rows * case["H"] * case["K"] * case["V"], 4 * rows * case["H"]
+    permutes = [size for opcode, _, size in short if opcode == "collective-permute"]
+    assert set(permutes) <= {state, decays}
+    # one scan forward, one back (and the forward's again unless XLA shares it): a shift and ceil(log2(P - 1)) rounds each
+    state_permutes = permutes.count(state)
+    assert 2 * (1 + math.ceil(math.log2(devices - 1))) <= state_permutes <= 3 * (1 + math.ceil(math.log2(devices - 1)))
+    # the rest: sums of the outputs without a time axis (final states, dinitial_state, dg_gamma), all of them O(N H K V)
+    others = [(opcode, size) for opcode, _, size in short if opcode != "collective-permute"]
+    assert {opcode for opcode, _ in others} == {"all-reduce"}
+    assert sum(size for _, size in others) <= 4 * case["H"] * (2 * sequences * case["K"] * case["V"] + 1)
+
+
+def test_a_sequence_that_does_not_divide_evenly_is_refused_with_the_reason(worker):
+    uneven = dict(CASES[2], name="uneven", T=66, seqlens=[5, 0, 20, 8, 0, 33], mesh=[4], unplaced=True)
+    error = worker.ask("compare", uneven, failing=True)["error"]
+    assert "cannot split the sequence over mesh axis 'axis0': T=66 is not divisible by its 4 devices" in error
+
+
+def test_kda_refuses_a_split_sequence_with_the_reason(worker):
+    case = dict(CASES[-1], name="kda-sequence", mesh=[4], split={"sequence": 0})
+    error = worker.ask("compare", case, failing=True)["error"]
+    assert "cannot split the sequence over mesh axis 'axis0': kda has no sequence-parallel algorithm; shard the batch or the heads" in error
+
+
+def test_an_implementation_on_the_host_runs_whole_under_sharded_inputs(worker):
+    # JAX crashes running a host callback (the float64 reference, KDA's only implementation here)
+    # inside custom_partitioning on several devices: such a call is left whole, gathered, and right.
+    case = dict(CASES[-1], name="kda-auto", mode="auto")
+    answer = worker.ask("compare", case)
+    assert_within_tolerance(case, answer)
+    assert answer["o_spec"] == [None] * 4
+    assert "all-gather" in {opcode for opcode, _, _ in answer["collectives"]}
+
+
+# -- compiled for a 4-chip TPU ------------------------------------------------------------------
+
+TPU = dict(dtype="bfloat16", features=["g_gamma", "output_final_state"], generation="v5p", B=4, T=256, H=4, K=128, V=128)
+
+
+@pytest.fixture
+def libtpu():
+    pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu (the test extra installs it)")
+
+
+def test_tpu_batch_and_heads_run_the_pallas_kernel_on_every_chip(worker, libtpu):
+    answer = worker.ask("tpu", dict(TPU, name="tpu-batch-heads", mode="shard", mesh=[2, 2], split={"batch": 0, "heads": 1}))
+    assert answer["kernels"] == 1
+    assert answer["implementations"] == ["tpu_pallas.fused.forward", "xla.chunk.backward"]
+    assert answer["collectives"] == [["all-reduce", "f32[2]", 8]]  # dg_gamma of the chip's 2 heads
+
+
+def test_tpu_sequence_exchanges_states_the_same_whatever_T(worker, libtpu):
+    case = dict(TPU, name="tpu-sequence", mode="shard", mesh=[4], split={"sequence": 0})
+    short, long = (worker.ask("tpu", dict(case, T=T)) for T in (256, 1024))
+    assert short["implementations"] == ["tpu_pallas.fused.forward", "xla.chunk.backward"]
+    assert sorted(short["collectives"]) == sorted(long["collectives"])
+    state = 4 * case["B"] * case["H"] * case["K"] * case["V"]
+    assert {size for opcode, _, size in short["collectives"] if opcode == "collective-permute"} == {state, 4 * case["B"] * case["H"]}
+
+
+def test_tpu_explicit_mesh_axes_split_without_being_asked(worker, libtpu):
+    answer = worker.ask("tpu", dict(TPU, name="tpu-types", mode="types", mesh=[2, 2], split={"batch": 0, "sequence": 1}))
+    assert answer["kernels"] == 1 and "tpu_pallas.fused.forward" in answer["implementations"]
+
+
+def test_tpu_sharded_inputs_without_a_split_say_how_to_split(worker, libtpu):
+    # TPU compilers cannot run custom_partitioning's callback, and Pallas kernels run on several
+    # devices only inside shard_map: the error says what to do.
+    answer = worker.ask("tpu", dict(TPU, name="tpu-auto", mode="auto", mesh=[4], split={"batch": 0}))
+    assert "tops_core.parallel.shard(mesh, batch=..., heads=..., sequence=...)" in answer["error_text"]
+
+
+# -- the float64 sweep --------------------------------------------------------------------------
+
+PACKINGS = [None, [5, 0, 20, 8, 0, 31], [16, 16, 0, 16, 1, 15], [64], [0, 64, 0], [1] * 8 + [56], [3, 60, 1]]
+VARIANTS = [ALL, ["g"], ["g_gamma", "output_final_state"], ["initial_state"]]
+
+
+def sweep() -> list[dict]:
+    cases = []
+    for devices in (2, 4, 8):
+        for packing in PACKINGS:
+            for features in VARIANTS:
+                name = f"P{devices}-{'rows' if packing is None else '-'.join(map(str, packing))}-{'+'.join(features)}"
+                cases.append(dict(
+                    name=name, mode="shard", mesh=[devices], split={"sequence": 0}, dtype="float64", B=2, T=64, H=2, K=8, V=8,
+                    features=features, seqlens=packing,
+                ))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def worker64():
+    started = Worker("--x64")
+    yield started
+    started.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sweep(), ids=lambda case: case["name"])
+def test_float64_sequence_split_is_exact(worker64, case):
+    assert_within_tolerance(case, worker64.ask("compare", case))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in sweep() if c["mesh"] == [8] and c["features"] == ALL], ids=lambda case: case["name"])
+def test_float64_sequence_split_against_the_reference(worker64, case):
+    assert_within_tolerance(case, worker64.ask("compare", dict(case, against="ref.recurrent", strong_decay=True)))

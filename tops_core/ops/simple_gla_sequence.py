@@ -1,0 +1,213 @@
+"""simple_gla with its sequence split over devices: every device runs its block; devices exchange states only.
+
+Device ``p`` of ``P`` holds tokens ``[p L, (p + 1) L)`` of every batch row (with ``cu_seqlens``,
+of the one packed row). The state update is affine in the state, so what a device does to a state
+carried in is a map ``S -> Gamma_p S + S_p``: ``Gamma_p`` the total decay of its tokens when one
+sequence covers the whole block and continues from the device before (else 0: the carried state
+stops at a sequence boundary), ``S_p`` the state its last sequence segment reaches from its own
+start (zero, or that sequence's ``initial_state`` when it starts here). Composing the maps of the
+devices before ``p`` (``exclusive_affine_scan``, ``ceil(log2 P) + 1`` exchanges of one
+``[B, H, K, V]`` state) gives the state ``S_in(p)`` carried into ``p``. The ordinary op then runs
+on the block with it as the initial state of the sequence that continues into the block, with
+boundaries clipped to the block: its outputs are exact, and so is the final state of every
+sequence that ends in the block (the device holding a sequence's last token owns its final state).
+
+The backward is the same in reverse. The cotangent of the carried state, ``dS_in(p)``, is
+``U_p + Gamma_p dS_in(p + 1)`` while the sequence continues out of the block, with
+``U_p = sum over the first segment of scale exp(A_t) q_t^T do_t`` (plus the decayed ``dht`` when
+that sequence ends in the block), ``A_t`` the cumulative log decay from the block's start. A
+reverse scan gives every device the cotangent of the state it passes on; one ordinary backward on
+the block, with ``S_in(p)`` as initial state and that cotangent as the ``dht`` of the sequence
+continuing out, then gives exact ``dq, dk, dv, dg`` for the block, ``dinitial_state`` for the
+sequences starting in it, and the block's share of ``dg_gamma``.
+
+The extra work per device is two ``[L, K] x [L, V]`` products (the state of the last segment, and
+``U_p`` in the backward), computed here in ``jax.numpy``; only differences of cumulative decays
+that are sums of the segment's own log decays are exponentiated, masked before ``exp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tops_core.ops.base import state_dtype
+from tops_core.partitioning import SequenceShards, exclusive_affine_scan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """Where the sequences lie in one device's block.
+
+    Per batch row (``[B]``): ``first_end``, the local end of the first sequence segment;
+    ``last_start``, the local start of the last one; ``crosses_in``/``crosses_out``, whether a
+    sequence continues into the block from the device before / out of it to the device after;
+    ``first_seq``/``last_seq``, the sequence of the first and last segment. Per sequence
+    (``[N]``): ``starts_here``/``ends_here``, whether its first / last token is in the block
+    (never for an empty one); ``empty``. ``cu_seqlens``: the boundaries clipped to the block.
+    """
+
+    length: int
+    first_end: jax.Array
+    last_start: jax.Array
+    crosses_in: jax.Array
+    crosses_out: jax.Array
+    first_seq: jax.Array
+    last_seq: jax.Array
+    starts_here: jax.Array
+    ends_here: jax.Array
+    empty: jax.Array
+    cu_seqlens: jax.Array | None
+
+    @classmethod
+    def of(cls, batch: int, length: int, cu_seqlens: jax.Array | None, shards: SequenceShards) -> _Block:
+        first, last = shards.index == 0, shards.index == shards.size - 1
+        if cu_seqlens is None:  # every row is one sequence through every device
+            rows = jnp.arange(batch)
+            every = jnp.ones(batch, bool)
+            return cls(
+                length, jnp.full(batch, length), jnp.zeros(batch, jnp.int32), every & ~first, every & ~last, rows, rows,
+                every & first, every & last, ~every, None,
+            )
+        start = shards.index * length
+        end = start + length
+        seq_starts, seq_ends = cu_seqlens[:-1], cu_seqlens[1:]
+        nonempty = seq_starts < seq_ends
+        first_seq = jnp.argmax(nonempty & (seq_starts <= start) & (start < seq_ends))
+        last_seq = jnp.argmax(nonempty & (seq_starts < end) & (end <= seq_ends))
+        return cls(
+            length,
+            first_end=jnp.minimum(seq_ends[first_seq] - start, length)[None],
+            last_start=jnp.maximum(seq_starts[last_seq] - start, 0)[None],
+            crosses_in=(seq_starts[first_seq] < start)[None],
+            crosses_out=(seq_ends[last_seq] > end)[None],
+            first_seq=first_seq[None],
+            last_seq=last_seq[None],
+            starts_here=nonempty & (start <= seq_starts) & (seq_starts < end),
+            ends_here=nonempty & (start < seq_ends) & (seq_ends <= end),
+            empty=~nonempty,
+            cu_seqlens=jnp.clip(cu_seqlens - start, 0, length).astype(jnp.int32),
+        )
+
+    @property
+    def covered(self) -> jax.Array:
+        """``[B]``: one sequence runs through the whole block, from the device before."""
+        return self.crosses_in & (self.last_start == 0)
+
+    def to_sequences(self, rows: jax.Array, seq_of_row: jax.Array, num_seqs: int) -> jax.Array:
+        """``[N, H, K, V]`` with each row's ``[H, K, V]`` at its sequence (zeros elsewhere)."""
+        return jnp.zeros((num_seqs, *rows.shape[1:]), rows.dtype).at[seq_of_row].add(rows)
+
+
+def _log_decays(arrays: dict[str, Any], dtype: Any) -> jax.Array:
+    """``a = g + g_gamma`` as ``[B, L, H]`` in the accumulation dtype (zero where neither is given)."""
+    B, L, H, _ = arrays["q"].shape
+    a = jnp.zeros((B, L, H), dtype)
+    if arrays["g"] is not None:
+        a = a + arrays["g"].astype(dtype)
+    if arrays["g_gamma"] is not None:
+        a = a + arrays["g_gamma"].astype(dtype)
+    return a
+
+
+def _weighted_outer(x: jax.Array, weights: jax.Array, y: jax.Array, dtype: Any) -> jax.Array:
+    """``sum over t of weights_t x_t^T y_t`` per row and head, ``[B, H, K, V]``, accumulated in ``dtype``."""
+    precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 and jnp.dtype(x.dtype).itemsize >= 4 else None
+    return jnp.einsum(
+        "blhk,blhv->bhkv", x.astype(dtype) * weights[..., None], y.astype(dtype), precision=precision, preferred_element_type=dtype
+    )
+
+
+def _at(x: jax.Array, index: jax.Array) -> jax.Array:
+    """``x[b, index[b], h]`` for ``x`` ``[B, L, H]``."""
+    return jnp.take_along_axis(x, index[:, None, None], axis=1)[:, 0]
+
+
+def _carried_in(arrays: dict[str, Any], block: _Block, decays: jax.Array, shards: SequenceShards) -> jax.Array:
+    """``[B, H, K, V]``: the state carried into this block from the devices before (for rows that continue in)."""
+    dtype = decays.dtype
+    suffix = jnp.cumsum(decays[:, ::-1], axis=1)[:, ::-1]  # sum of a_u for u >= t
+    after = jnp.concatenate([suffix[:, 1:], jnp.zeros_like(suffix[:, :1])], axis=1)  # u > t
+    in_last = jnp.arange(block.length)[None, :, None] >= block.last_start[:, None, None]
+    weights = jnp.where(in_last, jnp.exp(jnp.where(in_last, after, 0.0)), 0.0)
+    state = _weighted_outer(arrays["k"], weights, arrays["v"], dtype)
+    segment_decay = jnp.exp(_at(suffix, block.last_start))
+    initial_state = arrays["initial_state"]
+    if initial_state is not None:  # the last segment's sequence starts here, from its initial state
+        starts = jnp.where(block.covered[:, None], 0.0, segment_decay)
+        state = state + starts[..., None, None] * initial_state[block.last_seq].astype(dtype)
+    carried = exclusive_affine_scan(jnp.where(block.covered[:, None], segment_decay, 0.0), state, shards)
+    return jnp.where(block.crosses_in[:, None, None, None], carried, 0.0)
+
+
+def _block_initial_states(arrays: dict[str, Any], block: _Block, carried: jax.Array, num_seqs: int) -> jax.Array:
+    """``[N, H, K, V]``: the state each sequence enters the block with."""
+    states = block.to_sequences(carried, block.first_seq, num_seqs)
+    if arrays["initial_state"] is not None:
+        states = states + jnp.where(block.starts_here[:, None, None, None], arrays["initial_state"].astype(states.dtype), 0.0)
+    return states
+
+
+def forward(arrays: dict[str, Any], output_final_state: bool, shards: SequenceShards, run: Any) -> tuple[Any, Any]:
+    """This device's ``o`` and its share of the final states."""
+    B, L, H, K = arrays["q"].shape
+    num_seqs = _num_seqs(arrays)
+    block = _Block.of(B, L, arrays["cu_seqlens"], shards)
+    decays = _log_decays(arrays, state_dtype(arrays["q"].dtype))
+    carried = _carried_in(arrays, block, decays, shards)
+    local = {**arrays, "initial_state": _block_initial_states(arrays, block, carried, num_seqs), "cu_seqlens": block.cu_seqlens}
+    o, final_state = run(local)
+    if not output_final_state:
+        return o, None
+    empty = arrays["initial_state"] if arrays["initial_state"] is not None else jnp.zeros_like(final_state)
+    return o, _share(block, shards, block.ends_here, final_state, empty)  # an empty sequence ends in its initial state
+
+
+def backward(arrays: dict[str, Any], do: jax.Array, dht: jax.Array | None, scale: float, shards: SequenceShards, run: Any) -> Any:
+    """This device's ``dq, dk, dv, dg`` and its shares of ``dg_gamma`` and ``dinitial_state``."""
+    B, L, H, K = arrays["q"].shape
+    V = arrays["v"].shape[-1]
+    num_seqs = _num_seqs(arrays)
+    dtype = state_dtype(arrays["q"].dtype)
+    block = _Block.of(B, L, arrays["cu_seqlens"], shards)
+    decays = _log_decays(arrays, dtype)
+    carried = _carried_in(arrays, block, decays, shards)
+
+    prefix = jnp.cumsum(decays, axis=1)  # A_t from the block's start, t inclusive
+    in_first = jnp.arange(L)[None, :, None] < block.first_end[:, None, None]
+    weights = jnp.where(in_first, jnp.exp(jnp.where(in_first, prefix, 0.0)), 0.0)
+    into_state = scale * _weighted_outer(arrays["q"], weights, do, dtype)  # U_p
+    first_decay = jnp.exp(_at(prefix, jnp.maximum(block.first_end - 1, 0)))
+    if dht is not None:  # the first segment's sequence ends in the block: its dht flows back through the segment
+        ends = (block.first_end < L) | ~block.crosses_out
+        into_state = into_state + jnp.where(ends[:, None], first_decay, 0.0)[..., None, None] * dht[block.first_seq].astype(dtype)
+    through = jnp.where((block.covered & block.crosses_out)[:, None], first_decay, 0.0)
+    passed_on = exclusive_affine_scan(through, into_state, shards, reverse=True)
+    passed_on = jnp.where(block.crosses_out[:, None, None, None], passed_on, 0.0)
+
+    block_dht = block.to_sequences(passed_on, block.last_seq, num_seqs)
+    if dht is not None:
+        block_dht = block_dht + jnp.where(block.ends_here[:, None, None, None], dht.astype(dtype), 0.0)
+    local = {**arrays, "initial_state": _block_initial_states(arrays, block, carried, num_seqs), "cu_seqlens": block.cu_seqlens}
+    grads = run(local, (do, block_dht), output_final_state=True)
+    initial_state = arrays["initial_state"]
+    if initial_state is None:
+        return dataclasses.replace(grads, dinitial_state=None)
+    empty = dht if dht is not None else jnp.zeros((num_seqs, H, K, V), dtype)  # an empty sequence passes dht to its initial state
+    dinitial_state = _share(block, shards, block.starts_here, grads.dinitial_state, empty)
+    return dataclasses.replace(grads, dinitial_state=dinitial_state.astype(initial_state.dtype))
+
+
+def _share(block: _Block, shards: SequenceShards, owns: jax.Array, per_sequence: jax.Array, empty: jax.Array) -> jax.Array:
+    """``per_sequence`` where this block ``owns`` a sequence's value, zeros elsewhere; an empty sequence's
+    value (``empty``) belongs to the first device. Summed over the devices, every sequence's value once."""
+    share = jnp.where(owns[:, None, None, None], per_sequence, 0.0)
+    return share + jnp.where((block.empty & (shards.index == 0))[:, None, None, None], empty.astype(share.dtype), 0.0)
+
+
+def _num_seqs(arrays: dict[str, Any]) -> int:
+    cu_seqlens = arrays["cu_seqlens"]
+    return arrays["q"].shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
