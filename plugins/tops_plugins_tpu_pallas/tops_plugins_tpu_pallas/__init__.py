@@ -8,7 +8,7 @@ TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere else.
 import jax
 import tops_core
 
-from tops_plugins_tpu_pallas import chunk, fused, traffic
+from tops_plugins_tpu_pallas import backward_fused, chunk, fused, traffic
 
 TOPS_CORE_API_VERSION = 1
 
@@ -81,6 +81,15 @@ def _fits_vmem(build_plans, config, geometry_of):
     return predicate
 
 
+def _forward_and_backward(forward_plans, backward_plans):
+    """Plans of both directions for ``_fits_vmem``: one implementation serves both, so both must fit."""
+
+    def build(*args, **kwargs):
+        return (*forward_plans(*args, **kwargs), *backward_plans(*args, **kwargs))
+
+    return build
+
+
 def _capabilities(predicate) -> tops_core.Capabilities:
     return tops_core.Capabilities(
         platforms={"tpu"},
@@ -96,10 +105,14 @@ FUSED = tops_core.Implementation(
     op="simple_gla",
     name="fused",
     forward=fused.forward,
-    capabilities=_capabilities(_fits_vmem(fused.fitted_plans, FUSED_CONFIG, fused.geometry_of)),
+    backward=backward_fused.backward,
+    capabilities=_capabilities(_fits_vmem(_forward_and_backward(fused.fitted_plans, backward_fused.plans), FUSED_CONFIG, fused.geometry_of)),
     priority=_fused_priority,
     config=FUSED_CONFIG,
-    description="one pallas_call: state in VMEM along a sequential time axis, num_steps chunks per grid step",
+    description=(
+        "one pallas_call: state in VMEM along a sequential time axis, num_steps chunks per grid step; "
+        "backward: state checkpoints per step, then dS in VMEM along the reverse time axis"
+    ),
 )
 
 CHUNK = tops_core.Implementation(
