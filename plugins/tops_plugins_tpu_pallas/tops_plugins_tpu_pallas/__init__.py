@@ -1,14 +1,14 @@
-"""Pallas TPU kernels for the tops ops: ``tpu_pallas.fused`` and ``tpu_pallas.chunk`` (simple_gla forward).
+"""Pallas TPU kernels for the tops ops: ``tpu_pallas.fused`` and ``tpu_pallas.chunk`` (simple_gla).
 
-Both are forward-only (the dispatcher pairs them with another plugin's backward), run natively on
-TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere else.
+Each has its own backward (``backward_fused``, ``backward_split``); both run natively on TPU and,
+with interpret mode on, in Pallas' TPU interpreter anywhere else.
 """
 
 
 import jax
 import tops_core
 
-from tops_plugins_tpu_pallas import backward_fused, chunk, fused, traffic
+from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, traffic
 
 TOPS_CORE_API_VERSION = 1
 
@@ -51,7 +51,7 @@ def _chunk_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
     prefer, facts = _prefer_fused(spec)
     if prefer:
         return 190, f"{facts}: fused fills every core, chunk ranks below it"
-    return 190, f"{facts}: chunk's output stage is parallel over time, ranks above fused"
+    return 190, f"{facts}: chunk's output stage and its backward's dq/dk pass are parallel over time, ranks above fused"
 
 
 FUSED_CONFIG = fused.FusedConfig()
@@ -119,10 +119,14 @@ CHUNK = tops_core.Implementation(
     op="simple_gla",
     name="chunk",
     forward=chunk.forward,
-    capabilities=_capabilities(_fits_vmem(chunk.plans, chunk.ChunkConfig(), chunk.geometry_of)),
+    backward=backward_split.backward,
+    capabilities=_capabilities(_fits_vmem(_forward_and_backward(chunk.plans, backward_split.plans), chunk.ChunkConfig(), chunk.geometry_of)),
     priority=_chunk_priority,
     config=chunk.ChunkConfig(),
-    description="two pallas_calls: chunk states in time order, then outputs parallel over time",
+    description=(
+        "two pallas_calls: chunk states in time order, then outputs parallel over time; "
+        "backward: states, then dS in reverse time order, then dq, dk, dg parallel over time"
+    ),
 )
 
 
