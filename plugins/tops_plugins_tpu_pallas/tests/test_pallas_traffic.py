@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 import tops_core
 
-from tops_plugins_tpu_pallas import chunk, fused, traffic
+from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, traffic
 from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -90,6 +90,34 @@ def test_chunk_figures_at_the_benchmark_shape():
     stage2 = 3 * 128 * 2 + state_per_token + 128 * 2  # read q, k, v, chunk states; write o
     assert f.kernel_per_token == pytest.approx(stage1 + stage2, abs=0.01)
     assert f.relayout_bytes == 0
+    assert f.peak_vmem <= traffic.VMEM_BUDGET
+
+
+BACKWARD_FLOOR = 4 * 128 * 2 + 3 * 128 * 2  # read q, k, v, do and write dq, dk, dv: 1792 B/token
+RECOMPUTED_STATES = 2 * 128 * 2  # the forward walk that recomputes the states reads k and v again
+
+
+@pytest.mark.parametrize(("chunk_size", "num_steps"), [(64, 4), (128, 8)])
+def test_fused_backward_figures_at_the_benchmark_shape(chunk_size, num_steps):
+    geometry = Geometry(*BENCHMARK, chunk_size, num_steps)
+    f = traffic.figures(backward_fused.plans(geometry, jnp.bfloat16), TOKENS)
+    checkpoint = 128 * 128 * 4 / (chunk_size * num_steps)  # one float32 state per segment, written once and read once
+    decay_gradient = 4  # float32 per token, summed into dg_gamma outside
+    assert f.kernel_bytes == TOKENS * (BACKWARD_FLOOR + RECOMPUTED_STATES + 2 * checkpoint + decay_gradient) + 2 * 16 * 4
+    assert f.relayout_bytes == 0
+    assert f.peak_vmem <= traffic.VMEM_BUDGET
+    if chunk_size * num_steps >= 1024:  # segments of 1024 tokens: within 10% of the floor with recomputation
+        assert f.kernel_per_token <= 1.1 * (BACKWARD_FLOOR + RECOMPUTED_STATES)
+
+
+def test_split_backward_figures_at_the_benchmark_shape():
+    geometry = Geometry(*BENCHMARK, 128, 4)
+    f = traffic.figures(backward_split.plans(geometry, jnp.bfloat16), TOKENS)
+    state = 128 * 128 * 4 / 128  # one float32 state (or state gradient) per chunk of 128 tokens
+    states = RECOMPUTED_STATES + state  # read k, v; write the states
+    pass1 = 3 * 128 * 2 + 128 * 2 + state  # read q, k, do; write dv and dS
+    pass2 = 4 * 128 * 2 + 2 * state + 2 * 128 * 2 + 4  # read q, k, v, do, states, dS; write dq, dk, the decay gradient
+    assert f.kernel_per_token == pytest.approx(states + pass1 + pass2, abs=0.01)
     assert f.peak_vmem <= traffic.VMEM_BUDGET
 
 

@@ -1,4 +1,4 @@
-"""Print the traffic and VMEM figures of both kernels for the benchmark shape, kernel-only and end to end.
+"""Print the traffic and VMEM figures of both kernels, forward and backward, for the benchmark shape.
 
     python -m tops_plugins_tpu_pallas.traffic_report
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tops_plugins_tpu_pallas import chunk, fused
+from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.traffic import VMEM_BUDGET, figures
 
@@ -47,5 +47,25 @@ def main() -> None:
     )
 
 
+def backward_report() -> None:
+    """Both backward kernels at K = V = 128 beside the floor, at T = 4096 and 32768, for a few segment lengths."""
+    floor, recomputation = 1792, 512  # read q, k, v, do, write dq, dk, dv; the states' forward walk reads k, v again
+    print(f"\nsimple_gla backward, B={B} H={H} K=V=128 bfloat16 with g_gamma; floor {floor} B/token, {floor + recomputation} with the states recomputed")
+    print(f"{'implementation':<44}{'T':>7}{'kernel':>9}{'vs floor':>10}{'vs floor+recomp.':>18}{'peak VMEM':>14}")
+    for seq_len in (4096, 32768):
+        for name, module, chunk_size, num_steps in (
+            ("fused", backward_fused, 64, 4), ("fused", backward_fused, 128, 8), ("fused", backward_fused, 64, 16),
+            ("split", backward_split, 128, 4), ("split", backward_split, 64, 4),
+        ):
+            geometry = Geometry(B, seq_len, H, 128, 128, chunk_size, num_steps)
+            f = figures(module.plans(geometry, jnp.bfloat16), B * seq_len * H)
+            label = f"tpu_pallas.{name} backward C={chunk_size} num_steps={num_steps}"
+            print(
+                f"{label:<44}{seq_len:>7}{f.kernel_per_token:>9.1f}{f.kernel_per_token / floor:>9.3f}x"
+                f"{f.kernel_per_token / (floor + recomputation):>17.3f}x{f.peak_vmem / 2**20:>10.2f} MiB"
+            )
+
+
 if __name__ == "__main__":
     main()
+    backward_report()
