@@ -76,10 +76,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     segment = geometry.time_steps - 1 - step
     chunks = geometry.chunks_per_step
 
-    @pl.when(step == 0)
-    def _start():
-        dstate = refs["dstate"]
-        dstate[...] = refs["dht"][...].astype(_F32) if "dht" in refs else jnp.zeros(dstate.shape, _F32)
+    gradients.start_state_gradient(refs, step)
 
     refs["states"][0] = refs["checkpoints"][0]
 
@@ -108,11 +105,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
 
     lax.fori_loop(0, chunks, backward_chunk, None)
 
-    if "dinitial_state" in refs:
-
-        @pl.when(step == geometry.time_steps - 1)
-        def _finish():
-            refs["dinitial_state"][...] = refs["dstate"][...].astype(refs["dinitial_state"].dtype)
+    gradients.finish_state_gradient(refs, step, geometry)
 
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):

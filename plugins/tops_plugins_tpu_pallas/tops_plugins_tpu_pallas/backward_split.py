@@ -95,10 +95,7 @@ def _state_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: 
     segment = geometry.time_steps - 1 - step
     chunks = geometry.chunks_per_step
 
-    @pl.when(step == 0)
-    def _start():
-        dstate = refs["dstate"]
-        dstate[...] = refs["dht"][...].astype(_F32) if "dht" in refs else jnp.zeros(dstate.shape, _F32)
+    gradients.start_state_gradient(refs, step)
 
     def backward_chunk(reverse_index, carry):
         index = chunks - 1 - reverse_index
@@ -114,11 +111,7 @@ def _state_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: 
 
     lax.fori_loop(0, chunks, backward_chunk, None)
 
-    if "dinitial_state" in refs:
-
-        @pl.when(step == geometry.time_steps - 1)
-        def _finish():
-            refs["dinitial_state"][...] = refs["dstate"][...].astype(refs["dinitial_state"].dtype)
+    gradients.finish_state_gradient(refs, step, geometry)
 
 
 def _query_key_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):

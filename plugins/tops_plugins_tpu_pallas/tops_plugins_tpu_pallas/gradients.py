@@ -201,6 +201,28 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
     lax.fori_loop(0, geometry.chunks_per_step, one_chunk, None)
 
 
+def start_state_gradient(refs: dict, step) -> None:
+    """Set the VMEM ``dstate`` to ``dht`` (or zeros) at the first reverse step of each (batch, head).
+
+    Parallel grid points run on either core in any order, so nothing carries over from the previous (batch, head).
+    """
+
+    @pl.when(step == 0)
+    def _start():
+        dstate = refs["dstate"]
+        dstate[...] = refs["dht"][...].astype(_F32) if "dht" in refs else jnp.zeros(dstate.shape, _F32)
+
+
+def finish_state_gradient(refs: dict, step, geometry: Geometry) -> None:
+    """Write ``dstate`` to ``dinitial_state`` (when it is an output) after the last reverse step."""
+    if "dinitial_state" not in refs:
+        return
+
+    @pl.when(step == geometry.time_steps - 1)
+    def _finish():
+        refs["dinitial_state"][...] = refs["dstate"][...].astype(refs["dinitial_state"].dtype)
+
+
 def chunk_at(geometry: Geometry, step, index) -> Chunk:
     """Chunk ``index`` of time step ``step`` (both may be traced)."""
     size = geometry.chunk_size
