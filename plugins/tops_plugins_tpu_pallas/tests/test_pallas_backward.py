@@ -57,7 +57,7 @@ def test_explain_pairs_each_forward_with_its_own_backward_on_tpu(shape, kernel, 
     forward_text, backward_text = text.split("simple_gla backward:")
     assert f"selected: tpu_pallas.{kernel} with" in forward_text
     assert f"selected: {backward} with" in backward_text
-    assert "B*H*value tiles" in backward_text  # the rule and its reasons rank the backward kernels too
+    assert "B*H*value blocks" in backward_text  # the rule and its reasons rank the backward kernels too
     assert "pairing:" not in text
 
 

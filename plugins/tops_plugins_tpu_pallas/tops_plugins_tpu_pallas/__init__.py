@@ -55,39 +55,35 @@ def _chunk_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
 
 
 FUSED_CONFIG = fused.FusedConfig()
+CHUNK_CONFIG = chunk.ChunkConfig()
 
 
-def _fits_vmem(build_plans, config, geometry_of):
+def _fits_vmem(config, *directions):
     """A capability predicate: reject shapes whose launch plans (default config) exceed the VMEM budget.
 
-    The whole padded K sits in every block, so a large K is what can overflow VMEM. The spec does
-    not carry the dtypes of ``g`` and ``initial_state``; float32 (the larger) is assumed.
+    ``directions``: ``(geometry_of, build_plans)`` of the forward and the backward; one
+    implementation serves both, so both must fit. The whole padded K sits in every block, so a
+    large K is what can overflow VMEM. The spec does not carry the dtypes of ``g`` and
+    ``initial_state``; float32 (the larger) is assumed.
     """
 
     def predicate(spec: tops_core.CallSpec) -> str | None:
-        """blocks and scratch of the default config must fit the VMEM budget (bounds K)"""
-        geometry = geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
-        plans = build_plans(
-            geometry, spec.dtype,
-            gate_dtype="float32" if "g" in spec.features else None,
-            initial_state_dtype="float32" if "initial_state" in spec.features else None,
-            output_final_state="output_final_state" in spec.features,
-        )
-        needed = max(traffic.vmem_bytes(plan) for plan in plans)
+        """blocks and scratch of the default config, forward and backward, must fit the VMEM budget (bounds K)"""
+        needed = 0
+        for geometry_of, build_plans in directions:
+            geometry = geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
+            plans = build_plans(
+                geometry, spec.dtype,
+                gate_dtype="float32" if "g" in spec.features else None,
+                initial_state_dtype="float32" if "initial_state" in spec.features else None,
+                output_final_state="output_final_state" in spec.features,
+            )
+            needed = max(needed, *(traffic.vmem_bytes(plan) for plan in plans))
         if needed > traffic.VMEM_BUDGET:
             return f"needs {needed / 2**20:.1f} MiB of VMEM for K={spec.key_dim} (budget {traffic.VMEM_BUDGET / 2**20:.0f} MiB)"
         return None
 
     return predicate
-
-
-def _forward_and_backward(forward_plans, backward_plans):
-    """Plans of both directions for ``_fits_vmem``: one implementation serves both, so both must fit."""
-
-    def build(*args, **kwargs):
-        return (*forward_plans(*args, **kwargs), *backward_plans(*args, **kwargs))
-
-    return build
 
 
 def _capabilities(predicate) -> tops_core.Capabilities:
@@ -106,7 +102,7 @@ FUSED = tops_core.Implementation(
     name="fused",
     forward=fused.forward,
     backward=backward_fused.backward,
-    capabilities=_capabilities(_fits_vmem(_forward_and_backward(fused.fitted_plans, backward_fused.plans), FUSED_CONFIG, fused.geometry_of)),
+    capabilities=_capabilities(_fits_vmem(FUSED_CONFIG, (fused.geometry_of, fused.fitted_plans), (backward_fused.geometry_of, backward_fused.plans))),
     priority=_fused_priority,
     config=FUSED_CONFIG,
     description=(
@@ -120,9 +116,9 @@ CHUNK = tops_core.Implementation(
     name="chunk",
     forward=chunk.forward,
     backward=backward_split.backward,
-    capabilities=_capabilities(_fits_vmem(_forward_and_backward(chunk.plans, backward_split.plans), chunk.ChunkConfig(), chunk.geometry_of)),
+    capabilities=_capabilities(_fits_vmem(CHUNK_CONFIG, (chunk.geometry_of, chunk.plans), (backward_split.geometry_of, backward_split.plans))),
     priority=_chunk_priority,
-    config=chunk.ChunkConfig(),
+    config=CHUNK_CONFIG,
     description=(
         "two pallas_calls: chunk states in time order, then outputs parallel over time; "
         "backward: states, then dS in reverse time order, then dq, dk, dg parallel over time"

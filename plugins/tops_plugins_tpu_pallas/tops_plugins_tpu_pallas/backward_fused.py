@@ -22,43 +22,50 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, gradients, traffic
-from tops_plugins_tpu_pallas.chunkwise import advance_state
+from tops_plugins_tpu_pallas.chunkwise import advance_state, advance_state_work, constant_gates, gates_work, step_chunks
 from tops_plugins_tpu_pallas.launch import LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
 
 
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
+    """The backward's geometry for a ``FusedConfig``: its chunk size, ``num_steps`` chunks per segment, all of ``V`` per block."""
+    return gradients.backward_geometry(Geometry(B, T, H, K, V, config.chunk_size, config.num_steps))
+
+
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True) -> tuple[LaunchPlan, LaunchPlan]:
     """The checkpoints and gradients plans; ``output_final_state``: a ``dht`` is given; ``decayed``: ``g`` or ``g_gamma`` is (a decay gradient is wanted)."""
+    geometry = gradients.backward_geometry(geometry)
     checkpoints = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=False)
     steps = functools.partial(gradients.reversed_in_time, geometry=geometry)
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
     inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"))]
     inputs.append(steps(gradients.state_checkpoints(geometry, every_chunk=False)))
     if output_final_state:
-        inputs.append(gradients.state("dht", geometry, _F32))
-    outputs = [steps(blocks.key_rows("dq", geometry, dtype)), steps(blocks.key_rows("dk", geometry, dtype)), steps(gradients.value_rows("dv", geometry, dtype))]
+        inputs.append(blocks.state("dht", geometry, _F32))
+    outputs = [steps(blocks.key_rows("dq", geometry, dtype)), steps(blocks.key_rows("dk", geometry, dtype)), steps(blocks.value_rows("dv", geometry, dtype))]
     if decayed:
         outputs.append(steps(gradients.decay_gradients(geometry)))
     if initial_state_dtype is not None:
-        outputs.append(gradients.state("dinitial_state", geometry, initial_state_dtype))
+        outputs.append(blocks.state("dinitial_state", geometry, initial_state_dtype))
+    gated = gate_dtype is not None
     per_chunk = (
-        gradients.terms_work(geometry, gate_dtype is not None) * 2  # recomputing the states needs the gates too
-        + gradients.full_state_advance_work(geometry)
+        advance_state_work(geometry)
         + gradients.attention_work(geometry)
         + gradients.value_gradient_work(geometry)
         + gradients.query_key_gradients_work(geometry, decayed)
         + gradients.state_gradient_work(geometry)
     )
-    work = per_chunk * (geometry.batch * geometry.heads * geometry.num_chunks)
+    # With g, recomputing the states needs the gates of every chunk but a step's last, computed again.
+    recomputed_gates = geometry.batch * geometry.heads * geometry.time_steps * (geometry.chunks_per_step - 1) if gated else 0
+    work = per_chunk * (geometry.batch * geometry.heads * geometry.num_chunks) + gradients.gating_work(geometry, gated) + gates_work(geometry, gated) * recomputed_gates
     return checkpoints, LaunchPlan(
         name="simple_gla_fused_backward",
-        grid=gradients.grid(geometry),
+        grid=blocks.grid(geometry),
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
         scalars=(blocks.decay(geometry),),
         inputs=tuple(inputs),
@@ -73,37 +80,29 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
-    segment = geometry.time_steps - 1 - step
-    chunks = geometry.chunks_per_step
-
     gradients.start_state_gradient(refs, step)
 
-    refs["states"][0] = refs["checkpoints"][0]
+    constant = constant_gates(refs, head, geometry)
+    chunks = step_chunks(geometry, geometry.time_steps - 1 - step)
+    state = refs["checkpoints"][0]
+    refs["states"][0] = state
+    for chunk in chunks[:-1]:
+        state = advance_state(state, chunk.read(refs["k"]), chunk.read(refs["v"]), chunk.gates(refs, head, constant))
+        refs["states"][chunk.index + 1] = state
 
-    def recompute_state(index, carry):
-        chunk = gradients.chunk_at(geometry, segment, index)
-        refs["states"][index + 1] = advance_state(refs["states"][index], chunk.read(refs["k"]), chunk.read(refs["v"]), chunk.gates(refs, head))
-        return carry
-
-    lax.fori_loop(0, chunks - 1, recompute_state, None)
-
-    def backward_chunk(reverse_index, carry):
-        index = chunks - 1 - reverse_index
-        chunk = gradients.chunk_at(geometry, segment, index)
-        terms = gradients.ChunkTerms.compute(chunk.gates(refs, head))
+    dstate = refs["dstate"][...]
+    for chunk in reversed(chunks):
+        gates = chunk.gates(refs, head, constant)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
-        dstate = refs["dstate"][...]
-        attention = gradients.attention(terms, q, k)
-        refs["dv"][chunk.rows, :] = gradients.value_gradient(terms, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
-        dq, dk, da = gradients.query_key_gradients(terms, attention, q, k, v, do, refs["states"][index], dstate, scale, "da" in refs)
+        attention = gradients.attention(gates, q, k)
+        refs["dv"][chunk.rows, :] = gradients.value_gradient(gates, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
+        dq, dk, da = gradients.query_key_gradients(gates, attention, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs)
         refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)
         if da is not None:
-            refs["da"][pl.ds(index, 1), :] = da
-        refs["dstate"][...] = gradients.state_gradient_entering(terms, q, do, dstate, scale)
-        return carry
-
-    lax.fori_loop(0, chunks, backward_chunk, None)
+            refs["da"][chunk.index : chunk.index + 1, :] = da
+        dstate = gradients.state_gradient_entering(gates, q, do, dstate, scale)
+    refs["dstate"][...] = dstate
 
     gradients.finish_state_gradient(refs, step, geometry)
 
@@ -112,7 +111,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    geometry = Geometry(B, T, H, K, v.shape[-1], config.chunk_size, config.num_steps)
+    geometry = geometry_of(B, T, H, K, v.shape[-1], config)
     checkpoints_plan, gradients_plan = plans(
         geometry, q.dtype,
         gate_dtype=None if g is None else g.dtype,

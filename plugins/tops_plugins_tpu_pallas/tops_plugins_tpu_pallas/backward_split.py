@@ -22,10 +22,10 @@ import dataclasses
 import functools
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, gradients, traffic
+from tops_plugins_tpu_pallas.chunkwise import constant_gates, step_chunks
 from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -37,8 +37,14 @@ def _state_gradients(geometry: Geometry) -> Blocked:
     return dataclasses.replace(gradients.state_checkpoints(geometry, every_chunk=True), name="dstates")
 
 
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
+    """The backward's geometry for a ``ChunkConfig``: its chunk size and ``num_steps``, all of ``V`` per block."""
+    return gradients.backward_geometry(Geometry(B, T, H, K, V, config.chunk_size, config.num_steps))
+
+
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
     """The states, state gradients and query/key gradients plans; arguments as ``backward_fused.plans``."""
+    geometry = gradients.backward_geometry(geometry)
     states = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=True)
     reverse = functools.partial(gradients.reversed_in_time, geometry=geometry)
     chunk_count = geometry.batch * geometry.heads * geometry.num_chunks
@@ -46,17 +52,16 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
 
     pass1_inputs = [reverse(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "do"))]
     if output_final_state:
-        pass1_inputs.append(gradients.state("dht", geometry, _F32))
-    pass1_outputs = [reverse(gradients.value_rows("dv", geometry, dtype)), reverse(_state_gradients(geometry))]
+        pass1_inputs.append(blocks.state("dht", geometry, _F32))
+    pass1_outputs = [reverse(blocks.value_rows("dv", geometry, dtype)), reverse(_state_gradients(geometry))]
     if initial_state_dtype is not None:
-        pass1_outputs.append(gradients.state("dinitial_state", geometry, initial_state_dtype))
+        pass1_outputs.append(blocks.state("dinitial_state", geometry, initial_state_dtype))
     pass1_work = (
-        gradients.terms_work(geometry, gated) + gradients.attention_work(geometry)
-        + gradients.value_gradient_work(geometry) + gradients.state_gradient_work(geometry)
-    ) * chunk_count
+        gradients.attention_work(geometry) + gradients.value_gradient_work(geometry) + gradients.state_gradient_work(geometry)
+    ) * chunk_count + gradients.gating_work(geometry, gated)
     state_gradients = LaunchPlan(
         name="simple_gla_split_backward_state_gradients",
-        grid=gradients.grid(geometry),
+        grid=blocks.grid(geometry),
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
         scalars=(blocks.decay(geometry),),
         inputs=tuple(pass1_inputs),
@@ -73,11 +78,11 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     if decayed:
         pass2_outputs.append(gradients.decay_gradients(geometry))
     pass2_work = (
-        gradients.terms_work(geometry, gated) + gradients.attention_work(geometry) + gradients.query_key_gradients_work(geometry, decayed)
-    ) * chunk_count
+        gradients.attention_work(geometry) + gradients.query_key_gradients_work(geometry, decayed)
+    ) * chunk_count + gradients.gating_work(geometry, gated)
     query_key_gradients = LaunchPlan(
         name="simple_gla_split_backward_query_key_gradients",
-        grid=gradients.grid(geometry),
+        grid=blocks.grid(geometry),
         dimension_semantics=("parallel",) * 4,
         scalars=(blocks.decay(geometry),),
         inputs=pass2_inputs,
@@ -92,24 +97,18 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
 def _state_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
-    segment = geometry.time_steps - 1 - step
-    chunks = geometry.chunks_per_step
-
     gradients.start_state_gradient(refs, step)
 
-    def backward_chunk(reverse_index, carry):
-        index = chunks - 1 - reverse_index
-        chunk = gradients.chunk_at(geometry, segment, index)
-        terms = gradients.ChunkTerms.compute(chunk.gates(refs, head))
+    constant = constant_gates(refs, head, geometry)
+    dstate = refs["dstate"][...]
+    for chunk in reversed(step_chunks(geometry, geometry.time_steps - 1 - step)):
+        gates = chunk.gates(refs, head, constant)
         q, k, do = (chunk.read(refs[name]) for name in ("q", "k", "do"))
-        dstate = refs["dstate"][...]
-        refs["dstates"][index] = dstate
-        attention = gradients.attention(terms, q, k)
-        refs["dv"][chunk.rows, :] = gradients.value_gradient(terms, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
-        refs["dstate"][...] = gradients.state_gradient_entering(terms, q, do, dstate, scale)
-        return carry
-
-    lax.fori_loop(0, chunks, backward_chunk, None)
+        refs["dstates"][chunk.index] = dstate
+        attention = gradients.attention(gates, q, k)
+        refs["dv"][chunk.rows, :] = gradients.value_gradient(gates, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
+        dstate = gradients.state_gradient_entering(gates, q, do, dstate, scale)
+    refs["dstate"][...] = dstate
 
     gradients.finish_state_gradient(refs, step, geometry)
 
@@ -118,28 +117,25 @@ def _query_key_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, sca
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
 
-    def one_chunk(index, carry):
-        chunk = gradients.chunk_at(geometry, step, index)
-        terms = gradients.ChunkTerms.compute(chunk.gates(refs, head))
+    constant = constant_gates(refs, head, geometry)
+    for chunk in step_chunks(geometry, step):
+        gates = chunk.gates(refs, head, constant)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
-        attention = gradients.attention(terms, q, k)
+        attention = gradients.attention(gates, q, k)
         dq, dk, da = gradients.query_key_gradients(
-            terms, attention, q, k, v, do, refs["checkpoints"][index], refs["dstates"][index], scale, "da" in refs
+            gates, attention, q, k, v, do, refs["checkpoints"][chunk.index], refs["dstates"][chunk.index], scale, "da" in refs
         )
         refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)
         if da is not None:
-            refs["da"][pl.ds(index, 1), :] = da
-        return carry
-
-    lax.fori_loop(0, geometry.chunks_per_step, one_chunk, None)
+            refs["da"][chunk.index : chunk.index + 1, :] = da
 
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    geometry = Geometry(B, T, H, K, v.shape[-1], config.chunk_size, config.num_steps)
+    geometry = geometry_of(B, T, H, K, v.shape[-1], config)
     states_plan, state_gradients_plan, query_key_plan = plans(
         geometry, q.dtype,
         gate_dtype=None if g is None else g.dtype,

@@ -15,8 +15,12 @@ The gradient of token ``t``'s log decay sums the products its decay scales (docs
 product of decays ``<= 1``, so nothing large cancels (a suffix sum of ``q.dq - k.dk`` would). It
 is computed as a row ``(1, C)`` by sums over sublanes, so no transpose is needed.
 
-Unlike the forward, a backward block holds the *whole* padded ``V`` of a head: ``dq`` and ``dk``
-sum over ``V``, and a value tile per grid point would have to reduce across grid points.
+Every factor ``D``, ``exp(b_i)``, ``exp(b_C - b_j)``, ``exp(b_C)`` is one of the forward's
+``ChunkGates``, computed by the same code (a constant decay's once per grid step); ``dg`` needs no
+log-domain value beyond them.
+
+A backward block always holds the *whole* padded ``V`` of a head (``backward_geometry``): ``dq``
+and ``dk`` sum over ``V``, and a value tile per grid point would have to reduce across grid points.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks
-from tops_plugins_tpu_pallas.chunkwise import (
-    Chunk, ChunkGates, Work, advance_state, advance_state_work, gates_work, matmul, mxu_operand_dtype,
-)
 from tops_core.ops.simple_gla import SimpleGLAGrads
 
+from tops_plugins_tpu_pallas import blocks
+from tops_plugins_tpu_pallas.chunkwise import (
+    ChunkGates, Work, advance_state, advance_state_work, constant_gates, gate_computations, gates_work, matmul,
+    mxu_operand_dtype, start_sequence, step_chunks,
+)
 from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry, _heads_flattened, caller_output, caller_state, kernel_operands, padded_state
 
@@ -45,9 +50,9 @@ _COLUMNS_BY_COLUMNS = ((0,), (0,))  # a.T @ b
 # -- operands -------------------------------------------------------------------------------------
 
 
-def grid(geometry: Geometry) -> tuple[int, int, int, int]:
-    """``(batch, head, 1, time step)``: the forward's grid with the value tiles folded into one block."""
-    return (geometry.batch, geometry.heads, 1, geometry.time_steps)
+def backward_geometry(geometry: Geometry) -> Geometry:
+    """``geometry`` with one value block of the whole ``V_pad``: the grid ``(batch, head, 1, time step)``."""
+    return dataclasses.replace(geometry, full_values=True)
 
 
 def reversed_in_time(operand: Blocked, geometry: Geometry) -> Blocked:
@@ -58,28 +63,6 @@ def reversed_in_time(operand: Blocked, geometry: Geometry) -> Blocked:
         return operand.index_map(b, h, tile, last - t, *scalars)
 
     return dataclasses.replace(operand, index_map=index_map)
-
-
-def value_rows(name: str, geometry: Geometry, dtype) -> Blocked:
-    """``v``, ``do`` or ``dv``: rows of one step, all ``V_pad`` columns of the head."""
-    g = geometry
-    forward_layout = blocks.value_rows(name, geometry, dtype)
-
-    def head_columns(b, h, tile, t, *_):
-        return (b, t, h)
-
-    return dataclasses.replace(forward_layout, block_shape=(None, g.rows_per_step, g.padded_value_dim), index_map=head_columns)
-
-
-def state(name: str, geometry: Geometry, dtype) -> Blocked:
-    """``initial_state``, ``dht`` or ``dinitial_state``: one head's whole padded state."""
-    g = geometry
-    forward_layout = blocks.state(name, geometry, dtype)
-
-    def head_state(b, h, tile, t, *_):
-        return (b, h, 0, 0)
-
-    return dataclasses.replace(forward_layout, block_shape=(None, None, g.padded_key_dim, g.padded_value_dim), index_map=head_state)
 
 
 def state_checkpoints(geometry: Geometry, every_chunk: bool) -> Blocked:
@@ -119,7 +102,7 @@ def state_gradient(geometry: Geometry) -> Scratch:
 
 def token_inputs(geometry: Geometry, dtype, gate_dtype, names: tuple[str, ...]) -> tuple[Blocked, ...]:
     """The blocked token arrays ``names`` (of q, k, v, do) and ``g`` when given, in that order."""
-    layouts = {"q": blocks.key_rows, "k": blocks.key_rows, "v": value_rows, "do": value_rows}
+    layouts = {"q": blocks.key_rows, "k": blocks.key_rows, "v": blocks.value_rows, "do": blocks.value_rows}
     inputs = tuple(layouts[name](name, geometry, dtype) for name in names)
     return inputs + ((blocks.gates(geometry, gate_dtype),) if gate_dtype is not None else ())
 
@@ -158,18 +141,17 @@ def caller_gradients(results: dict[str, jax.Array], q, k, v, g, g_gamma, initial
 
 def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dtype, every_chunk: bool) -> LaunchPlan:
     """A forward walk writing the state entering every time step (every chunk with ``every_chunk``)."""
-    start = (state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
-    work = (gates_work(geometry, gate_dtype is not None) + advance_state_work(geometry) * geometry.value_tiles) * (
-        geometry.batch * geometry.heads * geometry.num_chunks
-    )
+    start = (blocks.state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
+    gated = gate_dtype is not None
+    work = advance_state_work(geometry) * (geometry.batch * geometry.heads * geometry.num_chunks) + gates_work(geometry, gated) * gate_computations(geometry, gated)
     return LaunchPlan(
         name="simple_gla_backward_checkpoints",
-        grid=grid(geometry),
+        grid=blocks.grid(geometry),
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
         scalars=(blocks.decay(geometry),),
         inputs=(*token_inputs(geometry, dtype, gate_dtype, ("k", "v")), *start),
         outputs=(state_checkpoints(geometry, every_chunk),),
-        scratch=(Scratch("state", (geometry.padded_key_dim, geometry.padded_value_dim), _F32),),
+        scratch=(blocks.running_state(geometry),),
         body_vmem=4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
         flops=work.flops,
         transcendentals=work.transcendentals,
@@ -179,26 +161,17 @@ def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dty
 def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk: bool):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
+    start_sequence(refs, step)
 
-    @pl.when(step == 0)
-    def _start():
-        if "initial_state" in refs:
-            refs["state"][...] = refs["initial_state"][...].astype(_F32)
-        else:
-            refs["state"][...] = jnp.zeros(refs["state"].shape, _F32)
-
+    constant = constant_gates(refs, head, geometry)
+    state = refs["state"][...]
     if not every_chunk:
-        refs["checkpoints"][0] = refs["state"][...]
-
-    def one_chunk(index, carry):
-        chunk = chunk_at(geometry, step, index)
-        entering = refs["state"][...]
+        refs["checkpoints"][0] = state
+    for chunk in step_chunks(geometry, step):
         if every_chunk:
-            refs["checkpoints"][index] = entering
-        refs["state"][...] = advance_state(entering, chunk.read(refs["k"]), chunk.read(refs["v"]), chunk.gates(refs, head))
-        return carry
-
-    lax.fori_loop(0, geometry.chunks_per_step, one_chunk, None)
+            refs["checkpoints"][chunk.index] = state
+        state = advance_state(state, chunk.read(refs["k"]), chunk.read(refs["v"]), chunk.gates(refs, head, constant))
+    refs["state"][...] = state
 
 
 def start_state_gradient(refs: dict, step) -> None:
@@ -223,47 +196,22 @@ def finish_state_gradient(refs: dict, step, geometry: Geometry) -> None:
         refs["dinitial_state"][...] = refs["dstate"][...].astype(refs["dinitial_state"].dtype)
 
 
-def chunk_at(geometry: Geometry, step, index) -> Chunk:
-    """Chunk ``index`` of time step ``step`` (both may be traced)."""
-    size = geometry.chunk_size
-    rows = pl.ds(pl.multiple_of(index * size, size), size)
-    return Chunk(index, rows, geometry.valid_rows(step * geometry.chunks_per_step + index))
-
-
 # -- one chunk --------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkTerms:
-    """What every gradient of a chunk is built from (float32)."""
-
-    gates: ChunkGates
-    decay_mask: jax.Array  # (C, C): D, zero above the diagonal
-    to_token: jax.Array  # (C, 1): exp(b_i)
-    to_end: jax.Array  # (C, 1): exp(b_C - b_i)
-
-    @classmethod
-    def compute(cls, gates: ChunkGates) -> ChunkTerms:
-        C = gates.column.shape[0]
-        causal = lax.broadcasted_iota(jnp.int32, (C, C), 0) >= lax.broadcasted_iota(jnp.int32, (C, C), 1)
-        # The exponent is masked before exp: above the diagonal b_i - b_j > 0 overflows for strong decays.
-        decay_mask = jnp.where(causal, jnp.exp(jnp.where(causal, gates.column - gates.row, 0.0)), 0.0)
-        return cls(gates, decay_mask, jnp.exp(gates.column), jnp.exp(gates.total - gates.column))
-
-
-def attention(terms: ChunkTerms, q, k) -> jax.Array:
+def attention(gates: ChunkGates, q, k) -> jax.Array:
     """The forward's masked, decayed ``(C, C)`` scores ``D_ij (q_i . k_j)`` (unscaled, float32)."""
-    return matmul(q, k, mxu_operand_dtype(q.dtype), _ROWS_BY_ROWS) * terms.decay_mask
+    return matmul(q, k, mxu_operand_dtype(q.dtype), _ROWS_BY_ROWS) * gates.decays
 
 
-def value_gradient(terms: ChunkTerms, attention, k, do, dstate, scale: float) -> jax.Array:
+def value_gradient(gates: ChunkGates, attention, k, do, dstate, scale: float) -> jax.Array:
     """``dv`` of the chunk's rows, float32 ``(C, V_pad)``; ``dstate`` is the gradient of the state leaving it."""
     operands = mxu_operand_dtype(k.dtype)
-    return scale * matmul(attention, do, operands, _COLUMNS_BY_COLUMNS) + terms.to_end * matmul(k, dstate, operands)
+    return scale * matmul(attention, do, operands, _COLUMNS_BY_COLUMNS) + gates.key * matmul(k, dstate, operands)
 
 
 def query_key_gradients(
-    terms: ChunkTerms, attention, q, k, v, do, entering, dstate, scale: float, with_decay: bool
+    gates: ChunkGates, attention, q, k, v, do, entering, dstate, scale: float, with_decay: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``dq``, ``dk`` (float32 ``(C, K_pad)``) and, ``with_decay``, the decay gradient row ``(1, C)`` of the chunk.
 
@@ -272,9 +220,9 @@ def query_key_gradients(
     operands = mxu_operand_dtype(q.dtype)
     C = q.shape[0]
     output_by_value = matmul(do, v, operands, _ROWS_BY_ROWS)  # (i, j): do_i . v_j
-    dattention = output_by_value * terms.decay_mask
-    from_state = terms.to_token * matmul(do, entering, operands, _ROWS_BY_ROWS)  # (C, K): exp(b_i) do_i S^T
-    to_state = terms.to_end * matmul(v, dstate, operands, _ROWS_BY_ROWS)  # (C, K): exp(b_C - b_j) v_j dS^T
+    dattention = output_by_value * gates.decays
+    from_state = gates.query * matmul(do, entering, operands, _ROWS_BY_ROWS)  # (C, K): exp(b_i) do_i S^T
+    to_state = gates.key * matmul(v, dstate, operands, _ROWS_BY_ROWS)  # (C, K): exp(b_C - b_j) v_j dS^T
     dq = scale * (matmul(dattention, k, operands) + from_state)
     dk = scale * matmul(dattention, q, operands, _COLUMNS_BY_COLUMNS) + to_state
     if not with_decay:
@@ -290,14 +238,14 @@ def query_key_gradients(
     key_reaches_end = jnp.sum(k.astype(_F32) * to_state, axis=1, keepdims=True)  # (C, 1), j
     later_queries = jnp.sum(jnp.where(rows >= tokens, query_reads_state, 0.0), axis=0, keepdims=True)
     earlier_keys = jnp.sum(jnp.where(rows < tokens, key_reaches_end, 0.0), axis=0, keepdims=True)
-    across = jnp.exp(terms.gates.total) * jnp.sum(entering * dstate)
+    across = gates.chunk * jnp.sum(entering * dstate)
     return dq, dk, within + later_queries + earlier_keys + across
 
 
-def state_gradient_entering(terms: ChunkTerms, q, do, dstate, scale: float) -> jax.Array:
+def state_gradient_entering(gates: ChunkGates, q, do, dstate, scale: float) -> jax.Array:
     """The gradient of the state entering the chunk, from the one leaving it."""
-    decayed_queries = q.astype(_F32) * terms.to_token
-    return jnp.exp(terms.gates.total) * dstate + scale * matmul(decayed_queries, do, mxu_operand_dtype(q.dtype), _COLUMNS_BY_COLUMNS)
+    decayed_queries = q.astype(_F32) * gates.query
+    return gates.chunk * dstate + scale * matmul(decayed_queries, do, mxu_operand_dtype(q.dtype), _COLUMNS_BY_COLUMNS)
 
 
 # -- work, counted op by op from the functions above -----------------------------------------------
@@ -307,9 +255,9 @@ def _sizes(geometry: Geometry) -> tuple[int, int, int]:
     return geometry.chunk_size, geometry.padded_key_dim, geometry.padded_value_dim
 
 
-def terms_work(geometry: Geometry, gated: bool) -> Work:
-    C = geometry.chunk_size
-    return gates_work(geometry, gated) + Work(transcendentals=C * C + 2 * C)
+def gating_work(geometry: Geometry, gated: bool) -> Work:
+    """Every ``ChunkGates`` one walk over the grid computes (``chunkwise.gate_computations``)."""
+    return gates_work(geometry, gated) * gate_computations(geometry, gated)
 
 
 def attention_work(geometry: Geometry) -> Work:
@@ -326,17 +274,12 @@ def query_key_gradients_work(geometry: Geometry, with_decay: bool) -> Work:
     """do v^T, from the state, to the state, dq's and dk's intra-chunk products; with the decay, the pair sums."""
     C, K, V = _sizes(geometry)
     work = Work(flops=2 * C * C * V + 4 * C * K * V + 4 * C * C * K)
-    return work + Work(flops=2 * C * C * C, transcendentals=1) if with_decay else work
+    return work + Work(flops=2 * C * C * C) if with_decay else work
 
 
 def state_gradient_work(geometry: Geometry) -> Work:
     C, K, V = _sizes(geometry)
-    return Work(flops=2 * C * K * V, transcendentals=1)
-
-
-def full_state_advance_work(geometry: Geometry) -> Work:
-    """``advance_state`` over the whole padded ``V``."""
-    return advance_state_work(geometry) * geometry.value_tiles
+    return Work(flops=2 * C * K * V)
 
 
 def body_vmem(geometry: Geometry) -> int:
