@@ -246,7 +246,10 @@ def partitioned(plan: Plan, operands: Sequence[jax.Array], body: Callable[..., A
 
 
 def _calls_the_host(jaxpr: Any) -> bool:
-    """Whether ``jaxpr``, or a jaxpr inside it, calls back to the host (``jax.pure_callback``)."""
+    """Whether ``jaxpr``, or a jaxpr inside it, calls back to the host: ``jax.pure_callback``, or an
+    ``io_callback`` (Pallas' faithful TPU interpreter runs a kernel in them), which shows as an effect."""
+    if jaxpr.effects:
+        return True
     for equation in jaxpr.eqns:
         if equation.primitive.name == "pure_callback":
             return True
