@@ -21,7 +21,13 @@ sg = tops_core.op("simple_gla")
 
 
 def gradients(kernel, inputs, do, dht, **config):
-    """Every gradient through the public op, forced to ``tpu_pallas.<kernel>`` with config overrides, in the interpreter."""
+    """Every gradient through the public op, forced to ``tpu_pallas.<kernel>`` with config overrides, in the interpreter.
+
+    ``num_steps`` sets the fused backward's segment too (``backward_num_steps``), or its default of
+    1024 tokens would make every sequence here one segment.
+    """
+    if kernel == "fused" and "num_steps" in config:
+        config.setdefault("backward_num_steps", config["num_steps"])
 
     def call(inputs):
         with tops_core.use(interpret=True, strict=True):

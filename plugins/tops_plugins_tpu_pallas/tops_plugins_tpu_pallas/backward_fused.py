@@ -12,7 +12,9 @@ forward walk produces it, so:
    and the float32 state gradient ``dS`` (a VMEM scratch, set to ``dht`` or zeros at the first
    reverse step of every (batch, head) and written to ``dinitial_state`` after the last).
 
-VMEM is bounded for any ``T``: one segment's blocks, ``chunks_per_step`` states and ``dS``
+A segment is ``FusedConfig.backward_num_steps`` chunks, by default ``SEGMENT_TOKENS`` (1024) tokens'
+worth, independent of the forward's ``num_steps``, and fewer chunks while the plans would not fit
+VMEM. VMEM is bounded for any ``T``: one segment's blocks, ``chunks_per_step`` states and ``dS``
 (``traffic.vmem_bytes`` of the plans; 16 MiB budget); HBM gains one float32 state per segment,
 written once and read once.
 """
@@ -32,9 +34,22 @@ from tops_plugins_tpu_pallas.layout import Geometry
 _F32 = jnp.float32
 
 
+SEGMENT_TOKENS = 1024
+"""Tokens per segment when ``FusedConfig.backward_num_steps`` is None. Each segment writes and reads
+one float32 ``K_pad x V_pad`` checkpoint: ``8 K V / 1024`` bytes per token, 128 at K = V = 128, 5.6%
+of the backward's floor with the states recomputed (2304 B/token); a segment of 256 tokens would add 22%."""
+
+
 def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
-    """The backward's geometry for a ``FusedConfig``: its chunk size, ``num_steps`` chunks per segment, all of ``V`` per block."""
-    return gradients.backward_geometry(Geometry(B, T, H, K, V, config.chunk_size, config.num_steps))
+    """The backward's geometry for a ``FusedConfig``: its chunk size, ``backward_num_steps`` chunks per
+    segment (None: ``SEGMENT_TOKENS`` tokens' worth), all of ``V`` per block; before VMEM fitting (``fitted_plans``)."""
+    chunks = config.backward_num_steps or max(1, SEGMENT_TOKENS // config.chunk_size)
+    return gradients.backward_geometry(Geometry(B, T, H, K, V, config.chunk_size, chunks))
+
+
+def fitted_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
+    """``plans`` for ``traffic.fitting_geometry`` (fewer chunks per segment while VMEM is short): what ``backward`` launches."""
+    return plans(traffic.fitting_geometry(plans, geometry, dtype, **inputs), dtype, **inputs)
 
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True) -> tuple[LaunchPlan, LaunchPlan]:
@@ -111,14 +126,14 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    geometry = geometry_of(B, T, H, K, v.shape[-1], config)
-    checkpoints_plan, gradients_plan = plans(
-        geometry, q.dtype,
+    inputs = dict(
         gate_dtype=None if g is None else g.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=dht is not None,
         decayed=g is not None or g_gamma is not None,
     )
+    geometry = traffic.fitting_geometry(plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
+    checkpoints_plan, gradients_plan = plans(geometry, q.dtype, **inputs)
     traffic.check_vmem(checkpoints_plan)
     traffic.check_vmem(gradients_plan)
     arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
