@@ -126,12 +126,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    inputs = dict(
-        gate_dtype=None if g is None else g.dtype,
-        initial_state_dtype=None if initial_state is None else initial_state.dtype,
-        output_final_state=dht is not None,
-        decayed=g is not None or g_gamma is not None,
-    )
+    inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
     geometry = traffic.fitting_geometry(plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
     checkpoints_plan, gradients_plan = plans(geometry, q.dtype, **inputs)
     traffic.check_vmem(checkpoints_plan)

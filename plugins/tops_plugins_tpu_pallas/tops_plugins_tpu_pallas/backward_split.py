@@ -136,13 +136,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     del cu_seqlens
     B, T, H, K = q.shape
     geometry = geometry_of(B, T, H, K, v.shape[-1], config)
-    states_plan, state_gradients_plan, query_key_plan = plans(
-        geometry, q.dtype,
-        gate_dtype=None if g is None else g.dtype,
-        initial_state_dtype=None if initial_state is None else initial_state.dtype,
-        output_final_state=dht is not None,
-        decayed=g is not None or g_gamma is not None,
-    )
+    states_plan, state_gradients_plan, query_key_plan = plans(geometry, q.dtype, **gradients.plan_inputs(q, g, g_gamma, initial_state, dht))
     for plan in (states_plan, state_gradients_plan, query_key_plan):
         traffic.check_vmem(plan)
     arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)

@@ -107,6 +107,16 @@ def token_inputs(geometry: Geometry, dtype, gate_dtype, names: tuple[str, ...]) 
     return inputs + ((blocks.gates(geometry, gate_dtype),) if gate_dtype is not None else ())
 
 
+def plan_inputs(q, g, g_gamma, initial_state, dht) -> dict:
+    """The keyword arguments of both backward kernels' ``plans`` for one call: which inputs are given, and their dtypes."""
+    return dict(
+        gate_dtype=None if g is None else g.dtype,
+        initial_state_dtype=None if initial_state is None else initial_state.dtype,
+        output_final_state=dht is not None,
+        decayed=g is not None or g_gamma is not None,
+    )
+
+
 def operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry: Geometry) -> dict[str, jax.Array]:
     """The arrays both backward kernels read, by operand name (absent inputs left out)."""
     arrays = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)
