@@ -25,9 +25,7 @@ around the kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,25 +38,16 @@ from tops_plugins_tpu_pallas.chunkwise import (
     _COLUMNS_BY_COLUMNS, _ROWS_BY_ROWS, Work, advance_state_work, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
     for_each_chunk, gates_work, matmul, mxu_operand_dtype,
 )
-from tops_plugins_tpu_pallas.config import check_common_fields
+from tops_plugins_tpu_pallas.fused import FusedConfig
 from tops_plugins_tpu_pallas.launch import DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import LANES, Geometry, caller_output, caller_state, kernel_operands
 
 _F32 = jnp.float32
 
 
-@dataclasses.dataclass(frozen=True)
-class VarlenConfig:
-    """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step.
-    ``interpret``: None (compile where lowered for a TPU, interpret elsewhere), True (fast
-    interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False (always compile)."""
-
-    chunk_size: int = 64
-    num_steps: int = 4
-    interpret: Any = None
-
-    def __post_init__(self):
-        check_common_fields(self)
+class VarlenConfig(FusedConfig):
+    """The fused kernel's fields and defaults: ``chunk_size`` (64 or 128), ``num_steps`` chunks per
+    grid step, ``interpret`` (None: compile where lowered for a TPU, interpret elsewhere)."""
 
 
 def _sequence_state(name: str, geometry: Geometry, num_seqs: int, dtype) -> InHbm:
@@ -81,8 +70,9 @@ def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_
     outputs = [blocks.value_rows("o", g, dtype)]
     if output_final_state:
         outputs.append(_sequence_state("final_state", g, num_seqs, _F32))
-    # A segment's state work is the whole chunk's, masked; count one segment per chunk plus one
-    # per sequence start (the lower bound the packing allows, exact with one sequence).
+    # A segment's state work is the whole chunk's, masked. Segments: one per chunk plus one per
+    # sequence starting inside a chunk, at most N - 1 (exact when no boundary is on a chunk edge
+    # and no sequence is empty; the packing is traced, so this bound is what XLA is told).
     segment_work = Work(flops=2 * g.chunk_size * g.padded_key_dim * LANES, transcendentals=g.chunk_size) + advance_state_work(g)
     work = (gates_work(g, gate_dtype is not None) + chunk_output_work(g) + advance_state_work(g)) * chunks_of_the_grid(g)
     work = work + segment_work * (g.heads * g.value_tiles * (num_seqs - 1))
