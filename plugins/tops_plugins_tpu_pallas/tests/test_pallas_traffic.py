@@ -160,13 +160,14 @@ def test_arrays_the_kernel_copies_itself_count_once_and_take_no_vmem_blocks():
 def test_varlen_moves_what_fused_moves_whatever_the_number_of_sequences(num_seqs):
     # B = 1, T = 8192 packed, H = 16, K = V = 128, bf16, g_gamma: q, k, v read and o written once,
     # plus the scalars in SMEM: the decays, N + 1 boundaries and two sequence numbers per chunk.
+    # The default config of both: chunks of 128, all of V in one block.
     T, H = 8192, 16
-    geometry = Geometry(1, T, H, 128, 128, 64, 4)
-    packed = traffic.figures(varlen.plans(geometry, jnp.bfloat16, num_seqs), T * H)
-    alone = traffic.figures(fused.plans(geometry, jnp.bfloat16), T * H)
-    assert packed.kernel_bytes == alone.kernel_bytes + (num_seqs + 1) * 4 + 2 * (T // 64) * 4
+    geometry = fused.geometry_of(1, T, H, 128, 128, varlen.VarlenConfig())
+    packed = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), T * H)
+    alone = traffic.figures(fused.fitted_plans(geometry, jnp.bfloat16), T * H)
+    assert packed.kernel_bytes == alone.kernel_bytes + (num_seqs + 1) * 4 + 2 * (T // 128) * 4
     assert packed.kernel_per_token <= 1.10 * alone.kernel_per_token
     assert packed.peak_vmem <= traffic.VMEM_BUDGET
     # The states are the caller's data: N of them each way, as fused moves for B = N rows.
-    stateful = traffic.figures(varlen.plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H)
+    stateful = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H)
     assert stateful.kernel_bytes - packed.kernel_bytes == 2 * num_seqs * H * 128 * 128 * 4

@@ -85,7 +85,7 @@ def _fits_vmem(build_plans, config, geometry_of):
 
 def _varlen_plans(geometry: Geometry, dtype, **inputs):
     """varlen's plans for one sequence: its VMEM does not depend on N (boundaries in SMEM, states in HBM)."""
-    return varlen.plans(geometry, dtype, 1, **inputs)
+    return varlen.fitted_plans(geometry, dtype, 1, **inputs)
 
 
 def _varlen_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
@@ -130,7 +130,7 @@ VARLEN = tops_core.Implementation(
     op="simple_gla",
     name="varlen",
     forward=varlen.forward,
-    capabilities=_capabilities(_fits_vmem(_varlen_plans, varlen.VarlenConfig()), packed=True),
+    capabilities=_capabilities(_fits_vmem(_varlen_plans, varlen.VarlenConfig(), fused.geometry_of), packed=True),
     priority=_varlen_priority,
     config=varlen.VarlenConfig(),
     description="one pallas_call over packed sequences: cu_seqlens in SMEM, state reset at every boundary",

@@ -50,15 +50,15 @@ def main() -> None:
 
 
 def _packed() -> None:
-    geometry = Geometry(1, PACKED_T, H, 128, 128, 64, 4)
+    geometry = fused.geometry_of(1, PACKED_T, H, 128, 128, varlen.VarlenConfig())  # the default config of both
     tokens = PACKED_T * H
-    alone = figures(fused.plans(geometry, jnp.bfloat16), tokens)
-    print(f"\npacked: B=1 T={PACKED_T} H={H} K=V=128 bfloat16, g_gamma; N sequences in cu_seqlens (bytes per token and head)")
+    alone = figures(fused.fitted_plans(geometry, jnp.bfloat16), tokens)
+    print(f"\npacked: B=1 T={PACKED_T} H={H} K=V=128 bfloat16, g_gamma, default config (C=128); N sequences in cu_seqlens (bytes per token and head)")
     print(f"{'implementation':<32}{'kernel':>9}{'vs fused':>10}{'+ states':>10}{'peak VMEM':>14}")
     print(f"{'tpu_pallas.fused (unpacked)':<32}{alone.kernel_per_token:>9.2f}{1:>9.4f}x{'':>10}{alone.peak_vmem / 2**20:>10.2f} MiB")
     for num_seqs in PACKED_NUM_SEQS:
-        packed = figures(varlen.plans(geometry, jnp.bfloat16, num_seqs), tokens)
-        stateful = figures(varlen.plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), tokens)
+        packed = figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), tokens)
+        stateful = figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), tokens)
         label = f"tpu_pallas.varlen N={num_seqs}"
         print(
             f"{label:<32}{packed.kernel_per_token:>9.2f}{packed.kernel_per_token / alone.kernel_per_token:>9.4f}x"
