@@ -1,6 +1,7 @@
-"""Pallas TPU kernels for the tops ops: ``tpu_pallas.fused`` and ``tpu_pallas.chunk`` (simple_gla forward).
+"""Pallas TPU kernels for the tops ops: ``tpu_pallas.fused``, ``tpu_pallas.chunk`` and, for packed
+sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla forward).
 
-Both are forward-only (the dispatcher pairs them with another plugin's backward), run natively on
+All are forward-only (the dispatcher pairs them with another plugin's backward), run natively on
 TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere else.
 """
 
@@ -8,7 +9,8 @@ TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere else.
 import jax
 import tops_core
 
-from tops_plugins_tpu_pallas import chunk, fused, traffic
+from tops_plugins_tpu_pallas import chunk, fused, traffic, varlen
+from tops_plugins_tpu_pallas.layout import Geometry
 
 TOPS_CORE_API_VERSION = 1
 
@@ -81,12 +83,24 @@ def _fits_vmem(build_plans, config, geometry_of):
     return predicate
 
 
-def _capabilities(predicate) -> tops_core.Capabilities:
+def _varlen_plans(geometry: Geometry, dtype, **inputs):
+    """varlen's plans for one sequence: its VMEM does not depend on N (boundaries in SMEM, states in HBM)."""
+    return varlen.fitted_plans(geometry, dtype, 1, **inputs)
+
+
+def _varlen_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
+    """200: the Pallas kernel for packed sequences (fused and chunk do not take cu_seqlens)"""
+    return 200, f"packed input, N = {spec.num_seqs} sequences: the one Pallas kernel that takes cu_seqlens"
+
+
+def _capabilities(predicate, packed: bool = False) -> tops_core.Capabilities:
+    features = {"g", "g_gamma", "initial_state", "output_final_state"}
     return tops_core.Capabilities(
         platforms={"tpu"},
         interpretable=True,
         dtypes={"bfloat16", "float32"},
-        features={"g", "g_gamma", "initial_state", "output_final_state"},
+        features=features | {"cu_seqlens"} if packed else features,
+        requires={"cu_seqlens"} if packed else set(),
         ndims={"g_gamma": {0, 1}},  # a scalar is broadcast to [H] before the kernel
         predicate=predicate,
     )
@@ -112,9 +126,20 @@ CHUNK = tops_core.Implementation(
     description="two pallas_calls: chunk states in time order, then outputs parallel over time",
 )
 
+VARLEN = tops_core.Implementation(
+    op="simple_gla",
+    name="varlen",
+    forward=varlen.forward,
+    capabilities=_capabilities(_fits_vmem(_varlen_plans, varlen.VarlenConfig(), fused.geometry_of), packed=True),
+    priority=_varlen_priority,
+    config=varlen.VarlenConfig(),
+    description="one pallas_call over packed sequences: cu_seqlens in SMEM, state reset at every boundary",
+)
+
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
     """Register the simple_gla forward kernels."""
     register(FUSED)
     register(CHUNK)
+    register(VARLEN)
