@@ -201,10 +201,12 @@ def test_tpu_explicit_mesh_axes_split_without_being_asked(worker, libtpu):
     assert answer["kernels"] == 1 + 2 and "tpu_pallas.fused.forward" in answer["implementations"]
 
 
-def test_tpu_sharded_inputs_without_a_split_say_how_to_split(worker, libtpu):
+@pytest.mark.parametrize("explicit_backward", [False, True], ids=["vjp", "backward"])
+def test_tpu_sharded_inputs_without_a_split_say_how_to_split(worker, libtpu, explicit_backward):
     # TPU compilers cannot run custom_partitioning's callback, and Pallas kernels run on several
-    # devices only inside shard_map: the error says what to do.
-    answer = worker.ask("tpu", dict(TPU, name="tpu-auto", mode="auto", mesh=[4], split={"batch": 0}))
+    # devices only inside shard_map: the error says what to do, for the backward kernels alone too.
+    case = dict(TPU, name="tpu-auto", mode="auto", mesh=[4], split={"batch": 0}, explicit_backward=explicit_backward)
+    answer = worker.ask("tpu", case)
     assert "tops_core.parallel.shard(mesh, batch=..., heads=..., sequence=...)" in answer["error_text"]
 
 

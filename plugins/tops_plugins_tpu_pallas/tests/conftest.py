@@ -63,7 +63,7 @@ def reference():
         previous = jax.config.jax_enable_x64
         jax.config.update("jax_enable_x64", True)
         try:
-            args = {n: jnp.asarray(x, jnp.float64) for n, x in inputs.items()}
+            args = {n: jnp.asarray(x) if n == "cu_seqlens" else jnp.asarray(x, jnp.float64) for n, x in inputs.items()}
             o, final_state = tops_core.op("simple_gla").forward(
                 **args, output_final_state=output_final_state, implementation="ref.recurrent"
             )

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 import tops_core
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, traffic
-from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan, Relayout, Scalars, Scratch
+from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, traffic, varlen
+from tops_plugins_tpu_pallas.launch import Blocked, DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 
@@ -185,3 +185,32 @@ def test_chunk_cost_estimates_split_the_work_between_its_two_kernels():
     # chunks): exp of the 128 x 128 decays, 128 query and 128 key decays and the chunk's decay.
     gates = 4 * (128 * 128 + 128 + 128 + 1)
     assert states["transcendentals"] == outputs["transcendentals"] == gates
+
+
+def test_arrays_the_kernel_copies_itself_count_once_and_take_no_vmem_blocks():
+    plan = dataclasses.replace(
+        _tiny_plan(),
+        inputs=(*_tiny_plan().inputs, InHbm("h0", (5, 8, 128), jnp.float32)),
+        outputs=(*_tiny_plan().outputs, InHbm("ht", (5, 8, 128), jnp.float32)),
+        scratch=(*_tiny_plan().scratch, DmaSemaphores("copies", 2)),
+    )
+    blocked_read, blocked_written = traffic.kernel_traffic(_tiny_plan())
+    assert traffic.kernel_traffic(plan) == (blocked_read + 5 * 8 * 128 * 4, blocked_written + 5 * 8 * 128 * 4)
+    assert traffic.vmem_bytes(plan) == traffic.vmem_bytes(_tiny_plan())
+
+
+@pytest.mark.parametrize("num_seqs", [1, 16, 256])
+def test_varlen_moves_what_fused_moves_whatever_the_number_of_sequences(num_seqs):
+    # B = 1, T = 8192 packed, H = 16, K = V = 128, bf16, g_gamma: q, k, v read and o written once,
+    # plus the scalars in SMEM: the decays, N + 1 boundaries and two sequence numbers per chunk.
+    # The default config of both: chunks of 128, all of V in one block.
+    T, H = 8192, 16
+    geometry = fused.geometry_of(1, T, H, 128, 128, varlen.VarlenConfig())
+    packed = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), T * H)
+    alone = traffic.figures(fused.fitted_plans(geometry, jnp.bfloat16), T * H)
+    assert packed.kernel_bytes == alone.kernel_bytes + (num_seqs + 1) * 4 + 2 * (T // 128) * 4
+    assert packed.kernel_per_token <= 1.10 * alone.kernel_per_token
+    assert packed.peak_vmem <= traffic.VMEM_BUDGET
+    # The states are the caller's data: N of them each way, as fused moves for B = N rows.
+    stateful = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H)
+    assert stateful.kernel_bytes - packed.kernel_bytes == 2 * num_seqs * H * 128 * 128 * 4

@@ -64,9 +64,10 @@ def geometry_of(B: int, T: int, H: int, K: int, V: int, config: FusedConfig) -> 
     return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values)
 
 
-def fitted_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
-    """``plans`` for ``traffic.fitting_geometry``: what ``forward`` launches."""
-    return plans(traffic.fitting_geometry(plans, geometry, dtype, **inputs), dtype, **inputs)
+def fitted_plans(geometry: Geometry, dtype, build_plans=None, **inputs) -> tuple[LaunchPlan]:
+    """``build_plans`` (default ``plans``) at the geometry ``traffic.fitting_geometry`` fits to VMEM: what ``launch`` launches."""
+    build_plans = build_plans or plans
+    return build_plans(traffic.fitting_geometry(build_plans, geometry, dtype, **inputs), dtype, **inputs)
 
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
@@ -111,21 +112,34 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     finish_sequence(refs, step, geometry)
 
 
-def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
-    """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
-    del cu_seqlens
+def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config: FusedConfig, scalars=None):
+    """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
+
+    ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (``plans``'s
+    signature) describes, at the geometry that fits VMEM; ``scalars`` are operands beyond the
+    layout's (``kernel_operands``). Returns ``o`` and, when asked for, ``final_state`` as the
+    caller lays them out.
+    """
     B, T, H, K = q.shape
     inputs = dict(
         gate_dtype=None if g is None else g.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
-    geometry = traffic.fitting_geometry(plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
-    (launch,) = plans(geometry, q.dtype, **inputs)
-    traffic.check_vmem(launch)
-    kernel = functools.partial(_kernel, plan=launch, geometry=geometry, scale=scale)
-    operands = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)
-    results = launch.call(kernel, operands, config.interpret, traffic.cost_estimate(launch))
+    geometry = traffic.fitting_geometry(build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
+    (plan,) = build_plans(geometry, q.dtype, **inputs)
+    traffic.check_vmem(plan)
+    body = functools.partial(kernel, plan=plan, geometry=geometry, scale=scale)
+    operands = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(scalars or {})}
+    results = plan.call(body, operands, config.interpret, traffic.cost_estimate(plan))
     final_state = caller_state(results["final_state"], geometry) if output_final_state else None
     return caller_output(results["o"], geometry), final_state
 
+
+def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
+    """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
+    del cu_seqlens
+    return launch(
+        _kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, config=config,
+    )

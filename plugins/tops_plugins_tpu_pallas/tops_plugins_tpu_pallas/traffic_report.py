@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused
+from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.traffic import VMEM_BUDGET, figures
 
 B, T, H = 8, 4096, 16
 HEAD_DIMS = (128, 100)  # the benchmark's, then one that needs the lane padding copy
+PACKED_T, PACKED_NUM_SEQS = 8192, (1, 16, 256)  # tpu_pallas.varlen: one packed row
 
 
 def _floor(head_dim: int) -> int:
@@ -40,6 +41,7 @@ def main() -> None:
                     f"{label:<32}{f.kernel_per_token:>9.1f}{f.relayout_per_token:>10.1f}{f.end_to_end_per_token:>12.1f}"
                     f"{f.end_to_end_per_token / floor:>9.3f}x{f.peak_vmem / 2**20:>10.2f} MiB"
                 )
+    _packed()
     print("\nrelayout: the lane padding copies of q, k, v and the slice of o when K or V is not a multiple of 128 (layout.py)")
     print(
         f"peak VMEM: double-buffered blocks and scratch in whole tiles, plus an estimate of the values the "
@@ -70,6 +72,24 @@ def backward_report() -> None:
                 f"{label:<58}{seq_len:>7}{f.kernel_per_token:>9.1f}{f.kernel_per_token / floor:>9.3f}x"
                 f"{f.kernel_per_token / (floor + recomputation):>17.3f}x{f.peak_vmem / 2**20:>10.2f} MiB"
             )
+
+
+def _packed() -> None:
+    geometry = fused.geometry_of(1, PACKED_T, H, 128, 128, varlen.VarlenConfig())  # the default config of both
+    tokens = PACKED_T * H
+    alone = figures(fused.fitted_plans(geometry, jnp.bfloat16), tokens)
+    print(f"\npacked: B=1 T={PACKED_T} H={H} K=V=128 bfloat16, g_gamma, default config (C=128); N sequences in cu_seqlens (bytes per token and head)")
+    print(f"{'implementation':<32}{'kernel':>9}{'vs fused':>10}{'+ states':>10}{'peak VMEM':>14}")
+    print(f"{'tpu_pallas.fused (unpacked)':<32}{alone.kernel_per_token:>9.2f}{1:>9.4f}x{'':>10}{alone.peak_vmem / 2**20:>10.2f} MiB")
+    for num_seqs in PACKED_NUM_SEQS:
+        packed = figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), tokens)
+        stateful = figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), tokens)
+        label = f"tpu_pallas.varlen N={num_seqs}"
+        print(
+            f"{label:<32}{packed.kernel_per_token:>9.2f}{packed.kernel_per_token / alone.kernel_per_token:>9.4f}x"
+            f"{stateful.kernel_per_token:>10.1f}{stateful.peak_vmem / 2**20:>10.2f} MiB"
+        )
+    print("+ states: with initial_state and the final state, N float32 states each way (the caller's data)")
 
 
 if __name__ == "__main__":
