@@ -31,7 +31,9 @@ from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
     """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step, at most: fewer when
-    the step's blocks would not fit the VMEM budget (``fitting_geometry``). ``full_values``: one grid point
+    the step's blocks would not fit the VMEM budget (``traffic.fitting_geometry``). ``backward_num_steps``:
+    chunks per segment of the backward (``backward_fused``), at most, fewer when VMEM is short; None: as
+    many as make ``backward_fused.SEGMENT_TOKENS`` (1024) tokens. ``full_values``: one grid point
     per (batch, head) holding all of ``V`` (``q`` and ``k`` read once, the MXU's full width on ``V``), else
     one per 128-lane value tile. ``interpret``: None (compile where lowered for a TPU, interpret
     elsewhere), True (fast interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False
@@ -46,10 +48,14 @@ class FusedConfig:
     chunk_size: int = 128
     num_steps: int = 8
     full_values: bool = True
+    backward_num_steps: int | None = None
     interpret: Any = None
 
     def __post_init__(self):
         check_common_fields(self)
+        steps = self.backward_num_steps
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            raise ValueError(f"FusedConfig.backward_num_steps must be None or an int >= 1, got {steps!r}")
         if not isinstance(self.full_values, bool):
             raise TypeError(f"FusedConfig.full_values must be a bool, got {self.full_values!r}")
 
@@ -58,19 +64,10 @@ def geometry_of(B: int, T: int, H: int, K: int, V: int, config: FusedConfig) -> 
     return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values)
 
 
-def fitting_geometry(geometry: Geometry, dtype, build_plans=None, **inputs) -> Geometry:
-    """``geometry`` with fewer chunks per step while its plan (``build_plans``, default ``plans``) would not fit
-    the VMEM budget (at least one chunk)."""
-    build_plans = build_plans or plans
-    while geometry.chunks_per_step > 1 and traffic.vmem_bytes(build_plans(geometry, dtype, **inputs)[0]) > traffic.VMEM_BUDGET:
-        geometry = dataclasses.replace(geometry, num_steps=geometry.chunks_per_step - 1)
-    return geometry
-
-
 def fitted_plans(geometry: Geometry, dtype, build_plans=None, **inputs) -> tuple[LaunchPlan]:
-    """``build_plans`` (default ``plans``) for ``fitting_geometry``: what ``launch`` launches."""
+    """``build_plans`` (default ``plans``) at the geometry ``traffic.fitting_geometry`` fits to VMEM: what ``launch`` launches."""
     build_plans = build_plans or plans
-    return build_plans(fitting_geometry(geometry, dtype, build_plans, **inputs), dtype, **inputs)
+    return build_plans(traffic.fitting_geometry(build_plans, geometry, dtype, **inputs), dtype, **inputs)
 
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
@@ -129,7 +126,7 @@ def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, ou
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
-    geometry = fitting_geometry(geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, build_plans, **inputs)
+    geometry = traffic.fitting_geometry(build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
     (plan,) = build_plans(geometry, q.dtype, **inputs)
     traffic.check_vmem(plan)
     body = functools.partial(kernel, plan=plan, geometry=geometry, scale=scale)

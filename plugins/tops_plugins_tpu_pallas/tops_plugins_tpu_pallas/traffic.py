@@ -122,6 +122,13 @@ def cost_estimate(plan: LaunchPlan) -> pl.CostEstimate:
     return pl.CostEstimate(flops=plan.flops, transcendentals=plan.transcendentals, bytes_accessed=sum(kernel_traffic(plan)))
 
 
+def fitting_geometry(build_plans, geometry, dtype, **inputs):
+    """``geometry`` with fewer chunks per step while one of ``build_plans``' plans would not fit the VMEM budget (at least one chunk)."""
+    while geometry.chunks_per_step > 1 and max(vmem_bytes(plan) for plan in build_plans(geometry, dtype, **inputs)) > VMEM_BUDGET:
+        geometry = dataclasses.replace(geometry, num_steps=geometry.chunks_per_step - 1)
+    return geometry
+
+
 def check_vmem(plan: LaunchPlan) -> None:
     """Raise ValueError when the plan needs more VMEM than ``VMEM_BUDGET``."""
     needed = vmem_bytes(plan)

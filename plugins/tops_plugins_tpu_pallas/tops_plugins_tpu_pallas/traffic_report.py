@@ -1,4 +1,4 @@
-"""Print the traffic and VMEM figures of both kernels for the benchmark shape, kernel-only and end to end.
+"""Print the traffic and VMEM figures of both kernels, forward and backward, for the benchmark shape.
 
     python -m tops_plugins_tpu_pallas.traffic_report
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tops_plugins_tpu_pallas import chunk, fused, varlen
+from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.traffic import VMEM_BUDGET, figures
 
@@ -49,6 +49,31 @@ def main() -> None:
     )
 
 
+def backward_report() -> None:
+    """Both backward kernels at K = V = 128 beside the floor, at T = 4096 and 32768, for a few segment lengths."""
+    floor, recomputation = 1792, 512  # read q, k, v, do, write dq, dk, dv; the states' forward walk reads k, v again
+    print(f"\nsimple_gla backward, B={B} H={H} K=V=128 bfloat16 with g_gamma; floor {floor} B/token, {floor + recomputation} with the states recomputed")
+    print(f"{'implementation':<58}{'T':>7}{'kernel':>9}{'vs floor':>10}{'vs floor+recomp.':>18}{'peak VMEM':>14}")
+    for seq_len in (4096, 32768):
+        for name, config in (
+            ("fused", fused.FusedConfig()), ("fused", fused.FusedConfig(chunk_size=64)),
+            ("fused", fused.FusedConfig(backward_num_steps=16)), ("fused", fused.FusedConfig(chunk_size=64, backward_num_steps=4)),
+            ("chunk", chunk.ChunkConfig()), ("chunk", chunk.ChunkConfig(chunk_size=64)),
+        ):
+            if name == "fused":
+                plans = backward_fused.fitted_plans(backward_fused.geometry_of(B, seq_len, H, 128, 128, config), jnp.bfloat16)
+                segment = plans[1].grid[-1]
+                label = f"fused C={config.chunk_size} backward_num_steps={config.backward_num_steps} ({seq_len // segment}-token segments)"
+            else:
+                plans = backward_split.plans(backward_split.geometry_of(B, seq_len, H, 128, 128, config), jnp.bfloat16)
+                label = f"chunk (split) C={config.chunk_size} num_steps={config.num_steps}"
+            f = figures(plans, B * seq_len * H)
+            print(
+                f"{label:<58}{seq_len:>7}{f.kernel_per_token:>9.1f}{f.kernel_per_token / floor:>9.3f}x"
+                f"{f.kernel_per_token / (floor + recomputation):>17.3f}x{f.peak_vmem / 2**20:>10.2f} MiB"
+            )
+
+
 def _packed() -> None:
     geometry = fused.geometry_of(1, PACKED_T, H, 128, 128, varlen.VarlenConfig())  # the default config of both
     tokens = PACKED_T * H
@@ -69,3 +94,4 @@ def _packed() -> None:
 
 if __name__ == "__main__":
     main()
+    backward_report()
