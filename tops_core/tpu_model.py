@@ -24,6 +24,11 @@ them (read off the compiled program) at HBM bandwidth, in two settings:
 - **in a layer**: ``q``, ``k``, ``v`` come from ``x @ W`` reshaped to heads, and ``o`` is reshaped back
   and projected, as in a model.
 
+An implementation with its own backward is modelled backward too: its backward alone (``op.backward``,
+its kernels modelled the same way), against the backward's floor, which reads ``q``, ``k``, ``v``,
+``do`` and writes ``dq``, ``dk``, ``dv`` once (any other gradient, and recomputing the forward's
+states, is above it).
+
 The floor time reads ``q``, ``k``, ``v`` and writes ``o`` once at HBM bandwidth. The per-generation
 constants (bandwidth, peak, clock, MXUs, VLIW slots) and their sources are in
 ``tpu_generations``. Not modelled: stalls (a DMA that is late, an MXU result not ready when
@@ -99,7 +104,10 @@ class Setting:
 
 @dataclasses.dataclass(frozen=True)
 class Modelled:
-    """One implementation compiled for the TPU: its kernels, the op alone and in a layer, and XLA's cost analysis of it alone."""
+    """One implementation compiled for the TPU: its kernels, the op alone and in a layer, and XLA's cost analysis of it alone.
+
+    ``backward_kernels`` and ``backward`` (alone): its own backward's, when it has one.
+    """
 
     implementation: str
     kernels: tuple[KernelModel, ...]
@@ -107,6 +115,8 @@ class Modelled:
     in_a_layer: Setting
     xla_bytes: float
     xla_flops: float
+    backward_kernels: tuple[KernelModel, ...] = ()
+    backward: Setting | None = None
 
     @property
     def limit(self) -> str:
@@ -146,9 +156,20 @@ class TpuModel:
     def floor_seconds(self) -> float:
         return self.floor_bytes / self.bandwidth
 
+    @property
+    def backward_floor_bytes(self) -> int:
+        """Read q, k, v, do and write dq, dk, dv once: ``B*T*H*(4K + 3V)`` elements."""
+        case = self.workload
+        return self.tokens * (4 * case.key_dim + 3 * case.value_dim) * jnp.dtype(case.dtype).itemsize
+
+    @property
+    def backward_floor_seconds(self) -> float:
+        return self.backward_floor_bytes / self.bandwidth
+
 
 def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = None, compiler: compile_only.DumpingCompiler | None = None) -> TpuModel:
-    """Model the workload's forward on a ``generation`` TPU with every TPU implementation (or ``names``).
+    """Model the workload's forward, and the backward of those that have their own, on a ``generation`` TPU
+    with every TPU implementation (or ``names``).
 
     ``compiler``: a ``DumpingCompiler`` to use (and keep open), for several models in a row; one of
     its own otherwise.
@@ -157,36 +178,50 @@ def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = Non
     contract = op(case.op)
     spec = case.spec("tpu", interpret=False)
     candidates = [
-        impl.name for impl in sorted(contract.implementations(), key=lambda impl: impl.name)
+        impl for impl in sorted(contract.implementations(), key=lambda impl: impl.name)
         if impl.name != REFERENCE and not impl.reasons(spec, "forward") and (not names or impl.name in names)
     ]
     rows, not_modelled, share = [], [], 1.0
     try:
         with contextlib.nullcontext(compiler) if compiler else compile_only.DumpingCompiler() as compiler:
-            for name in candidates:
-                alone = compiler.compile(generation, f"{__name__}:program", case=case_json(case), implementation=name, setting="alone")
-                if not alone.kernels:
-                    not_modelled.append((name, "no Mosaic kernel to read"))
+            for impl in candidates:
+                def compiled(setting: str) -> compile_only.Dumped:
+                    return compiler.compile(generation, f"{__name__}:program", case=case_json(case), implementation=impl.name, setting=setting)
+
+                try:
+                    alone = compiled("alone")
+                    if not alone.kernels:
+                        not_modelled.append((impl.name, "no Mosaic kernel to read"))
+                        continue
+                    own_backward = impl.backward is not None and not impl.reasons(spec, "backward")
+                    dumped = (alone, compiled("in a layer"), compiled("backward") if own_backward else None)
+                except RuntimeError as error:  # the compiler's own words, e.g. the program needs more HBM than the chip has
+                    not_modelled.append((impl.name, f"does not compile: {str(error).strip().splitlines()[-1][:200]}"))
                     continue
-                in_layer = compiler.compile(generation, f"{__name__}:program", case=case_json(case), implementation=name, setting="in a layer")
                 share = alone.cores / tpu.tensorcores
-                rows.append(_modelled(name, tpu, share, alone, in_layer))
+                rows.append(_modelled(impl.name, tpu, share, *dumped))
     except compile_only.CompileOnlyUnavailable as error:
         return TpuModel(case, tpu, (), (), unavailable=str(error))
     return TpuModel(case, tpu, tuple(rows), tuple(not_modelled), share=share)
 
 
-def _modelled(name: str, tpu: TpuGeneration, share: float, alone: compile_only.Dumped, in_layer: compile_only.Dumped) -> Modelled:
+def _modelled(name: str, tpu: TpuGeneration, share: float, alone: compile_only.Dumped, in_layer: compile_only.Dumped, backward: compile_only.Dumped | None) -> Modelled:
     bandwidth, peak = tpu.hbm_bytes_per_second * share, tpu.peak_bf16_flops * share
-    costs = dict(alone.facts.kernel_costs)
-    kernels = tuple(_kernel(tpu, kernel, costs[kernel.name].bytes_accessed, bandwidth, peak, alone.cores) for kernel in alone.kernels)
-    kernel_seconds = sum(kernel.seconds for kernel in kernels)
 
-    def setting(facts: compile_only.ProgramFacts) -> Setting:
+    def kernels_of(dumped: compile_only.Dumped) -> tuple[KernelModel, ...]:
+        costs = dict(dumped.facts.kernel_costs)
+        return tuple(_kernel(tpu, kernel, costs[kernel.name].bytes_accessed, bandwidth, peak, dumped.cores) for kernel in dumped.kernels)
+
+    def setting(facts: compile_only.ProgramFacts, kernels: tuple[KernelModel, ...]) -> Setting:
         copy_seconds = facts.relayout_bytes / bandwidth
-        return Setting(len(facts.relayouts), facts.hbm_bytes, copy_seconds, kernel_seconds + copy_seconds)
+        return Setting(len(facts.relayouts), facts.hbm_bytes, copy_seconds, sum(kernel.seconds for kernel in kernels) + copy_seconds)
 
-    return Modelled(name, kernels, setting(alone.facts), setting(in_layer.facts), alone.facts.bytes_accessed, alone.facts.flops)
+    kernels = kernels_of(alone)
+    modelled = Modelled(name, kernels, setting(alone.facts, kernels), setting(in_layer.facts, kernels), alone.facts.bytes_accessed, alone.facts.flops)
+    if backward is None:
+        return modelled
+    backward_kernels = kernels_of(backward)
+    return dataclasses.replace(modelled, backward_kernels=backward_kernels, backward=setting(backward.facts, backward_kernels))
 
 
 def _kernel(tpu: TpuGeneration, kernel: tpu_llo.DumpedKernel, hbm_bytes: int, bandwidth: float, peak: float, cores: int) -> KernelModel:
@@ -213,13 +248,19 @@ def _kernel(tpu: TpuGeneration, kernel: tpu_llo.DumpedKernel, hbm_bytes: int, ba
 
 
 def program(case: dict[str, Any], implementation: str, setting: str) -> tuple[Any, ...]:
-    """The workload's forward forced to ``implementation``, alone or in a layer, and its abstract arguments (``DumpingCompiler``'s factory)."""
+    """The workload's forward forced to ``implementation``, alone or in a layer, or its backward alone, and the
+    abstract arguments (``DumpingCompiler``'s factory)."""
     case = Case(**{
         **case, "features": frozenset(case["features"]), "ndims": tuple(tuple(pair) for pair in case["ndims"]),
         "seqlens": None if case["seqlens"] is None else tuple(case["seqlens"]),
         "config": tuple(tuple(pair) for pair in case["config"]),
     })
     arrays, static = _arguments(case)
+    if setting == "backward":
+        options = {name: value for name, value in static.items() if name != "output_final_state"}
+        backward = functools.partial(op(case.op).backward, **options, implementation=implementation)
+        do = jax.ShapeDtypeStruct((case.batch, case.seq_len, case.heads, case.value_dim), jnp.dtype(case.dtype))
+        return (lambda arrays, do: backward(**arrays, do=do), arrays, do)
     forward = functools.partial(op(case.op).forward, **static, implementation=implementation)
     if setting == "alone":
         return (lambda arrays: forward(**arrays), arrays)
@@ -275,11 +316,12 @@ def format_model(model: TpuModel) -> str:
     floor, tokens = model.floor_bytes, model.tokens
     lines = [title, ""]
     if model.rows:
-        kernels = [("implementation", "kernel", "B/token", "cycles/token", "MXU rows/token", "HBM", "issue", "MXU", "modelled", "limit")]
+        kernels = [("implementation", "pass", "kernel", "B/token", "cycles/token", "MXU rows/token", "HBM", "issue", "MXU", "modelled", "limit")]
         for row in model.rows:
-            for index, kernel in enumerate(row.kernels):
+            passes = [("forward", kernel) for kernel in row.kernels] + [("backward", kernel) for kernel in row.backward_kernels]
+            for index, (direction, kernel) in enumerate(passes):
                 kernels.append((
-                    row.implementation if index == 0 else "", kernel.name, f"{kernel.hbm_bytes / tokens:.0f}",
+                    row.implementation if index == 0 else "", direction, kernel.name, f"{kernel.hbm_bytes / tokens:.0f}",
                     f"{kernel.cycles * model.cores / tokens:.2f}", f"{kernel.counts.mxu_rows / tokens:.2f}",
                     _time(kernel.hbm_seconds), _time(kernel.issue_seconds), _time(kernel.mxu_seconds), _time(kernel.seconds),
                     kernel.describe_limit(),
@@ -294,6 +336,19 @@ def format_model(model: TpuModel) -> str:
                 f"{row.xla_bytes / tokens:.0f} B/token, {row.xla_flops / 1e9:.1f} GFLOP",
             ))
         lines += [*_table(kernels), "", *_table(ops), ""]
+        backwards = [("implementation", "backward: copies alone", "B/token alone", "modelled alone", "its kernels", "forward+backward in a layer")]
+        for row in model.rows:
+            if row.backward is not None:
+                kernels_seconds = row.backward.seconds - row.backward.copy_seconds
+                backwards.append((
+                    row.implementation, str(row.backward.copies),
+                    f"{row.backward.bytes / tokens:.0f} ({row.backward.bytes / model.backward_floor_bytes:.2f}x)",
+                    f"{_time(row.backward.seconds)} ({row.backward.seconds / model.backward_floor_seconds:.2f}x)",
+                    f"{_time(kernels_seconds)} ({kernels_seconds / model.backward_floor_seconds:.2f}x)",
+                    _time(row.in_a_layer.seconds + kernels_seconds),
+                ))
+        if len(backwards) > 1:
+            lines += [*_table(backwards), ""]
     per_core = " per TensorCore" if model.share < 1 else ""
     lines += [
         f"Floor (read q, k, v and write o once): {floor / tokens:.0f} B/token, {_time(model.floor_seconds)} at "
@@ -304,6 +359,12 @@ def format_model(model: TpuModel) -> str:
         "Per op: its kernels plus the relayout copies XLA adds around them at HBM bandwidth; alone: q, k, v, o are [B, T, H, D] "
         "parameters; in a layer: between x @ W projections. XLA's count: its own cost analysis of the op alone.",
     ]
+    if any(row.backward is not None for row in model.rows):
+        lines.append(
+            f"Backward (an implementation's own): alone, its kernels and the copies around them; (x) is against its floor (read q, k, v, "
+            f"do and write dq, dk, dv once): {model.backward_floor_bytes / tokens:.0f} B/token, {_time(model.backward_floor_seconds)}. "
+            "Forward+backward in a layer: the forward in a layer and the backward's kernels."
+        )
     lines += [f"{name}: not modelled ({why})." for name, why in model.not_modelled]
     if not model.rows and not model.not_modelled:
         lines.append("No implementation supports this workload natively on TPU (see `tops explain --platform tpu`).")
@@ -321,6 +382,7 @@ def model_json(model: TpuModel) -> dict[str, Any]:
     document: dict[str, Any] = {
         "generation": tpu.name, "workload": case_json(case), "tokens": model.tokens, "unavailable": model.unavailable,
         "floor_bytes_per_token": model.floor_bytes / model.tokens, "floor_seconds": model.floor_seconds,
+        "backward_floor_bytes_per_token": model.backward_floor_bytes / model.tokens, "backward_floor_seconds": model.backward_floor_seconds,
         "bandwidth_bytes_per_second": model.bandwidth, "clock_hz": tpu.clock_hz,
         "not_modelled": [{"implementation": name, "why": why} for name, why in model.not_modelled],
         "implementations": [],
@@ -329,15 +391,7 @@ def model_json(model: TpuModel) -> dict[str, Any]:
         document["implementations"].append({
             "implementation": row.implementation,
             "limit": row.limit,
-            "kernels": [
-                {
-                    "kernel": kernel.name, "grid_steps": kernel.grid_steps, "bytes_per_token": kernel.hbm_bytes / model.tokens,
-                    "cycles": kernel.cycles, "counts": dataclasses.asdict(kernel.counts),
-                    "hbm_seconds": kernel.hbm_seconds, "issue_seconds": kernel.issue_seconds, "mxu_seconds": kernel.mxu_seconds,
-                    "modelled_seconds": kernel.seconds, "limit": kernel.describe_limit(),
-                }
-                for kernel in row.kernels
-            ],
+            "kernels": [_kernel_json(kernel, model.tokens) for kernel in row.kernels],
             **{
                 key: {
                     "copies": setting.copies, "bytes_per_token": setting.bytes / model.tokens,
@@ -346,5 +400,23 @@ def model_json(model: TpuModel) -> dict[str, Any]:
                 for key, setting in (("alone", row.alone), ("in_a_layer", row.in_a_layer))
             },
             "xla_bytes": row.xla_bytes, "xla_flops": row.xla_flops,
+            "backward": None if row.backward is None else {
+                "kernels": [_kernel_json(kernel, model.tokens) for kernel in row.backward_kernels],
+                "alone": {
+                    "copies": row.backward.copies, "bytes_per_token": row.backward.bytes / model.tokens,
+                    "modelled_seconds": row.backward.seconds, "times_floor": row.backward.seconds / model.backward_floor_seconds,
+                },
+                "kernels_seconds": row.backward.seconds - row.backward.copy_seconds,
+                "kernels_times_floor": (row.backward.seconds - row.backward.copy_seconds) / model.backward_floor_seconds,
+            },
         })
     return document
+
+
+def _kernel_json(kernel: KernelModel, tokens: int) -> dict[str, Any]:
+    return {
+        "kernel": kernel.name, "grid_steps": kernel.grid_steps, "bytes_per_token": kernel.hbm_bytes / tokens,
+        "cycles": kernel.cycles, "counts": dataclasses.asdict(kernel.counts),
+        "hbm_seconds": kernel.hbm_seconds, "issue_seconds": kernel.issue_seconds, "mxu_seconds": kernel.mxu_seconds,
+        "modelled_seconds": kernel.seconds, "limit": kernel.describe_limit(),
+    }

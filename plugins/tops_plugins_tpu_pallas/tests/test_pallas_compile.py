@@ -195,10 +195,17 @@ def test_bench_models_both_kernels_on_tpu(worker):
     text = worker.ask({"bench": {"shape": [2, 1024, 4, 128, 128], "dtype": "bfloat16", "features": ["g_gamma"], "generation": "v5e"}})["text"]
     lines = text.splitlines()
     assert lines[0].startswith("Modelled on TPU v5e (a model, nothing ran; compiled for a compile-only device)")
-    kernel, op = [line for line in lines if line.startswith("tpu_pallas.fused")]  # the kernel table, then the op table
-    assert "simple_gla_fused" in kernel and kernel.split()[2] == "1024"  # the kernel's bytes per token: the floor
+    kernel, op, backward = [line for line in lines if line.startswith("tpu_pallas.fused")]  # kernel, op and backward tables
+    assert "forward" in kernel and "simple_gla_fused" in kernel and kernel.split()[3] == "1024"  # its bytes per token: the floor
     assert any(limit in kernel for limit in ("HBM", "issue", "MXU"))
     assert "4 / 0" in op and "1024 (1.00x)" in op  # in a layer: the floor
+    fused = lines.index(kernel)
+    backward_kernels = [line.split()[1] for line in lines[fused + 1:fused + 3]]
+    assert all(line.split()[0] == "backward" for line in lines[fused + 1:fused + 3]), lines[fused:fused + 3]
+    assert backward_kernels == ["simple_gla_backward_checkpoints.1", "simple_gla_fused_backward.1"]
+    # The two backward kernels' bytes per token add up to the backward's traffic (2436 B/token at these sizes).
+    assert sum(int(line.split()[2]) for line in lines[fused + 1:fused + 3]) == 2436
+    assert "Backward (an implementation's own)" in text and "1792 B/token" in text
     assert any(line.startswith("tpu_pallas.chunk") for line in lines)
     assert "xla.chunk: not modelled" in text
 
