@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -60,28 +56,19 @@ def _expected_results(case: dict) -> set[str]:
 
 
 class Worker:
-    """The process with 8 CPU devices: one JSON request per line in, one JSON answer per line out."""
+    """The process with 8 CPU devices (``sharded_worker.py``): one JSON request per line in, one JSON answer per line out."""
 
     def __init__(self, *arguments: str):
-        environment = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-        if not compile_only.tpu_attached():
-            environment = {**compile_only.NO_TPU_ENVIRONMENT, **environment}
-        self.stderr = tempfile.TemporaryFile(mode="w+")
+        script = str(Path(__file__).with_name("sharded_worker.py"))
+        self.process = compile_only.LineWorker([script, *arguments], {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
         self.answers: dict[str, dict] = {}
-        self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("sharded_worker.py")), *arguments],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=environment,
-        )
 
     def ask(self, kind: str, case: dict, *, failing: bool = False) -> dict:
         request = json.dumps({kind: case}, sort_keys=True)
         if request not in self.answers:  # tests asking the same question share the (slow) answer
-            self.process.stdin.write(request + "\n")
-            self.process.stdin.flush()
-            line = self.process.stdout.readline()
-            if not line:
-                self.stderr.seek(0)
-                pytest.fail(f"the worker stopped:\n{self.stderr.read()[-4000:]}")
+            line = self.process.ask(request)
+            if line is None:
+                pytest.fail(f"the worker stopped:\n{self.process.stderr_tail()}")
             self.answers[request] = json.loads(line)
         answer = self.answers[request]
         if ("error" in answer) != failing:
@@ -89,9 +76,7 @@ class Worker:
         return answer
 
     def close(self):
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-        self.stderr.close()
+        self.process.close()
 
 
 @pytest.fixture(scope="module")

@@ -276,6 +276,41 @@ class Dumped:
     cores: int
 
 
+class LineWorker:
+    """A Python child process on CPU (libtpu's no-TPU environment unless a TPU is attached): one request
+    per line in, one answer per line out.
+
+    ``DumpingCompiler`` and the tests' workers use it to keep libtpu (its dump flags, its start-up
+    warnings) or a host device count out of the calling process. ``command``: the interpreter's
+    arguments (a script or ``-m module``); ``environment``: variables over the caller's.
+    """
+
+    def __init__(self, command: list[str], environment: dict[str, str] | None = None):
+        variables = {**os.environ, "JAX_PLATFORMS": "cpu", **(environment or {})}
+        if not tpu_attached():
+            variables = {**NO_TPU_ENVIRONMENT, **variables}
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._process = subprocess.Popen(
+            [sys.executable, *command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=variables,
+        )
+
+    def ask(self, request: str) -> str | None:
+        """The answer line to ``request`` (one line), or None when the process has stopped (``stderr_tail`` says why)."""
+        self._process.stdin.write(request + "\n")
+        self._process.stdin.flush()
+        return self._process.stdout.readline() or None
+
+    def stderr_tail(self, size: int = 4000) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()[-size:]
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            self._process.wait(timeout=60)
+        self._stderr.close()
+
+
 class DumpingCompiler:
     """Compiles for compile-only TPUs in a child process whose libtpu dumps every Mosaic kernel (``tpu_llo``).
 
@@ -289,22 +324,12 @@ class DumpingCompiler:
 
     def __init__(self):
         self.directory = tempfile.mkdtemp(prefix="tops-tpu-dump-")
-        environment = {**os.environ, "JAX_PLATFORMS": "cpu", "LIBTPU_INIT_ARGS": tpu_llo.dump_flags(self.directory)}
-        if not tpu_attached():
-            environment = {**NO_TPU_ENVIRONMENT, **environment}
-        self._stderr = tempfile.TemporaryFile(mode="w+")
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "tops_core.compile_only"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=environment,
-        )
+        self._worker = LineWorker(["-m", "tops_core.compile_only"], {"LIBTPU_INIT_ARGS": tpu_llo.dump_flags(self.directory)})
 
     def compile(self, generation: str, factory: str, **arguments: Any) -> Dumped:
-        self._process.stdin.write(json.dumps({"generation": generation, "factory": factory, "arguments": arguments}) + "\n")
-        self._process.stdin.flush()
-        line = self._process.stdout.readline()
-        if not line:
-            self._stderr.seek(0)
-            raise CompileOnlyUnavailable(f"the dumping compiler stopped: {self._stderr.read()[-2000:]}")
+        line = self._worker.ask(json.dumps({"generation": generation, "factory": factory, "arguments": arguments}))
+        if line is None:
+            raise CompileOnlyUnavailable(f"the dumping compiler stopped: {self._worker.stderr_tail(2000)}")
         reply = pickle.loads(base64.b64decode(line))
         if isinstance(reply, CompileOnlyUnavailable):
             raise reply
@@ -313,10 +338,7 @@ class DumpingCompiler:
         return reply
 
     def close(self) -> None:
-        if self._process.poll() is None:
-            self._process.stdin.close()
-            self._process.wait(timeout=60)
-        self._stderr.close()
+        self._worker.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def __enter__(self) -> DumpingCompiler:

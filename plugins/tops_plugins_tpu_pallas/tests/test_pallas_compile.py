@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -95,34 +91,22 @@ def _label(call: dict) -> str:
 
 
 class Worker:
-    """The compiling process: one JSON request per line in, one JSON answer per line out."""
+    """The compiling process (``compile_worker.py``): one JSON request per line in, one JSON answer per line out."""
 
     def __init__(self):
-        environment = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        if not compile_only.tpu_attached():
-            environment = {**compile_only.NO_TPU_ENVIRONMENT, **environment}
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("compile_worker.py"))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=environment,
-        )
+        self.process = compile_only.LineWorker([str(Path(__file__).with_name("compile_worker.py"))])
 
     def ask(self, request: dict) -> dict:
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            self.stderr.seek(0)
-            pytest.fail(f"the compile worker stopped:\n{self.stderr.read()[-4000:]}")
+        line = self.process.ask(json.dumps(request))
+        if line is None:
+            pytest.fail(f"the compile worker stopped:\n{self.process.stderr_tail()}")
         answer = json.loads(line)
         if "error" in answer:
             pytest.fail(f"compiling {request} failed:\n{answer['error']}")
         return answer
 
     def close(self):
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-        self.stderr.close()
+        self.process.close()
 
 
 @pytest.fixture(scope="module")
