@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, varlen
+from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.traffic import VMEM_BUDGET, figures
 
@@ -90,6 +90,27 @@ def _packed() -> None:
             f"{stateful.kernel_per_token:>10.1f}{stateful.peak_vmem / 2**20:>10.2f} MiB"
         )
     print("+ states: with initial_state and the final state, N float32 states each way (the caller's data)")
+    _packed_backward()
+
+
+def _packed_backward() -> None:
+    geometry = backward_fused.geometry_of(1, PACKED_T, H, 128, 128, varlen.VarlenConfig())  # 1024-token segments
+    tokens = PACKED_T * H
+    alone = figures(backward_fused.fitted_plans(geometry, jnp.bfloat16), tokens)
+    print(f"\npacked backward: the same call's gradients (checkpoints and gradients kernels), bytes per token and head")
+    print(f"{'implementation':<40}{'kernel':>9}{'vs fused':>10}{'+ states':>10}{'peak VMEM':>14}")
+    print(f"{'tpu_pallas.fused backward (unpacked)':<40}{alone.kernel_per_token:>9.2f}{1:>9.4f}x{'':>10}{alone.peak_vmem / 2**20:>10.2f} MiB")
+    for num_seqs in PACKED_NUM_SEQS:
+        packed = figures(backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), tokens)
+        stateful = figures(
+            backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), tokens,
+        )
+        label = f"tpu_pallas.varlen backward N={num_seqs}"
+        print(
+            f"{label:<40}{packed.kernel_per_token:>9.2f}{packed.kernel_per_token / alone.kernel_per_token:>9.4f}x"
+            f"{stateful.kernel_per_token:>10.1f}{stateful.peak_vmem / 2**20:>10.2f} MiB"
+        )
+    print("+ states: initial_state read up to 3 times (checkpoints, and the gradients kernel twice), dht read, dinitial_state written")
 
 
 if __name__ == "__main__":
