@@ -161,7 +161,7 @@ def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
 def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
-    C = geometry.chunk_size
+    C, K, V = geometry.chunk_size, geometry.padded_key_dim, geometry.padded_value_dim
     cu = refs["cu_seqlens"]
     states = _sequence_states(refs, head, geometry)
     with_decay = "da" in refs
@@ -172,7 +172,10 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
     forward_step = geometry.time_steps - 1 - step
     constant = constant_gates(refs, head, geometry)
     chunks = step_chunks(geometry, forward_step)
-    number_of = lambda chunk: forward_step * geometry.chunks_per_step + chunk.index  # noqa: E731
+
+    def number_of(chunk) -> jax.Array:
+        return forward_step * geometry.chunks_per_step + chunk.index
+
     state = refs["checkpoints"][0]
     refs["states"][0] = state
     for chunk in chunks[:-1]:
@@ -206,7 +209,6 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
             piece_end = jnp.where(piece.inside, piece.end, piece_end)
             return reads, writes, values, across, piece_start, piece_end, dentering
 
-        K, V = geometry.padded_key_dim, geometry.padded_value_dim
         start = (
             jnp.zeros((C, K), _F32), jnp.zeros((C, K), _F32), jnp.zeros((C, V), _F32), jnp.zeros((1, C), _F32),
             jnp.zeros((C, 1), jnp.int32), jnp.full((C, 1), C, jnp.int32), dstate,
