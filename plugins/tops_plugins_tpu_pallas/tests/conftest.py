@@ -92,6 +92,7 @@ def reference_gradients():
     """``reference_gradients(inputs, do, dht)`` -> float64 gradients (a dict by input name) from ``ref.recurrent``.
 
     The VJP of ``(o, final_state)`` for cotangents ``do`` and ``dht``; x64 switched on as in ``reference``.
+    ``inputs`` may hold ``cu_seqlens`` (packed), which has no gradient.
     """
     pytest.importorskip("tops_plugins_ref")
 
@@ -99,8 +100,11 @@ def reference_gradients():
         previous = jax.config.jax_enable_x64
         jax.config.update("jax_enable_x64", True)
         try:
-            args = {n: jnp.asarray(x, jnp.float64) for n, x in inputs.items()}
-            _, vjp = jax.vjp(lambda a: tops_core.op("simple_gla").forward(**a, output_final_state=True, implementation="ref.recurrent"), args)
+            args = {n: jnp.asarray(x, jnp.float64) for n, x in inputs.items() if n != "cu_seqlens"}
+            packed = {"cu_seqlens": jnp.asarray(inputs["cu_seqlens"])} if "cu_seqlens" in inputs else {}
+            _, vjp = jax.vjp(
+                lambda a: tops_core.op("simple_gla").forward(**a, **packed, output_final_state=True, implementation="ref.recurrent"), args,
+            )
             (grads,) = vjp((jnp.asarray(do, jnp.float64), jnp.asarray(dht, jnp.float64)))
             return {n: np.asarray(x) for n, x in grads.items()}
         finally:

@@ -229,8 +229,11 @@ def test_varlen_forward_compiles_with_traced_cu_seqlens(worker, call):
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 
 
-def test_varlen_gradient_compiles_with_the_paired_backward(worker):
-    call = {**VARLEN_CALLS[1], "kernel": "varlen", "B": 1, "H": 3, "gradient": True}
-    facts = worker.ask({"call": call})
-    assert facts["kernels"] == 1
-    assert facts["implementations"] == ["tpu_pallas.varlen.forward", "xla.chunk.backward"]
+@pytest.mark.parametrize("call", [VARLEN_CALLS[1], VARLEN_CALLS[3], {**VARLEN_CALLS[2], "generation": "v6e"}], ids=lambda call: f"{call['generation']}-N{call['num_seqs']}-{call['dtype']}")
+def test_varlen_gradient_compiles_to_its_own_backward(worker, call):
+    # jax.grad through the packed op lowered for TPU with traced cu_seqlens: varlen's forward and its own
+    # two backward kernels, nothing of xla.chunk's backward.
+    facts = worker.ask({"call": {**call, "kernel": "varlen", "B": 1, "H": 3, "gradient": True}})
+    assert facts["kernels"] == 1 + 2
+    assert facts["implementations"] == ["tpu_pallas.varlen.backward", "tpu_pallas.varlen.forward"]
+    assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 import tops_core
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, traffic, varlen
+from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, traffic, varlen
 from tops_plugins_tpu_pallas.launch import Blocked, DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -214,3 +214,25 @@ def test_varlen_moves_what_fused_moves_whatever_the_number_of_sequences(num_seqs
     # The states are the caller's data: N of them each way, as fused moves for B = N rows.
     stateful = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H)
     assert stateful.kernel_bytes - packed.kernel_bytes == 2 * num_seqs * H * 128 * 128 * 4
+
+
+@pytest.mark.parametrize("num_seqs", [1, 16, 256])
+def test_varlen_backward_moves_what_the_fused_backward_moves_whatever_the_number_of_sequences(num_seqs):
+    # B = 1, T = 8192 packed, H = 16, K = V = 128, bf16, g_gamma, the default config (1024-token segments):
+    # both kernels of each backward move the same blocks; varlen's two add the SMEM boundaries, N + 1 of them
+    # and two sequence numbers per chunk, each.
+    T, H = 8192, 16
+    config = varlen.VarlenConfig()
+    geometry = backward_fused.geometry_of(1, T, H, 128, 128, config)
+    packed = traffic.figures(backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), T * H)
+    alone = traffic.figures(backward_fused.fitted_plans(geometry, jnp.bfloat16), T * H)
+    assert packed.kernel_bytes == alone.kernel_bytes + 2 * ((num_seqs + 1) * 4 + 2 * (T // 128) * 4)
+    assert packed.kernel_per_token <= 1.10 * alone.kernel_per_token
+    assert packed.peak_vmem <= traffic.VMEM_BUDGET
+    # With states: initial_state read by the checkpoints (once) and the gradients kernel (at most twice:
+    # where its sequence starts, and where a segment's states are recomputed), dht read and dinitial_state
+    # written once; float32, N of each.
+    stateful = traffic.figures(
+        backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H,
+    )
+    assert stateful.kernel_bytes - packed.kernel_bytes == (1 + 2 + 1 + 1) * num_seqs * H * 128 * 128 * 4

@@ -1,8 +1,7 @@
 """Pallas TPU kernels for the tops ops: ``tpu_pallas.fused``, ``tpu_pallas.chunk`` and, for packed
 sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla).
 
-``fused`` and ``chunk`` have their own backward (``backward_fused``, ``backward_split``);
-``varlen`` is forward-only (the dispatcher pairs it with another plugin's backward). All run
+Each has its own backward (``backward_fused``, ``backward_split``, ``backward_varlen``). All run
 natively on TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere else.
 """
 
@@ -10,7 +9,7 @@ natively on TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere
 import jax
 import tops_core
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, traffic, varlen
+from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, traffic, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 
 TOPS_CORE_API_VERSION = 1
@@ -94,6 +93,11 @@ def _varlen_plans(geometry: Geometry, dtype, **inputs):
     return varlen.fitted_plans(geometry, dtype, 1, **inputs)
 
 
+def _varlen_backward_plans(geometry: Geometry, dtype, **inputs):
+    """varlen's backward plans for one sequence (VMEM independent of N, as the forward's)."""
+    return backward_varlen.fitted_plans(geometry, dtype, 1, **inputs)
+
+
 def _varlen_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
     """200: the Pallas kernel for packed sequences (fused and chunk do not take cu_seqlens)"""
     return 200, f"packed input, N = {spec.num_seqs} sequences: the one Pallas kernel that takes cu_seqlens"
@@ -144,16 +148,22 @@ VARLEN = tops_core.Implementation(
     op="simple_gla",
     name="varlen",
     forward=varlen.forward,
-    capabilities=_capabilities(_fits_vmem(varlen.VarlenConfig(), (fused.geometry_of, _varlen_plans)), packed=True),
+    backward=backward_varlen.backward,
+    capabilities=_capabilities(
+        _fits_vmem(varlen.VarlenConfig(), (fused.geometry_of, _varlen_plans), (backward_varlen.geometry_of, _varlen_backward_plans)), packed=True,
+    ),
     priority=_varlen_priority,
     config=varlen.VarlenConfig(),
-    description="one pallas_call over packed sequences: cu_seqlens in SMEM, state reset at every boundary",
+    description=(
+        "one pallas_call over packed sequences: cu_seqlens in SMEM, state reset at every boundary; "
+        "backward: fused's two walks, dS reset to dht at every sequence end and written to dinitial_state at its start"
+    ),
 )
 
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register the simple_gla kernels (fused and chunk with their own backward, varlen forward-only)."""
+    """Register the simple_gla kernels, each with its own backward."""
     register(FUSED)
     register(CHUNK)
     register(VARLEN)

@@ -109,7 +109,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     for chunk in reversed(chunks):
         gates = chunk.gates(refs, head, constant)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
-        attention = gradients.attention(gates, q, k)
+        attention = gradients.attention(gates.decays, q, k)
         refs["dv"][chunk.rows, :] = gradients.value_gradient(gates, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
         dq, dk, da = gradients.query_key_gradients(gates, attention, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs)
         refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)

@@ -105,7 +105,7 @@ def _state_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: 
         gates = chunk.gates(refs, head, constant)
         q, k, do = (chunk.read(refs[name]) for name in ("q", "k", "do"))
         refs["dstates"][chunk.index] = dstate
-        attention = gradients.attention(gates, q, k)
+        attention = gradients.attention(gates.decays, q, k)
         refs["dv"][chunk.rows, :] = gradients.value_gradient(gates, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
         dstate = gradients.state_gradient_entering(gates, q, do, dstate, scale)
     refs["dstate"][...] = dstate
@@ -121,7 +121,7 @@ def _query_key_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, sca
     for chunk in step_chunks(geometry, step):
         gates = chunk.gates(refs, head, constant)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
-        attention = gradients.attention(gates, q, k)
+        attention = gradients.attention(gates.decays, q, k)
         dq, dk, da = gradients.query_key_gradients(
             gates, attention, q, k, v, do, refs["checkpoints"][chunk.index], refs["dstates"][chunk.index], scale, "da" in refs
         )

@@ -209,15 +209,34 @@ def finish_state_gradient(refs: dict, step, geometry: Geometry) -> None:
 # -- one chunk --------------------------------------------------------------------------------------
 
 
-def attention(gates: ChunkGates, q, k) -> jax.Array:
-    """The forward's masked, decayed ``(C, C)`` scores ``D_ij (q_i . k_j)`` (unscaled, float32)."""
-    return matmul(q, k, mxu_operand_dtype(q.dtype), _ROWS_BY_ROWS) * gates.decays
+def attention(decays, q, k) -> jax.Array:
+    """The forward's masked, decayed ``(C, C)`` scores ``D_ij (q_i . k_j)`` (unscaled, float32); ``decays`` is ``D``."""
+    return matmul(q, k, mxu_operand_dtype(q.dtype), _ROWS_BY_ROWS) * decays
 
 
 def value_gradient(gates: ChunkGates, attention, k, do, dstate, scale: float) -> jax.Array:
     """``dv`` of the chunk's rows, float32 ``(C, V_pad)``; ``dstate`` is the gradient of the state leaving it."""
-    operands = mxu_operand_dtype(k.dtype)
-    return scale * matmul(attention, do, operands, _COLUMNS_BY_COLUMNS) + gates.key * matmul(k, dstate, operands)
+    return attention_value_gradient(attention, do, scale) + state_value_gradient(gates, k, dstate)
+
+
+def attention_value_gradient(attention, do, scale: float) -> jax.Array:
+    """The intra-chunk part of ``dv``: ``scale * sum_i D_ij (q_i . k_j) do_i``."""
+    return scale * matmul(attention, do, mxu_operand_dtype(do.dtype), _COLUMNS_BY_COLUMNS)
+
+
+def state_value_gradient(gates: ChunkGates, k, dstate) -> jax.Array:
+    """The state's part of ``dv``: ``exp(b_C - b_j) k_j dS`` (``gates.key`` is 0 on rows it does not decay into ``dstate``)."""
+    return gates.key * matmul(k, dstate, mxu_operand_dtype(k.dtype))
+
+
+def state_reads(gates: ChunkGates, do, entering) -> jax.Array:
+    """``(C, K)``: ``exp(b_i) do_i S^T``, what the rows' reading of the entering state adds to ``dq`` (before ``scale``)."""
+    return gates.query * matmul(do, entering, mxu_operand_dtype(do.dtype), _ROWS_BY_ROWS)
+
+
+def state_writes(gates: ChunkGates, v, dstate) -> jax.Array:
+    """``(C, K)``: ``exp(b_C - b_j) v_j dS^T``, what the rows' writing into the leaving state adds to ``dk``."""
+    return gates.key * matmul(v, dstate, mxu_operand_dtype(v.dtype), _ROWS_BY_ROWS)
 
 
 def query_key_gradients(
@@ -227,28 +246,46 @@ def query_key_gradients(
 
     ``entering`` is the forward state entering the chunk, ``dstate`` the gradient of the one leaving it.
     """
+    across = gates.chunk * jnp.sum(entering * dstate) if with_decay else None
+    return query_key_gradients_of(
+        gates.decays, attention, q, k, v, do, state_reads(gates, do, entering), state_writes(gates, v, dstate), across, scale,
+    )
+
+
+def query_key_gradients_of(
+    decays, attention, q, k, v, do, reads, writes, across, scale: float, pieces: tuple[jax.Array, jax.Array] | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """``dq``, ``dk`` and the decay gradient row (None when ``across`` is) from the state's terms of every row.
+
+    ``reads`` and ``writes`` are ``state_reads`` and ``state_writes`` of each row's own entering and
+    leaving state; ``across`` the decay of the state carried across, times ``sum(S * dS)``, for each
+    token (a ``(1, 1)`` for the whole chunk, or a ``(1, C)`` row). ``pieces``: where the chunk holds
+    pieces of several sequences, the first row and the end row of each row's piece (``(C, 1)``
+    int32 each); a token's decay then reaches only the rows of its own piece.
+    """
     operands = mxu_operand_dtype(q.dtype)
     C = q.shape[0]
     output_by_value = matmul(do, v, operands, _ROWS_BY_ROWS)  # (i, j): do_i . v_j
-    dattention = output_by_value * gates.decays
-    from_state = gates.query * matmul(do, entering, operands, _ROWS_BY_ROWS)  # (C, K): exp(b_i) do_i S^T
-    to_state = gates.key * matmul(v, dstate, operands, _ROWS_BY_ROWS)  # (C, K): exp(b_C - b_j) v_j dS^T
-    dq = scale * (matmul(dattention, k, operands) + from_state)
-    dk = scale * matmul(dattention, q, operands, _COLUMNS_BY_COLUMNS) + to_state
-    if not with_decay:
+    dattention = output_by_value * decays
+    dq = scale * (matmul(dattention, k, operands) + reads)
+    dk = scale * matmul(dattention, q, operands, _COLUMNS_BY_COLUMNS) + writes
+    if across is None:
         return dq, dk, None
 
     rows = lax.broadcasted_iota(jnp.int32, (C, C), 0)  # i (or j) along sublanes
     tokens = lax.broadcasted_iota(jnp.int32, (C, C), 1)  # t along lanes
-    pairs = scale * attention * output_by_value  # (i, j)
+    later, earlier = rows >= tokens, rows < tokens
+    if pieces is not None:
+        piece_start, piece_end = pieces
+        later, earlier = later & (tokens >= piece_start), earlier & (tokens < piece_end)
+    pairs = scale * attention * output_by_value  # (i, j); 0 between pieces, where decays is 0
     # (i, t): sum over j < t of pairs; then over i >= t. A 0/1 matrix in float32 keeps every term exact.
     keys_before = matmul(pairs, (rows < tokens).astype(_F32), _F32)
     within = jnp.sum(jnp.where(rows >= tokens, keys_before, 0.0), axis=0, keepdims=True)
-    query_reads_state = scale * jnp.sum(q.astype(_F32) * from_state, axis=1, keepdims=True)  # (C, 1), i
-    key_reaches_end = jnp.sum(k.astype(_F32) * to_state, axis=1, keepdims=True)  # (C, 1), j
-    later_queries = jnp.sum(jnp.where(rows >= tokens, query_reads_state, 0.0), axis=0, keepdims=True)
-    earlier_keys = jnp.sum(jnp.where(rows < tokens, key_reaches_end, 0.0), axis=0, keepdims=True)
-    across = gates.chunk * jnp.sum(entering * dstate)
+    query_reads_state = scale * jnp.sum(q.astype(_F32) * reads, axis=1, keepdims=True)  # (C, 1), i
+    key_reaches_end = jnp.sum(k.astype(_F32) * writes, axis=1, keepdims=True)  # (C, 1), j
+    later_queries = jnp.sum(jnp.where(later, query_reads_state, 0.0), axis=0, keepdims=True)
+    earlier_keys = jnp.sum(jnp.where(earlier, key_reaches_end, 0.0), axis=0, keepdims=True)
     return dq, dk, within + later_queries + earlier_keys + across
 
 

@@ -81,11 +81,12 @@ class Blocked(_Array):
 class InHbm(_Array):
     """An HBM array the kernel moves itself, region by region, with DMAs (``memory_space=pl.ANY``).
 
-    The traffic model cannot follow those copies; it counts the whole array moved once, which is
-    what a kernel that touches every region at most once moves at most. ``relayout`` as for ``Blocked``.
+    The traffic model cannot follow those copies; it counts the whole array moved ``moves`` times,
+    what a kernel that touches every region at most ``moves`` times moves at most. ``relayout`` as for ``Blocked``.
     """
 
     relayout: Relayout | None = None
+    moves: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,8 +86,8 @@ def kernel_traffic(plan: LaunchPlan) -> tuple[int, int]:
 
 
 def _whole_array_bytes(x: InHbm) -> int:
-    """What the kernel's own DMAs move of an ``InHbm`` array: every region at most once."""
-    return math.prod(x.shape) * _itemsize(x.dtype)
+    """What the kernel's own DMAs move of an ``InHbm`` array, at most: every region ``x.moves`` times."""
+    return x.moves * math.prod(x.shape) * _itemsize(x.dtype)
 
 
 def _changes(index: np.ndarray) -> np.ndarray:

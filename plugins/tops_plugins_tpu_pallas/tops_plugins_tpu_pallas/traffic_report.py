@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, varlen
+from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.traffic import VMEM_BUDGET, figures
 
@@ -75,21 +75,33 @@ def backward_report() -> None:
 
 
 def _packed() -> None:
-    geometry = fused.geometry_of(1, PACKED_T, H, 128, 128, varlen.VarlenConfig())  # the default config of both
-    tokens = PACKED_T * H
-    alone = figures(fused.fitted_plans(geometry, jnp.bfloat16), tokens)
+    config = varlen.VarlenConfig()  # the default config of fused and varlen: chunks of 128, all of V per block
     print(f"\npacked: B=1 T={PACKED_T} H={H} K=V=128 bfloat16, g_gamma, default config (C=128); N sequences in cu_seqlens (bytes per token and head)")
-    print(f"{'implementation':<32}{'kernel':>9}{'vs fused':>10}{'+ states':>10}{'peak VMEM':>14}")
-    print(f"{'tpu_pallas.fused (unpacked)':<32}{alone.kernel_per_token:>9.2f}{1:>9.4f}x{'':>10}{alone.peak_vmem / 2**20:>10.2f} MiB")
+    _packed_table(
+        "", fused.geometry_of(1, PACKED_T, H, 128, 128, config), fused.fitted_plans, varlen.fitted_plans,
+        "+ states: with initial_state and the final state, N float32 states each way (the caller's data)",
+    )
+    _packed_table(
+        " backward", backward_fused.geometry_of(1, PACKED_T, H, 128, 128, config), backward_fused.fitted_plans, backward_varlen.fitted_plans,
+        "+ states: initial_state read up to 3 times (checkpoints, and the gradients kernel twice), dht read, dinitial_state written",
+    )
+
+
+def _packed_table(direction: str, geometry: Geometry, fused_plans, varlen_plans, states_note: str) -> None:
+    """varlen's plans at N = 1, 16, 256 beside fused's for one unpacked sequence of the same T, in one direction."""
+    tokens = PACKED_T * H
+    alone = figures(fused_plans(geometry, jnp.bfloat16), tokens)
+    print(f"\n{'implementation':<40}{'kernel':>9}{'vs fused':>12}{'+ states':>10}{'peak VMEM':>14}")
+    print(f"{f'tpu_pallas.fused{direction} (unpacked)':<40}{alone.kernel_per_token:>9.2f}{1:>11.6f}x{'':>10}{alone.peak_vmem / 2**20:>10.2f} MiB")
     for num_seqs in PACKED_NUM_SEQS:
-        packed = figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), tokens)
-        stateful = figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), tokens)
-        label = f"tpu_pallas.varlen N={num_seqs}"
+        packed = figures(varlen_plans(geometry, jnp.bfloat16, num_seqs), tokens)
+        stateful = figures(varlen_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), tokens)
+        label = f"tpu_pallas.varlen{direction} N={num_seqs}"
         print(
-            f"{label:<32}{packed.kernel_per_token:>9.2f}{packed.kernel_per_token / alone.kernel_per_token:>9.4f}x"
+            f"{label:<40}{packed.kernel_per_token:>9.2f}{packed.kernel_per_token / alone.kernel_per_token:>11.6f}x"
             f"{stateful.kernel_per_token:>10.1f}{stateful.peak_vmem / 2**20:>10.2f} MiB"
         )
-    print("+ states: with initial_state and the final state, N float32 states each way (the caller's data)")
+    print(states_note)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ around the kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -36,7 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tops_plugins_tpu_pallas import blocks, fused
 from tops_plugins_tpu_pallas.chunkwise import (
-    _COLUMNS_BY_COLUMNS, _ROWS_BY_ROWS, Work, advance_state_work, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
+    _ROWS_BY_ROWS, LogDecays, Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
     constant_gates, gate_computations, gates_work, matmul, mxu_operand_dtype, step_chunks,
 )
 from tops_plugins_tpu_pallas.fused import FusedConfig
@@ -52,11 +53,26 @@ class VarlenConfig(FusedConfig):
     ``interpret`` (None: compile where lowered for a TPU, interpret elsewhere)."""
 
 
-def _sequence_state(name: str, geometry: Geometry, num_seqs: int, dtype) -> InHbm:
-    """``initial_state`` or ``final_state`` ``[N, H, K_pad, V_pad]``, moved one (sequence, head, value block) at a time by DMA."""
+def sequence_states(name: str, geometry: Geometry, num_seqs: int, dtype, moves: int = 1) -> InHbm:
+    """A per-sequence state ``[N, H, K_pad, V_pad]`` (``initial_state``, ``final_state`` or their gradients), moved one
+    (sequence, head, value block) at a time by DMA, each region at most ``moves`` times."""
     g = geometry
     relayout = Relayout((num_seqs, g.heads, g.key_dim, g.value_dim), dtype) if g.pads_state else None
-    return InHbm(name, (num_seqs, g.heads, g.padded_key_dim, g.padded_value_dim), dtype, relayout)
+    return InHbm(name, (num_seqs, g.heads, g.padded_key_dim, g.padded_value_dim), dtype, relayout, moves)
+
+
+def boundaries(geometry: Geometry, num_seqs: int) -> tuple[Scalars, Scalars, Scalars]:
+    """The SMEM scalars of a packed call: ``cu_seqlens`` and the first and last sequence of every chunk (``boundary_operands``)."""
+    return (
+        Scalars("cu_seqlens", (num_seqs + 1,), jnp.int32),
+        Scalars("first_sequence", (geometry.num_chunks,), jnp.int32), Scalars("last_sequence", (geometry.num_chunks,), jnp.int32),
+    )
+
+
+def boundary_operands(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> dict[str, jax.Array]:
+    """The arrays of ``boundaries``, by operand name."""
+    first_sequence, last_sequence = sequences_of_chunks(cu_seqlens, seq_len, chunk_size)
+    return dict(cu_seqlens=cu_seqlens, first_sequence=first_sequence, last_sequence=last_sequence)
 
 
 def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
@@ -68,11 +84,11 @@ def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_
     state_block = (g.padded_key_dim, g.value_block)
     scratch = [blocks.running_state(g), Scratch("leaving", state_block, _F32), DmaSemaphores("copies", 2)]
     if initial_state_dtype is not None:
-        inputs.append(_sequence_state("initial_state", g, num_seqs, initial_state_dtype))
+        inputs.append(sequence_states("initial_state", g, num_seqs, initial_state_dtype))
         scratch.append(Scratch("loaded", state_block, initial_state_dtype))
     outputs = [blocks.value_rows("o", g, dtype)]
     if output_final_state:
-        outputs.append(_sequence_state("final_state", g, num_seqs, _F32))
+        outputs.append(sequence_states("final_state", g, num_seqs, _F32))
     # Every segment runs the from-state and state-update matmuls of a whole chunk, masked, and
     # exponentiates its own decays (2 C + 1). Segments: one per chunk plus one per sequence starting
     # inside a chunk, at most N - 1 (the packing is traced, so this bound is what XLA is told).
@@ -86,10 +102,7 @@ def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_
         name="simple_gla_varlen",
         grid=blocks.grid(g),
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=(
-            blocks.decay(g), Scalars("cu_seqlens", (num_seqs + 1,), jnp.int32),
-            Scalars("first_sequence", (g.num_chunks,), jnp.int32), Scalars("last_sequence", (g.num_chunks,), jnp.int32),
-        ),
+        scalars=(blocks.decay(g), *boundaries(g, num_seqs)),
         inputs=tuple(inputs),
         outputs=tuple(outputs),
         scratch=tuple(scratch),
@@ -109,6 +122,95 @@ def _at_row(column: jax.Array, rows: jax.Array, row: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(rows == row, column, 0.0), axis=0, keepdims=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """The rows ``[start, end)`` of one chunk that packed sequence ``sequence`` covers, and the decays they apply.
+
+    ``query``, ``key`` and ``chunk`` are what ``ChunkGates``' fields are for a whole chunk, for the
+    piece alone, so ``chunkwise.advance_state`` and the ``gradients`` state terms take a piece where
+    they take a chunk's gates. Exponents are masked to the piece's rows before ``exp``.
+    """
+
+    sequence: jax.Array
+    start: jax.Array  # first row (0 when the sequence started before the chunk)
+    end: jax.Array  # end row (the chunk size when the sequence goes on past the chunk)
+    continuing: jax.Array  # the sequence started before the chunk: its state is carried in
+    ending: jax.Array  # the sequence ends inside the chunk (at its last row at the latest): its final state leaves here
+    inside: jax.Array  # (C, 1): the piece's rows
+    query: jax.Array  # (C, 1): exp(b_i - b_{start-1}) on the piece's rows, 0 elsewhere
+    key: jax.Array  # (C, 1): exp(b_{end-1} - b_j) on the piece's rows, 0 elsewhere
+    chunk: jax.Array  # (1, 1): exp(b_{end-1} - b_{start-1}), the decay over the whole piece
+
+    @classmethod
+    def of(cls, cu_seqlens, sequence: jax.Array, first: jax.Array, log: LogDecays) -> Piece:
+        """Sequence ``sequence``'s piece of the chunk whose first token is ``first`` (``log``: the chunk's log decays)."""
+        C = log.column.shape[0]
+        rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+        begins, ends = cu_seqlens[sequence], cu_seqlens[sequence + 1]
+        start, end = jnp.clip(begins - first, 0, C), jnp.clip(ends - first, 0, C)
+        inside = (rows >= start) & (rows < end)
+        before, last = _at_row(log.column, rows, start - 1), _at_row(log.column, rows, end - 1)
+        query = jnp.where(inside, jnp.exp(jnp.where(inside, log.column - before, 0.0)), 0.0)
+        key = jnp.where(inside, jnp.exp(jnp.where(inside, last - log.column, 0.0)), 0.0)
+        return cls(
+            sequence=sequence, start=start, end=end, continuing=begins < first, ending=ends <= first + C,
+            inside=inside, query=query, key=key, chunk=jnp.exp(last - before),
+        )
+
+    @property
+    def is_empty(self) -> jax.Array:
+        return self.end <= self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceStates:
+    """The per-sequence state arrays ``[N, H, K_pad, V_pad]`` a grid point (head, value block) moves by DMA, one region at a time.
+
+    A kernel touches a region only at a sequence's start or end, never from a block index map:
+    the boundaries are traced, and a region of every sequence per grid step would be most of the traffic.
+    """
+
+    refs: dict
+    head: jax.Array
+    block: jax.Array
+    value_block: int
+    shape: tuple[int, int]  # (K_pad, value block)
+
+    def _region(self, name: str, sequence: jax.Array):
+        Vb = self.value_block
+        return self.refs[name].at[sequence, self.head, :, pl.ds(pl.multiple_of(self.block * Vb, Vb), Vb)]
+
+    def load(self, name: str, buffer: str, sequence: jax.Array, when: jax.Array) -> jax.Array:
+        """``refs[name][sequence]`` as float32 (copied into VMEM ``buffer`` only ``when``), or zeros when the call has no ``name``.
+
+        Where not ``when`` the buffer holds an earlier copy (or nothing yet): the caller selects the value away.
+        """
+        if name not in self.refs:
+            return jnp.zeros(self.shape, _F32)
+
+        @pl.when(when)
+        def _load():
+            _copy(self._region(name, sequence), self.refs[buffer], self.refs["copies"].at[0])
+
+        return self.refs[buffer][...].astype(_F32)
+
+    def store(self, name: str, buffer: str, sequence: jax.Array, value: jax.Array, when: jax.Array) -> None:
+        """Write ``value`` to ``refs[name][sequence]`` through VMEM ``buffer``, only ``when`` (nothing when the call has no ``name``)."""
+        if name not in self.refs:
+            return
+
+        @pl.when(when)
+        def _store():
+            self.refs[buffer][...] = value.astype(self.refs[buffer].dtype)
+            _copy(self.refs[buffer], self._region(name, sequence), self.refs["copies"].at[1])
+
+
+def _copy(source, destination, semaphore) -> None:
+    dma = pltpu.make_async_copy(source, destination, semaphore)
+    dma.start()
+    dma.wait()
+
+
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs = plan.bind(refs)
     head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -116,22 +218,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     cu = refs["cu_seqlens"]
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     columns = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-
-    def sequence_state(name: str, n: jax.Array):
-        return refs[name].at[n, head, :, pl.ds(pl.multiple_of(block * Vb, Vb), Vb)]
-
-    def fresh_state(n: jax.Array, continuing: jax.Array) -> jax.Array:
-        """``initial_state[n]`` (copied in only when sequence ``n`` starts in this chunk) or zeros."""
-        if "initial_state" not in refs:
-            return jnp.zeros(refs["state"].shape, _F32)
-
-        @pl.when(jnp.logical_not(continuing))
-        def _load():
-            copy = pltpu.make_async_copy(sequence_state("initial_state", n), refs["loaded"], refs["copies"].at[0])
-            copy.start()
-            copy.wait()
-
-        return refs["loaded"][...].astype(_F32)
+    states = SequenceStates(refs, head, block, Vb, refs["state"].shape)
 
     constant = constant_gates(refs, head, geometry)
     state = refs["state"][...]  # unset at step 0, where the first sequence starts and never reads it
@@ -145,27 +232,12 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
 
         def segment(n, carry, q=q, k=k, v=v, log=log, first=first, operands=operands):
             from_states, segment_start, carried = carry
-            start, end = cu[n], cu[n + 1]
-            a, e = jnp.clip(start - first, 0, C), jnp.clip(end - first, 0, C)
-            continuing = start < first
-            entering = jnp.where(continuing, carried, fresh_state(n, continuing))
-            inside = (rows >= a) & (rows < e)
-            before, last = _at_row(log.column, rows, a - 1), _at_row(log.column, rows, e - 1)
-            decayed_queries = jnp.exp(jnp.where(inside, log.column - before, 0.0))
-            from_states = from_states + jnp.where(inside, matmul(q, entering, operands) * decayed_queries, 0.0)
-            weighted_keys = jnp.where(inside, k.astype(_F32) * jnp.exp(jnp.where(inside, last - log.column, 0.0)), 0.0)
-            leaving = entering * jnp.exp(last - before) + matmul(weighted_keys, v, operands, _COLUMNS_BY_COLUMNS)
-
-            if "final_state" in refs:
-
-                @pl.when((end <= first + C) & (e > a))
-                def _finish():
-                    refs["leaving"][...] = leaving
-                    copy = pltpu.make_async_copy(refs["leaving"], sequence_state("final_state", n), refs["copies"].at[1])
-                    copy.start()
-                    copy.wait()
-
-            return from_states, jnp.where(rows >= a, a, segment_start), leaving
+            piece = Piece.of(cu, n, first, log)
+            entering = jnp.where(piece.continuing, carried, states.load("initial_state", "loaded", n, ~piece.continuing))
+            from_states = from_states + jnp.where(piece.inside, matmul(q, entering, operands) * piece.query, 0.0)
+            leaving = advance_state(entering, k, v, piece)
+            states.store("final_state", "leaving", n, leaving, piece.ending & ~piece.is_empty)
+            return from_states, jnp.where(rows >= piece.start, piece.start, segment_start), leaving
 
         # The last segment's leaving state is the chunk's last sequence's, carried into the next chunk.
         from_states, segment_start, state = lax.fori_loop(
@@ -191,11 +263,10 @@ def sequences_of_chunks(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) ->
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: VarlenConfig):
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given)."""
     num_seqs = cu_seqlens.shape[0] - 1
-    first_sequence, last_sequence = sequences_of_chunks(cu_seqlens, q.shape[1], config.chunk_size)
     o, final_state = fused.launch(
         _kernel, functools.partial(plans, num_seqs=num_seqs), q, k, v, g=g, g_gamma=g_gamma, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, config=config,
-        scalars=dict(cu_seqlens=cu_seqlens, first_sequence=first_sequence, last_sequence=last_sequence),
+        scalars=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size),
     )
     if output_final_state:
         # The kernel writes the final state of every sequence that covers a token; an empty one ends where it starts.

@@ -1,0 +1,263 @@
+"""The backward of ``tpu_pallas.varlen``: the fused backward's two walks over packed sequences.
+
+The grid, segments, blocks and reverse index maps of ``backward_fused`` over the packed ``T``
+(``(1, head, 1, segment)``, all of ``V`` per block), with the boundaries of the forward: ``cu_seqlens``
+and each chunk's first and last sequence as SMEM scalars, traced under ``jit`` (one compile for
+every packing of the same ``T`` and ``N``). A chunk holds one or more *pieces* (``varlen.Piece``,
+the part of one sequence inside it), as in the forward.
+
+1. **checkpoints** walks time forwards and writes the float32 state entering every segment. Only
+   a chunk's *last* piece leaves a state that goes on, so a chunk advances the state through that
+   piece alone: the carried state if its sequence started before the chunk, else
+   ``initial_state[n]`` (one DMA, when given) or zeros.
+2. **gradients** walks the segments from the last to the first. It recomputes the states entering
+   its chunks from the checkpoint as the first kernel does, then walks its chunks backwards and
+   each chunk's pieces backwards, carrying the float32 ``dS`` in VMEM. A piece's ``dS`` leaving is
+   ``dht[n]`` (one DMA, when given; else zeros) when its sequence ends inside the chunk, else the
+   ``dS`` carried from the next chunk; the ``dS`` entering a piece whose sequence starts inside the
+   chunk is ``dinitial_state[n]`` (one DMA), else it is carried to the previous chunk. A piece adds
+   its state terms (``gradients.state_reads``, ``state_writes``, ``state_value_gradient``) to its
+   own rows; the intra-chunk terms run once per chunk, with fused's decay matrix masked to pairs
+   of one sequence; ``dg`` sums a token's products only within its own piece, so the cumulative
+   sums restart at every sequence start (``gradients.query_key_gradients_of``).
+
+Empty sequences cover no token: their ``dinitial_state`` (``dht[n]`` or zeros: their final state
+is their initial state) is set around the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tops_plugins_tpu_pallas import backward_fused, blocks, gradients, traffic, varlen
+from tops_plugins_tpu_pallas.chunkwise import Work, advance_state, advance_state_work, constant_gates, gates_work, step_chunks
+from tops_plugins_tpu_pallas.launch import DmaSemaphores, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.layout import Geometry
+
+_F32 = jnp.float32
+
+geometry_of = backward_fused.geometry_of  # the fused backward's segment (backward_num_steps, or 1024 tokens' worth)
+
+
+def fitted_plans(geometry: Geometry, dtype, num_seqs: int, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
+    """``plans`` at the geometry ``backward`` launches (fewer chunks per segment while VMEM is short)."""
+    build_plans = functools.partial(plans, num_seqs=num_seqs)
+    return build_plans(traffic.fitting_geometry(build_plans, geometry, dtype, **inputs), dtype, **inputs)
+
+
+def _piece_work(geometry: Geometry) -> Work:
+    """A piece's own state terms in the gradients kernel: reads, writes, dv's state part and dS entering, and its 2 C + 1 exps."""
+    C, K, V = geometry.chunk_size, geometry.padded_key_dim, geometry.padded_value_dim
+    return Work(flops=4 * 2 * C * K * V, transcendentals=2 * C + 1)
+
+
+def plans(
+    geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True,
+) -> tuple[LaunchPlan, LaunchPlan]:
+    """The checkpoints and gradients plans for ``num_seqs`` packed sequences; the other arguments as ``backward_fused.plans``."""
+    g = geometry = gradients.backward_geometry(geometry)
+    K, V, C = g.padded_key_dim, g.padded_value_dim, g.chunk_size
+    scalars = (blocks.decay(g), *varlen.boundaries(g, num_seqs))
+    gated = gate_dtype is not None
+    heads_chunks = g.heads * g.num_chunks
+    # A chunk's log decays are its g's cumulative sum (the flops of gates_work, none of its exps), and its last piece's exps.
+    log_decays = Work(flops=gates_work(g, gated).flops)
+    last_piece = advance_state_work(g) + Work(transcendentals=2 * C + 1)
+
+    checkpoint_inputs = list(gradients.token_inputs(g, dtype, gate_dtype, ("k", "v")))
+    checkpoint_scratch = [blocks.running_state(g), DmaSemaphores("copies", 1)]
+    if initial_state_dtype is not None:
+        checkpoint_inputs.append(varlen.sequence_states("initial_state", g, num_seqs, initial_state_dtype))
+        checkpoint_scratch.append(Scratch("loaded", (K, V), initial_state_dtype))
+    checkpoint_work = (last_piece + log_decays) * heads_chunks
+    checkpoints = LaunchPlan(
+        name="simple_gla_varlen_backward_checkpoints",
+        grid=blocks.grid(g),
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        scalars=scalars,
+        inputs=tuple(checkpoint_inputs),
+        outputs=(gradients.state_checkpoints(g, every_chunk=False),),
+        scratch=tuple(checkpoint_scratch),
+        body_vmem=4 * (3 * K * V + C * K),
+        flops=checkpoint_work.flops,
+        transcendentals=checkpoint_work.transcendentals,
+    )
+
+    steps = functools.partial(gradients.reversed_in_time, geometry=g)
+    inputs = [steps(x) for x in gradients.token_inputs(g, dtype, gate_dtype, ("q", "k", "v", "do"))]
+    inputs.append(steps(gradients.state_checkpoints(g, every_chunk=False)))
+    outputs = [steps(blocks.key_rows("dq", g, dtype)), steps(blocks.key_rows("dk", g, dtype)), steps(blocks.value_rows("dv", g, dtype))]
+    if decayed:
+        outputs.append(steps(gradients.decay_gradients(g)))
+    scratch = [gradients.state_gradient(g), Scratch("states", (g.chunks_per_step, K, V), _F32), DmaSemaphores("copies", 2)]
+    if initial_state_dtype is not None:
+        # Read when a sequence starts in a chunk, and again by the recomputation when it is a chunk's last piece: twice at most.
+        inputs.append(varlen.sequence_states("initial_state", g, num_seqs, initial_state_dtype, moves=2))
+        outputs.append(varlen.sequence_states("dinitial_state", g, num_seqs, initial_state_dtype))
+        scratch += [Scratch("loaded", (K, V), initial_state_dtype), Scratch("initial_gradient", (K, V), initial_state_dtype)]
+    if output_final_state:
+        inputs.append(varlen.sequence_states("dht", g, num_seqs, _F32))
+        scratch.append(Scratch("final_gradient", (K, V), _F32))
+    per_chunk = (
+        last_piece  # the recomputed state (every chunk but a segment's last: counted for all)
+        + gradients.attention_work(g)
+        + gradients.value_gradient_work(g)
+        + gradients.query_key_gradients_work(g, decayed)
+        + gradients.state_gradient_work(g)
+        + Work(transcendentals=2 * C + 1)  # the exps of a chunk's first piece; its products are the four counted above
+    )
+    # Pieces beyond one per chunk: one per sequence starting inside a chunk, at most N - 1 per head.
+    work = per_chunk * heads_chunks + _piece_work(g) * (g.heads * (num_seqs - 1))
+    work = work + gradients.gating_work(g, gated) + log_decays * heads_chunks
+    return checkpoints, LaunchPlan(
+        name="simple_gla_varlen_backward",
+        grid=blocks.grid(g),
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        scalars=scalars,
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        scratch=tuple(scratch),
+        # The backward chunk's values, plus what the piece loop carries: reads, writes (C x K), dv's state part (C x V).
+        body_vmem=gradients.body_vmem(g) + 4 * (2 * C * K + C * V),
+        flops=work.flops,
+        transcendentals=work.transcendentals,
+    )
+
+
+def _sequence_states(refs: dict, head, geometry: Geometry) -> varlen.SequenceStates:
+    return varlen.SequenceStates(refs, head, 0, geometry.padded_value_dim, (geometry.padded_key_dim, geometry.padded_value_dim))
+
+
+def _advance(refs: dict, states: varlen.SequenceStates, chunk, number, state, head) -> jax.Array:
+    """The state leaving chunk ``number``: its last piece's, the only one whose state goes on past the chunk."""
+    log = chunk.log_decays(refs, head)
+    piece = varlen.Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * chunk.rows.size, log)
+    entering = jnp.where(piece.continuing, state, states.load("initial_state", "loaded", piece.sequence, ~piece.continuing))
+    return advance_state(entering, chunk.read(refs["k"]), chunk.read(refs["v"]), piece)
+
+
+def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
+    refs = plan.bind(refs)
+    head, step = pl.program_id(1), pl.program_id(3)
+    states = _sequence_states(refs, head, geometry)
+
+    @pl.when(step == 0)
+    def _start():  # the first sequence starts at token 0 and never reads it; zeros keep the first checkpoint finite
+        refs["state"][...] = jnp.zeros(refs["state"].shape, _F32)
+
+    state = refs["state"][...]
+    refs["checkpoints"][0] = state
+    for chunk in step_chunks(geometry, step):
+        state = _advance(refs, states, chunk, step * geometry.chunks_per_step + chunk.index, state, head)
+    refs["state"][...] = state
+
+
+def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
+    refs = plan.bind(refs)
+    head, step = pl.program_id(1), pl.program_id(3)
+    C, K, V = geometry.chunk_size, geometry.padded_key_dim, geometry.padded_value_dim
+    cu = refs["cu_seqlens"]
+    states = _sequence_states(refs, head, geometry)
+    with_decay = "da" in refs
+    rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+    columns = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    lanes = lax.broadcasted_iota(jnp.int32, (1, C), 1)
+
+    forward_step = geometry.time_steps - 1 - step
+    constant = constant_gates(refs, head, geometry)
+    chunks = step_chunks(geometry, forward_step)
+
+    def number_of(chunk) -> jax.Array:
+        return forward_step * geometry.chunks_per_step + chunk.index
+
+    state = refs["checkpoints"][0]
+    refs["states"][0] = state
+    for chunk in chunks[:-1]:
+        state = _advance(refs, states, chunk, number_of(chunk), state, head)
+        refs["states"][chunk.index + 1] = state
+
+    # dS entering the next segment's first piece: unset at the first reverse step, whose last piece ends at T and takes dht.
+    dstate = refs["dstate"][...]
+    for chunk in reversed(chunks):
+        number = number_of(chunk)
+        first = number * C  # the chunk's first token in the packed sequence
+        log = chunk.log_decays(refs, head)
+        gates = chunk.gates(refs, head, constant, log)
+        q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
+        last = refs["last_sequence"][number]
+
+        def piece_gradients(i, carry, q=q, k=k, v=v, do=do, log=log, first=first, last=last, entering_chunk=refs["states"][chunk.index]):
+            reads, writes, values, across, piece_start, piece_end, dleaving = carry
+            piece = varlen.Piece.of(cu, last - i, first, log)
+            n = piece.sequence
+            entering = jnp.where(piece.continuing, entering_chunk, states.load("initial_state", "loaded", n, ~piece.continuing))
+            dleaving = jnp.where(piece.ending, states.load("dht", "final_gradient", n, piece.ending), dleaving)
+            reads = reads + jnp.where(piece.inside, gradients.state_reads(piece, do, entering), 0.0)
+            writes = writes + jnp.where(piece.inside, gradients.state_writes(piece, v, dleaving), 0.0)
+            values = values + jnp.where(piece.inside, gradients.state_value_gradient(piece, k, dleaving), 0.0)
+            if with_decay:  # the state carried across the piece: every token of the piece decays it
+                across = across + jnp.where((lanes >= piece.start) & (lanes < piece.end), piece.chunk * jnp.sum(entering * dleaving), 0.0)
+            dentering = gradients.state_gradient_entering(piece, q, do, dleaving, scale)
+            states.store("dinitial_state", "initial_gradient", n, dentering, ~piece.continuing & ~piece.is_empty)
+            piece_start = jnp.where(piece.inside, piece.start, piece_start)
+            piece_end = jnp.where(piece.inside, piece.end, piece_end)
+            return reads, writes, values, across, piece_start, piece_end, dentering
+
+        start = (
+            jnp.zeros((C, K), _F32), jnp.zeros((C, K), _F32), jnp.zeros((C, V), _F32), jnp.zeros((1, C), _F32),
+            jnp.zeros((C, 1), jnp.int32), jnp.full((C, 1), C, jnp.int32), dstate,
+        )
+        # The pieces from the chunk's last sequence back to its first; the last dS is the first piece's entering one.
+        reads, writes, values, across, piece_start, piece_end, dstate = lax.fori_loop(
+            0, last - refs["first_sequence"][number] + 1, piece_gradients, start,
+        )
+        same_sequence = (rows >= columns) & (columns >= piece_start)
+        decays = jnp.where(same_sequence, gates.decays, 0.0)
+        attention = gradients.attention(decays, q, k)
+        dv = gradients.attention_value_gradient(attention, do, scale) + values
+        dq, dk, da = gradients.query_key_gradients_of(
+            decays, attention, q, k, v, do, reads, writes, across if with_decay else None, scale, (piece_start, piece_end),
+        )
+        refs["dv"][chunk.rows, :] = dv.astype(refs["dv"].dtype)
+        refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
+        refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)
+        if da is not None:
+            refs["da"][chunk.index : chunk.index + 1, :] = da
+    refs["dstate"][...] = dstate
+
+
+def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):
+    """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given)."""
+    B, T, H, K = q.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
+    build_plans = functools.partial(plans, num_seqs=num_seqs)
+    geometry = traffic.fitting_geometry(build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
+    checkpoints_plan, gradients_plan = build_plans(geometry, q.dtype, **inputs)
+    traffic.check_vmem(checkpoints_plan)
+    traffic.check_vmem(gradients_plan)
+    arrays = {
+        **gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry),
+        **varlen.boundary_operands(cu_seqlens, T, config.chunk_size),
+    }
+    checkpoints = checkpoints_plan.call(
+        functools.partial(_checkpoints_kernel, plan=checkpoints_plan, geometry=geometry),
+        arrays, config.interpret, traffic.cost_estimate(checkpoints_plan),
+    )
+    results = gradients_plan.call(
+        functools.partial(_gradients_kernel, plan=gradients_plan, geometry=geometry, scale=scale),
+        {**arrays, **checkpoints}, config.interpret, traffic.cost_estimate(gradients_plan),
+    )
+    grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)
+    if initial_state is None:
+        return grads
+    # An empty sequence covers no token, so no kernel writes its dinitial_state: its final state is its initial one.
+    empty = (cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None, None]
+    passed_through = jnp.zeros((), initial_state.dtype) if dht is None else dht.astype(initial_state.dtype)
+    return dataclasses.replace(grads, dinitial_state=jnp.where(empty, passed_through, grads.dinitial_state))
