@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tops_core
-from tops_plugins_xla.simple_gla import ChunkConfig
+from tops_plugins_xla.config import ChunkConfig
 
 
 def test_registered_with_its_default_config():

@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 
 from tops_plugins_xla import simple_gla
+from tops_plugins_xla.config import ChunkConfig
 
 B, T, H, K, V = 1, 32768, 8, 128, 128
 
 
 def test_backward_temporaries_are_the_chunk_states_and_little_else():
-    config = simple_gla.ChunkConfig()
+    config = ChunkConfig()
     C = config.chunk_size
 
     def backward(q, k, v, do, g_gamma):

@@ -3,6 +3,7 @@
 import tops_core
 
 from tops_plugins_xla import simple_gla
+from tops_plugins_xla.config import ChunkConfig
 
 TOPS_CORE_API_VERSION = 1
 
@@ -24,7 +25,7 @@ def tops_register_implementations(register):
             ),
             # On TPU the Pallas kernels outrank it.
             priority={"cpu": 100, "gpu": 100, "tpu": 50},
-            config=simple_gla.ChunkConfig(),
+            config=ChunkConfig(),
             description="chunked simple_gla in plain jax.numpy with a hand-written chunked backward",
         )
     )
