@@ -32,9 +32,20 @@ def direct_pairs(q, k, g, xp=np):
     return aqk, akk
 
 
+@jax.jit
 def run_pairs(q, k, g, beta):
-    decays = intra.decays(jnp.asarray(g))
-    return decays, intra.pairs(jnp.asarray(q), jnp.asarray(k), decays.levels, jnp.asarray(beta))
+    decays = intra.decays(g)
+    return decays, intra.pairs(q, k, decays.levels, beta)
+
+
+@jax.jit
+def run_backward(q, k, g, daqk, dakk, d_to_token, d_to_end, d_whole):
+    decays = intra.decays(g)
+    dq, dk, d_later, d_earlier = intra.pairs_backward(q, k, decays.levels, daqk, dakk)
+    dg = intra.decays_backward(intra.DecayCotangents(
+        later=d_later, earlier=d_earlier, to_token=d_to_token * decays.to_token,
+        to_end=d_to_end * decays.to_end, whole=d_whole * decays.whole))
+    return dq, dk, dg
 
 
 @pytest.fixture(autouse=True)
@@ -96,15 +107,14 @@ def test_backward_matches_autodiff_of_the_direct_formulas(C):
         b = jnp.cumsum(g, axis=-2)
         return (*direct_pairs(q, k, g, xp=jnp), jnp.exp(b), jnp.exp(b[..., -1:, :] - b), jnp.exp(b[..., -1:, :]))
 
-    _, pullback = jax.vjp(direct, *map(jnp.asarray, (q, k, g)))
-    want = pullback((jnp.tril(daqk), jnp.tril(dakk, -1), d_to_token, d_to_end, d_whole))
+    @jax.jit
+    def autodiff(q, k, g):
+        _, pullback = jax.vjp(direct, q, k, g)
+        return pullback((jnp.tril(daqk), jnp.tril(dakk, -1), d_to_token, d_to_end, d_whole))
 
-    decays, _ = run_pairs(q, k, g, beta)
-    dq, dk, d_later, d_earlier = intra.pairs_backward(jnp.asarray(q), jnp.asarray(k), decays.levels, daqk, dakk)
-    dg = intra.decays_backward(intra.DecayCotangents(
-        later=d_later, earlier=d_earlier, to_token=d_to_token * decays.to_token,
-        to_end=d_to_end * decays.to_end, whole=d_whole * decays.whole))
-    for got, expected in zip((dq, dk, dg), want):
+    want = autodiff(q, k, g)
+    got = run_backward(q, k, g, daqk, dakk, d_to_token, d_to_end, d_whole)
+    for got, expected in zip(got, want):
         np.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-12 * np.abs(expected).max())
 
 

@@ -18,7 +18,7 @@ gradient of the state after the chunk. With ``r = v - (exp(b) * k) S`` and ``M^-
     d_r     = M^-T d_delta                    (the gradient of beta * r)
     dv      = beta * d_r
     dbeta   = rowsum(d_r * r) + rowsum(dAkk * Akk),   dAkk = -tril_strict(d_r delta^T)
-    dAqk    = tril(do delta^T),   and beta * dAkk for Akk without beta, into ``intra.backward``
+    dAqk    = tril(do delta^T),   and beta * dAkk for Akk without beta, into ``intra.pairs_backward``
     dS_in   = exp(b_C) * dS + (exp(b) * q)^T do - (exp(b) * k)^T dv
 
 plus the direct terms of ``exp(b) * q``, ``exp(b) * k`` and ``exp(b_C - b) * k`` in ``dq`` and

@@ -50,17 +50,19 @@ from tops_plugins_xla.sweep import einsum
 Array = jax.Array
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Level:
     """One halving level: blocks of ``2 * size`` tokens, each its later half against its earlier half."""
 
-    size: int
+    size: int = dataclasses.field(metadata=dict(static=True))
     later_decay: Array
     """``[..., blocks, size, K]``: ``exp(b_i - r)`` for the tokens ``i`` of each later half."""
     earlier_decay: Array
     """``[..., blocks, size, K]``: ``exp(r - b_j)`` for the tokens ``j`` of each earlier half."""
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Decays:
     """Every decay of a chunk, from its log decays ``g``."""
@@ -75,6 +77,7 @@ class Decays:
     """``[..., 1, K]``: ``exp(b_C)``."""
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecayCotangents:
     """Gradients of the exponents of ``Decays`` (a factor ``f = exp(x)`` times ``x``: ``dx = f df``)."""
@@ -90,40 +93,41 @@ class DecayCotangents:
 def decays(g: Array) -> Decays:
     """The decays of a chunk with log decays ``g`` (``[..., C, K]``), exponents summed along the halving.
 
-    ``prefix`` and ``suffix`` are each token's inclusive prefix and exclusive suffix sums inside
-    its block, ``total`` each block's sum (``[..., blocks, K]``); blocks start as single tokens.
+    ``sums`` holds each token's inclusive prefix sum and exclusive suffix sum inside its block
+    (``[2, ..., C, K]``), ``total`` each block's sum (``[..., blocks, K]``); blocks start as
+    single tokens.
     """
     C = g.shape[-2]
-    prefix, suffix, total = g, jnp.zeros_like(g), g
+    sums, total = jnp.stack([g, jnp.zeros_like(g)]), g
     result = []
     size = 1
     while size < C:
-        prefix_earlier, prefix_later = halves(prefix, size)
-        suffix_earlier, suffix_later = halves(suffix, size)
+        earlier, later = halves(sums, size)
         total_earlier, total_later = halves(total, 1)
-        result.append(Level(size, jnp.exp(prefix_later), jnp.exp(suffix_earlier)))
-        prefix = join(prefix_earlier, prefix_later + total_earlier)
-        suffix = join(suffix_earlier + total_later, suffix_later)
+        result.append(Level(size, jnp.exp(later[0]), jnp.exp(earlier[1])))
+        zeros = jnp.zeros_like(total_earlier)
+        # The later half's prefix sums start after the earlier half; the earlier half's suffix sums run on through the later.
+        sums = join(earlier + jnp.stack([zeros, total_later]), later + jnp.stack([total_earlier, zeros]))
         total = (total_earlier + total_later)[..., 0, :]
         size *= 2
-    return Decays(tuple(result), jnp.exp(prefix), jnp.exp(suffix), jnp.exp(total))
+    return Decays(tuple(result), jnp.exp(sums[0]), jnp.exp(sums[1]), jnp.exp(total))
 
 
 def decays_backward(d: DecayCotangents) -> Array:
     """``dg`` from the gradients of the exponents: the reverse of ``decays``' sums, coarsest level first."""
-    d_prefix, d_suffix, d_total = d.to_token, d.to_end, d.whole
+    d_sums, d_total = jnp.stack([d.to_token, d.to_end]), d.whole
     for d_later, d_earlier in zip(reversed(d.later), reversed(d.earlier)):
         size = d_later.shape[-2]
-        d_prefix_earlier, d_prefix_later = halves(d_prefix, size)
-        d_suffix_earlier, d_suffix_later = halves(d_suffix, size)
+        earlier, later = halves(d_sums, size)
         d_block = d_total[..., :, None, :]
-        d_total = join(d_block + jnp.sum(d_prefix_later, axis=-2, keepdims=True),
-                       d_block + jnp.sum(d_suffix_earlier, axis=-2, keepdims=True))
-        d_prefix = join(d_prefix_earlier, d_prefix_later + d_later)
-        d_suffix = join(d_suffix_earlier + d_earlier, d_suffix_later)
-    return d_prefix + d_total
+        d_total = join(d_block + jnp.sum(later[0], axis=-2, keepdims=True),
+                       d_block + jnp.sum(earlier[1], axis=-2, keepdims=True))
+        zeros = jnp.zeros_like(d_later)
+        d_sums = join(earlier + jnp.stack([zeros, d_earlier]), later + jnp.stack([d_later, zeros]))
+    return d_sums[0] + d_total
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Pairs:
     """The pair products of one chunk."""
@@ -139,9 +143,8 @@ class Pairs:
 def pairs(q: Array, k: Array, levels: tuple[Level, ...], beta: Array) -> Pairs:
     """``Aqk``, ``Akk`` and ``(I + diag(beta) Akk)^-1`` of a chunk; ``beta`` is ``[..., C]``."""
     C = q.shape[-2]
-    aqk = jnp.sum(q * k, axis=-1)[..., None, None]  # diagonal 1x1 blocks, [..., C, 1, 1]
-    akk = jnp.zeros_like(aqk)
-    inverse = jnp.ones_like(aqk)
+    diagonal = jnp.sum(q * k, axis=-1)[..., None, None]  # 1x1 blocks of Aqk, Akk and the inverse: [3, ..., C, 1, 1]
+    blocks = jnp.stack([diagonal, jnp.zeros_like(diagonal), jnp.ones_like(diagonal)])
     for level in levels:
         s = level.size
         k_earlier, k_later = halves(k, s)
@@ -150,14 +153,12 @@ def pairs(q: Array, k: Array, levels: tuple[Level, ...], beta: Array) -> Pairs:
         later = jnp.concatenate([q_later * level.later_decay, k_later * level.later_decay], axis=-2)
         cross = einsum("...ik,...jk->...ij", later, k_earlier * level.earlier_decay)
         aqk_cross, akk_cross = cross[..., :s, :], cross[..., s:, :]
-        inverse_earlier, inverse_later = block_pairs(inverse)
+        inverse_earlier, inverse_later = block_pairs(blocks[2])
         inverse_cross = -einsum("...ij,...jl->...il", inverse_later,
                                 einsum("...ij,...jl->...il", beta_later * akk_cross, inverse_earlier))
-        aqk = assemble(aqk, aqk_cross)
-        akk = assemble(akk, akk_cross)
-        inverse = assemble(inverse, inverse_cross)
-    lead = q.shape[:-2]
-    return Pairs(aqk.reshape(*lead, C, C), akk.reshape(*lead, C, C), inverse.reshape(*lead, C, C))
+        blocks = assemble(blocks, jnp.stack([aqk_cross, akk_cross, inverse_cross]))
+    aqk, akk, inverse = blocks.reshape(3, *q.shape[:-2], C, C)
+    return Pairs(aqk, akk, inverse)
 
 
 def pairs_backward(q: Array, k: Array, levels: tuple[Level, ...], daqk: Array, dakk: Array):
@@ -171,11 +172,11 @@ def pairs_backward(q: Array, k: Array, levels: tuple[Level, ...], daqk: Array, d
     dq = diagonal * k
     dk = diagonal * q
     d_later, d_earlier = [], []
-    daqk_blocks, dakk_blocks = daqk[..., None, :, :], dakk[..., None, :, :]
+    blocks = jnp.stack([daqk, dakk])[..., None, :, :]
     for level in reversed(levels):
         s = level.size
-        cotangent = jnp.concatenate([daqk_blocks[..., s:, :s], dakk_blocks[..., s:, :s]], axis=-2)
-        daqk_blocks, dakk_blocks = diagonal_blocks(daqk_blocks, s), diagonal_blocks(dakk_blocks, s)
+        cotangent = jnp.concatenate([blocks[0, ..., s:, :s], blocks[1, ..., s:, :s]], axis=-2)
+        blocks = diagonal_blocks(blocks, s)
         k_earlier, k_later = halves(k, s)
         _, q_later = halves(q, s)
         q_later = q_later * level.later_decay
