@@ -179,23 +179,18 @@ class _Writes:
     """The delta rule inside one chunk, from the state before it."""
 
     pairs: intra.Pairs
-    query_state: Array
-    """``[R, H, C, V]``: ``(exp(b) * q) S``."""
     residual: Array
     """``[R, H, C, V]``: ``r = v - (exp(b) * k) S``, what the decayed state misses."""
     delta: Array
     """``[R, H, C, V]``: ``M^-1 (beta * r)``, each token's write."""
 
 
-def _writes(c: _Chunk, state: Array) -> _Writes:
-    C = c.q.shape[-2]
-    pairs = intra.pairs(c.q, c.k, c.decays.levels, c.beta)
-    decay = c.decays.to_token
-    projected = einsum("rhik,rhkv->rhiv", jnp.concatenate([c.q * decay, c.k * decay], axis=-2), state)
-    query_state, key_state = projected[..., :C, :], projected[..., C:, :]
-    residual = c.v - key_state
+def _writes(c: _Chunk, state: Array, *, with_queries: bool) -> _Writes:
+    """``with_queries``: also ``Aqk``, which the outputs and the gradients need but not the state."""
+    pairs = intra.pairs(c.q if with_queries else None, c.k, c.decays.levels, c.beta)
+    residual = c.v - einsum("rhik,rhkv->rhiv", c.k * c.decays.to_token, state)
     delta = einsum("rhij,rhjv->rhiv", pairs.inverse, c.beta[..., None] * residual)
-    return _Writes(pairs, query_state, residual, delta)
+    return _Writes(pairs, residual, delta)
 
 
 def _state_after(c: _Chunk, state: Array, delta: Array) -> Array:
@@ -231,9 +226,10 @@ def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
         if reset:
             state = jnp.where(layout.chunk_is_first[n], sequence_state(x.initial_state, state, sequence), state)
         c = _take_chunk(x, n)
-        w = _writes(c, state)
+        w = _writes(c, state, with_queries=o is not None)
         if o is not None:
-            o = put(o, n, w.query_state + einsum("rhij,rhjv->rhiv", w.pairs.aqk, w.delta), C)
+            query_state = einsum("rhik,rhkv->rhiv", c.q * c.decays.to_token, state)
+            o = put(o, n, query_state + einsum("rhij,rhjv->rhiv", w.pairs.aqk, w.delta), C)
         if states is not None:
             states = lax.dynamic_update_index_in_dim(states, state, n, axis=0)
         state = _state_after(c, state, w.delta)
@@ -272,7 +268,7 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array):
             dstate = jnp.where(layout.chunk_is_last[n], sequence_state(dht, dstate, sequence), dstate)
         state = states[n]
         c = _take_chunk(x, n)
-        w = _writes(c, state)
+        w = _writes(c, state, with_queries=True)
         do_n = heads_first(do, n, C, x.dtype)
         decay, decay_to_end = c.decays.to_token, c.decays.to_end
         key_to_end = c.k * decay_to_end

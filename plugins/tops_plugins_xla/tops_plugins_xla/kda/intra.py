@@ -132,33 +132,43 @@ def decays_backward(d: DecayCotangents) -> Array:
 class Pairs:
     """The pair products of one chunk."""
 
-    aqk: Array
-    """``[..., C, C]``: ``Aqk``, zero above the diagonal."""
+    aqk: Array | None
+    """``[..., C, C]``: ``Aqk``, zero above the diagonal; None when no queries were given."""
     akk: Array
     """``[..., C, C]``: ``Akk`` (without ``beta``), zero on and above the diagonal."""
     inverse: Array
     """``[..., C, C]``: ``(I + diag(beta) Akk)^-1``, unit lower-triangular."""
 
 
-def pairs(q: Array, k: Array, levels: tuple[Level, ...], beta: Array) -> Pairs:
-    """``Aqk``, ``Akk`` and ``(I + diag(beta) Akk)^-1`` of a chunk; ``beta`` is ``[..., C]``."""
-    C = q.shape[-2]
-    diagonal = jnp.sum(q * k, axis=-1)[..., None, None]  # 1x1 blocks of Aqk, Akk and the inverse: [3, ..., C, 1, 1]
-    blocks = jnp.stack([diagonal, jnp.zeros_like(diagonal), jnp.ones_like(diagonal)])
+def pairs(q: Array | None, k: Array, levels: tuple[Level, ...], beta: Array) -> Pairs:
+    """``Aqk``, ``Akk`` and ``(I + diag(beta) Akk)^-1`` of a chunk; ``beta`` is ``[..., C]``.
+
+    Without queries (``q`` None: the sweep that only carries the state) ``Aqk`` is not formed.
+    """
+    C = k.shape[-2]
+    ones = jnp.ones((*k.shape[:-2], C, 1, 1), k.dtype)
+    # 1x1 diagonal blocks of Akk and the inverse (and Aqk): [2 or 3, ..., C, 1, 1].
+    blocks = [jnp.zeros_like(ones), ones]
+    if q is not None:
+        blocks.append(jnp.sum(q * k, axis=-1)[..., None, None])
+    blocks = jnp.stack(blocks)
     for level in levels:
         s = level.size
         k_earlier, k_later = halves(k, s)
-        _, q_later = halves(q, s)
         _, beta_later = halves(beta[..., None], s)
-        later = jnp.concatenate([q_later * level.later_decay, k_later * level.later_decay], axis=-2)
+        later = [k_later]
+        if q is not None:
+            later.append(halves(q, s)[1])
+        later = jnp.concatenate([x * level.later_decay for x in later], axis=-2)
         cross = einsum("...ik,...jk->...ij", later, k_earlier * level.earlier_decay)
-        aqk_cross, akk_cross = cross[..., :s, :], cross[..., s:, :]
-        inverse_earlier, inverse_later = block_pairs(blocks[2])
+        akk_cross = cross[..., :s, :]
+        inverse_earlier, inverse_later = block_pairs(blocks[1])
         inverse_cross = -einsum("...ij,...jl->...il", inverse_later,
                                 einsum("...ij,...jl->...il", beta_later * akk_cross, inverse_earlier))
-        blocks = assemble(blocks, jnp.stack([aqk_cross, akk_cross, inverse_cross]))
-    aqk, akk, inverse = blocks.reshape(3, *q.shape[:-2], C, C)
-    return Pairs(aqk, akk, inverse)
+        crosses = [akk_cross, inverse_cross] + ([cross[..., s:, :]] if q is not None else [])
+        blocks = assemble(blocks, jnp.stack(crosses))
+    blocks = blocks.reshape(len(blocks), *k.shape[:-2], C, C)
+    return Pairs(aqk=blocks[2] if q is not None else None, akk=blocks[0], inverse=blocks[1])
 
 
 def pairs_backward(q: Array, k: Array, levels: tuple[Level, ...], daqk: Array, dakk: Array):
