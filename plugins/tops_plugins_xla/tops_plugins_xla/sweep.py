@@ -1,9 +1,11 @@
-"""Helpers of the loops over chunks that every op's sweeps share.
+"""The loops over chunks that every op's sweeps share, and their helpers.
 
 A sweep handles chunk ``n`` of every row and head at once: it reads the chunk heads first
 (``[R, H, C, .]`` from ``[R, P, H, .]``), computes in the compute dtype, and writes its results
 back into full-size buffers in place, so that every temporary stays the size of one chunk.
-States per sequence (initial, final) are ``[R, sequences_per_row, H, K, V]``.
+``forward_sweep`` and ``reverse_sweep`` carry a state (or its gradient) from chunk to chunk and
+restart it at sequence boundaries; an op supplies the step for one chunk. States per sequence
+(initial, final) are ``[R, sequences_per_row, H, K, V]``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from tops_plugins_xla.chunk_layout import ChunkLayout
 
 Array = jax.Array
 
@@ -50,3 +54,71 @@ def record_if(condition: Array, records: Array, sequence: Array, value: Array) -
 def flat_states(states: Array) -> Array:
     """``[R, sequences_per_row, H, K, V]`` -> ``[N, H, K, V]``."""
     return states.reshape(-1, *states.shape[2:])
+
+
+def forward_sweep(layout: ChunkLayout, initial_state: Array | None, zero_state: Array, step, outputs, *,
+                  record_states: bool):
+    """Walk the chunks in order, carrying the state of every row's current sequence.
+
+    ``step(n, state, outputs) -> (state, outputs)`` handles chunk ``n`` of every row: it gets the
+    state before the chunk and returns the state after it, with ``outputs`` (any pytree of
+    buffers) written in place. At each sequence's first chunk the state is its row of
+    ``initial_state`` (``[R, sequences_per_row, H, K, V]``; zeros when None); with one sequence
+    per row it is never reset. ``zero_state`` (``[R, H, K, V]``) gives shape and dtype.
+
+    Returns ``(outputs, finals, states)``: the state after each sequence's last chunk
+    (``[R, sequences_per_row, H, K, V]``) and, when ``record_states``, the state before each
+    chunk (``[num_chunks, R, H, K, V]``, else None).
+    """
+    reset = not layout.one_sequence_per_row
+    state = zero_state if reset else sequence_state(initial_state, zero_state, 0)
+    finals = jnp.zeros((zero_state.shape[0], layout.sequences_per_row, *zero_state.shape[1:]), zero_state.dtype) if reset else None
+    states = jnp.zeros((layout.num_chunks, *zero_state.shape), zero_state.dtype) if record_states else None
+
+    def body(n, carry):
+        state, finals, states, outputs = carry
+        sequence = layout.chunk_sequence[n]
+        if reset:
+            state = jnp.where(layout.chunk_is_first[n], sequence_state(initial_state, state, sequence), state)
+        if states is not None:
+            states = lax.dynamic_update_index_in_dim(states, state, n, axis=0)
+        state, outputs = step(n, state, outputs)
+        if reset:
+            finals = record_if(layout.chunk_is_last[n], finals, sequence, state)
+        return state, finals, states, outputs
+
+    state, finals, states, outputs = lax.fori_loop(0, layout.num_chunks, body, (state, finals, states, outputs))
+    if not reset:
+        finals = state[:, None]
+    return outputs, finals, states
+
+
+def reverse_sweep(layout: ChunkLayout, dht: Array | None, zero_state: Array, step, outputs):
+    """Walk the chunks backwards, carrying the gradient of the state of every row's current sequence.
+
+    ``step(n, dstate, outputs) -> (dstate, outputs)`` handles chunk ``n`` of every row: it gets
+    the gradient of the state after the chunk and returns that of the state before it. At each
+    sequence's last chunk the gradient starts from its row of ``dht`` (zeros when None).
+
+    Returns ``(outputs, dh0)``: the gradient of each sequence's initial state
+    (``[R, sequences_per_row, H, K, V]``).
+    """
+    reset = not layout.one_sequence_per_row
+    dstate = zero_state if reset else sequence_state(dht, zero_state, 0)
+    dh0 = jnp.zeros((zero_state.shape[0], layout.sequences_per_row, *zero_state.shape[1:]), zero_state.dtype) if reset else None
+
+    def body(i, carry):
+        dstate, dh0, outputs = carry
+        n = layout.num_chunks - 1 - i
+        sequence = layout.chunk_sequence[n]
+        if reset:
+            dstate = jnp.where(layout.chunk_is_last[n], sequence_state(dht, dstate, sequence), dstate)
+        dstate, outputs = step(n, dstate, outputs)
+        if reset:
+            dh0 = record_if(layout.chunk_is_first[n], dh0, sequence, dstate)
+        return dstate, dh0, outputs
+
+    dstate, dh0, outputs = lax.fori_loop(0, layout.num_chunks, body, (dstate, dh0, outputs))
+    if not reset:
+        dh0 = dstate[:, None]
+    return outputs, dh0

@@ -37,13 +37,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from tops_core import KDAGrads
 from tops_core.ops.base import state_dtype
 from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
 from tops_plugins_xla.kda import intra
-from tops_plugins_xla.sweep import einsum, flat_states, heads_first, put, record_if, sequence_state
+from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
 
 Array = jax.Array
 
@@ -206,66 +205,35 @@ def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
 
     ``o`` (``[R, P, H, V]``) only when ``output_dtype`` is given; ``states``
     (``[num_chunks, R, H, K, V]``, the state before each chunk) only when ``record_states``.
-    With one sequence per row the state starts from the initial state and is never reset.
     """
-    layout = x.layout
     R, P, H, K = x.q.shape
     V = x.v.shape[-1]
-    C = layout.chunk_size
-    reset = not layout.one_sequence_per_row
-    state = jnp.zeros((R, H, K, V), x.dtype)
-    if not reset:
-        state = sequence_state(x.initial_state, state, 0)
-    finals = jnp.zeros((R, layout.sequences_per_row, H, K, V), x.dtype) if reset else None
+    C = x.layout.chunk_size
     o = None if output_dtype is None else jnp.zeros((R, P, H, V), output_dtype)
-    states = jnp.zeros((layout.num_chunks, R, H, K, V), x.dtype) if record_states else None
 
-    def step(n, carry):
-        state, finals, o, states = carry
-        sequence = layout.chunk_sequence[n]
-        if reset:
-            state = jnp.where(layout.chunk_is_first[n], sequence_state(x.initial_state, state, sequence), state)
+    def step(n, state, o):
         c = _take_chunk(x, n)
         w = _writes(c, state, with_queries=o is not None)
         if o is not None:
             query_state = einsum("rhik,rhkv->rhiv", c.q * c.decays.to_token, state)
             o = put(o, n, query_state + einsum("rhij,rhjv->rhiv", w.pairs.aqk, w.delta), C)
-        if states is not None:
-            states = lax.dynamic_update_index_in_dim(states, state, n, axis=0)
-        state = _state_after(c, state, w.delta)
-        if reset:
-            finals = record_if(layout.chunk_is_last[n], finals, sequence, state)
-        return state, finals, o, states
+        return _state_after(c, state, w.delta), o
 
-    state, finals, o, states = lax.fori_loop(0, layout.num_chunks, step, (state, finals, o, states))
-    if not reset:
-        finals = state[:, None]
-    return o, finals, states
+    return forward_sweep(x.layout, x.initial_state, jnp.zeros((R, H, K, V), x.dtype), step, o, record_states=record_states)
 
 
 def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array):
     """Walk the chunks backwards carrying the state gradient; returns ``dq, dk, dv, dg, dbeta, dh0``."""
-    layout = x.layout
     R, P, H, K = x.q.shape
     V = x.v.shape[-1]
-    C = layout.chunk_size
-    reset = not layout.one_sequence_per_row
-    dq = jnp.zeros((R, P, H, K), x.q.dtype)
-    dk = jnp.zeros((R, P, H, K), x.k.dtype)
-    dv = jnp.zeros((R, P, H, V), x.v.dtype)
-    dg = jnp.zeros((R, P, H, K), x.g.dtype)
-    dbeta = jnp.zeros((R, P, H), x.dtype)
-    dstate = jnp.zeros((R, H, K, V), x.dtype)
-    if not reset:
-        dstate = sequence_state(dht, dstate, 0)
-    dh0 = jnp.zeros((R, layout.sequences_per_row, H, K, V), x.dtype) if reset else None
+    C = x.layout.chunk_size
+    grads = (
+        jnp.zeros((R, P, H, K), x.q.dtype), jnp.zeros((R, P, H, K), x.k.dtype), jnp.zeros((R, P, H, V), x.v.dtype),
+        jnp.zeros((R, P, H, K), x.g.dtype), jnp.zeros((R, P, H), x.dtype),
+    )
 
-    def step(i, carry):
-        dstate, dq, dk, dv, dg, dbeta, dh0 = carry
-        n = layout.num_chunks - 1 - i
-        sequence = layout.chunk_sequence[n]
-        if reset:
-            dstate = jnp.where(layout.chunk_is_last[n], sequence_state(dht, dstate, sequence), dstate)
+    def step(n, dstate, grads):
+        dq, dk, dv, dg, dbeta = grads
         state = states[n]
         c = _take_chunk(x, n)
         w = _writes(c, state, with_queries=True)
@@ -299,21 +267,12 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array):
         if x.use_qk_l2norm:
             dq_n = _l2norm_backward(c.q / x.scale, c.q_norm, dq_n)
             dk_n = _l2norm_backward(c.k, c.k_norm, dk_n)
-        dq = put(dq, n, dq_n, C)
-        dk = put(dk, n, dk_n, C)
-        dv = put(dv, n, dv_n, C)
-        dg = put(dg, n, dg_n, C)
-        dbeta = put(dbeta, n, dbeta_n, C)
-
+        grads = (put(dq, n, dq_n, C), put(dk, n, dk_n, C), put(dv, n, dv_n, C), put(dg, n, dg_n, C),
+                 put(dbeta, n, dbeta_n, C))
         dstate = (c.decays.whole[..., 0, :, None] * dstate
                   + einsum("rhik,rhiv->rhkv", jnp.concatenate([c.q * decay, c.k * decay], axis=-2),
                            jnp.concatenate([do_n, -dv_n], axis=-2)))
-        if reset:
-            dh0 = record_if(layout.chunk_is_first[n], dh0, sequence, dstate)
-        return dstate, dq, dk, dv, dg, dbeta, dh0
+        return dstate, grads
 
-    carry = (dstate, dq, dk, dv, dg, dbeta, dh0)
-    dstate, dq, dk, dv, dg, dbeta, dh0 = lax.fori_loop(0, layout.num_chunks, step, carry)
-    if not reset:
-        dh0 = dstate[:, None]
-    return dq, dk, dv, dg, dbeta, dh0
+    grads, dh0 = reverse_sweep(x.layout, dht, jnp.zeros((R, H, K, V), x.dtype), step, grads)
+    return (*grads, dh0)

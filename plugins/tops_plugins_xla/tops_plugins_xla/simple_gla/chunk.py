@@ -29,12 +29,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from tops_core import SimpleGLAGrads
 from tops_core.ops.base import state_dtype
 from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
-from tops_plugins_xla.sweep import einsum, flat_states, heads_first, put, record_if, sequence_state
+from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
 
 Array = jax.Array
 
@@ -220,35 +219,18 @@ def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
     R, P, H, K = x.q.shape
     V = x.v.shape[-1]
     C = layout.chunk_size
-    reset = not layout.one_sequence_per_row
-    state = jnp.zeros((R, H, K, V), x.dtype)
-    if not reset:
-        state = sequence_state(x.initial_state, state, 0)
-    finals = jnp.zeros((R, layout.sequences_per_row, H, K, V), x.dtype) if reset else None
     o = None if output_dtype is None else jnp.zeros((R, P, H, V), output_dtype)
-    states = jnp.zeros((layout.num_chunks, R, H, K, V), x.dtype) if record_states else None
 
-    def step(n, carry):
-        state, finals, o, states = carry
-        sequence = layout.chunk_sequence[n]
-        if reset:
-            state = jnp.where(layout.chunk_is_first[n], sequence_state(x.initial_state, state, sequence), state)
+    def step(n, state, o):
         c = _take_chunk(x, n)
         if o is not None:
             scores = einsum("rhik,rhjk->rhij", c.q, c.k) * c.intra
             o_n = einsum("rhij,rhjv->rhiv", scores, c.v) + c.decay_to_token * einsum("rhik,rhkv->rhiv", c.q, state)
             o = put(o, n, o_n, C)
-        if states is not None:
-            states = lax.dynamic_update_index_in_dim(states, state, n, axis=0)
         state = c.decay_whole * state + einsum("rhjk,rhjv->rhkv", c.k, c.decay_to_end * c.v)
-        if reset:
-            finals = record_if(layout.chunk_is_last[n], finals, sequence, state)
-        return state, finals, o, states
+        return state, o
 
-    state, finals, o, states = lax.fori_loop(0, layout.num_chunks, step, (state, finals, o, states))
-    if not reset:
-        finals = state[:, None]
-    return o, finals, states
+    return forward_sweep(layout, x.initial_state, jnp.zeros((R, H, K, V), x.dtype), step, o, record_states=record_states)
 
 
 def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array, finals: Array):
@@ -267,24 +249,15 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array, fin
     R, P, H, K = x.q.shape
     V = x.v.shape[-1]
     C = layout.chunk_size
-    reset = not layout.one_sequence_per_row
     at_or_after = jnp.tril(jnp.ones((C, C), x.dtype))
     before = jnp.triu(jnp.ones((C, C), x.dtype), 1)
     dq = jnp.zeros((R, P, H, K), x.q.dtype)
     dk = jnp.zeros((R, P, H, K), x.k.dtype)
     dv = jnp.zeros((R, P, H, V), x.v.dtype)
     da = jnp.zeros((R, P, H), x.dtype)
-    dstate = jnp.zeros((R, H, K, V), x.dtype)
-    if not reset:
-        dstate = sequence_state(dht, dstate, 0)
-    dh0 = jnp.zeros((R, layout.sequences_per_row, H, K, V), x.dtype) if reset else None
 
-    def step(i, carry):
-        dstate, dq, dk, dv, da, dh0 = carry
-        n = layout.num_chunks - 1 - i
-        sequence = layout.chunk_sequence[n]
-        if reset:
-            dstate = jnp.where(layout.chunk_is_last[n], sequence_state(dht, dstate, sequence), dstate)
+    def step(n, dstate, grads):
+        dq, dk, dv, da = grads
         state = states[n]
         c = _take_chunk(x, n)
         do_n = heads_first(do, n, C, x.dtype)
@@ -316,12 +289,7 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array, fin
         da = put(da, n, da_n, C)
 
         dstate = c.decay_whole * dstate + einsum("rhik,rhiv->rhkv", c.decay_to_token * c.q, do_n)
-        if reset:
-            dh0 = record_if(layout.chunk_is_first[n], dh0, sequence, dstate)
-        return dstate, dq, dk, dv, da, dh0
+        return dstate, (dq, dk, dv, da)
 
-    carry = (dstate, dq, dk, dv, da, dh0)
-    dstate, dq, dk, dv, da, dh0 = lax.fori_loop(0, layout.num_chunks, step, carry)
-    if not reset:
-        dh0 = dstate[:, None]
+    (dq, dk, dv, da), dh0 = reverse_sweep(layout, dht, jnp.zeros((R, H, K, V), x.dtype), step, (dq, dk, dv, da))
     return dq, dk, dv, da, dh0
