@@ -6,7 +6,6 @@ Every registered implementation that supports a workload on this machine is time
 a warm-up call; the float64 reference only on small workloads (it sweeps token by token on the host).
 """
 
-import jax
 import pytest
 
 from tops_core import bench, op
@@ -27,9 +26,5 @@ IMPLEMENTATIONS = sorted(impl.name for impl in op("kda").implementations())
 @pytest.mark.parametrize("direction", ["forward", "forward+backward"])
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 @pytest.mark.parametrize("workload", WORKLOADS)
-def test_kda(benchmark, programs_or_skip, workload, name, direction):
-    forward, forward_backward, forward_args, forward_backward_args = programs_or_skip(WORKLOADS[workload], name)
-    program, args = (forward, forward_args) if direction == "forward" else (forward_backward, forward_backward_args)
-    benchmark.group = f"{workload} {direction}"
-    jax.block_until_ready(program(*args))
-    benchmark(lambda: jax.block_until_ready(program(*args)))
+def test_kda(side_by_side, workload, name, direction):
+    side_by_side(WORKLOADS[workload], name, direction, group=f"{workload} {direction}")
