@@ -10,8 +10,9 @@ gates ``g = log_sigmoid(normal) / 16``; simple_gla with ALiBi ``g_gamma``, as in
 FLOPs of the kda forward, per token and head, counting the chunked algorithm's matrix products
 with triangles whole: ``6KV`` (queries and keys against the state, the state update), ``4CK``
 (``Aqk`` and ``Akk``), ``4CV`` (the inverse and ``Aqk`` against the writes) and ``2C^2/3`` (the
-blocked inverse); forward+backward counts 3x that, as the simple_gla report does. At this shape
-that is 1.69x simple_gla's count. The share of the flat-product ceiling is kda's rate over the
+blocked inverse; ``tops_core.bench.forward_flops``, which ``tops bench`` uses too); forward+backward
+counts 3x that, as the simple_gla report does. At this shape that is 1.69x simple_gla's count.
+The share of the flat-product ceiling is kda's rate over the
 rate of one flat ``[B*T*H, K] @ [K, V]`` product, the best shape a product of these head dims
 gets on this machine (see the simple_gla report).
 """
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import pytest
 
 import tops_core
+from tops_core import bench
 from benchmarks.test_xla_throughput import (
     B, H, K, T, V, forward_flops, inputs, interleaved_timings, matmul_program, product_programs, ready, run,
     simple_gla_programs,
@@ -32,8 +34,7 @@ CHUNK = 64
 
 
 def kda_forward_flops(seq_len: int, chunk_size: int) -> float:
-    C = chunk_size
-    return B * H * seq_len * (6 * K * V + 4 * C * (K + V) + 2 * C * C / 3)
+    return bench.forward_flops(bench.workload("kda", (B, seq_len, H, K, V), "float32", ["use_qk_l2norm"]), chunk_size)
 
 
 def kda_programs(seq_len: int = T, chunk_size: int = CHUNK):

@@ -4,7 +4,8 @@
     python benchmarks/test_xla_throughput.py                     # GFLOP/s and ratios to the matmul
 
 FLOPs: the forward counts ``B*H*T*(4*K*V + 2*C*(K+V))`` (the chunked algorithm's matrix
-products, causal triangles counted whole); forward+backward counts 3x that. The backward here
+products, causal triangles counted whole; ``tops_core.bench.forward_flops``, which ``tops bench``
+uses too); forward+backward counts 3x that. The backward here
 really does 2.5x the forward's products (state recompute, then dq, dk, dv and dS), so the
 forward+backward figure understates the arithmetic done by about 15%. The reference matmul is a
 jitted ``jnp.dot`` of two 2048x2048 float32 matrices.
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import pytest
 
 import tops_core
+from tops_core import bench
 
 B, T, H, K, V = 2, 4096, 8, 128, 128
 MATMUL_N = 2048
@@ -43,8 +45,8 @@ def inputs(seq_len: int):
     return q, k, v, g_gamma, do
 
 
-def forward_flops(seq_len: int, chunk_size: int) -> int:
-    return B * H * seq_len * (4 * K * V + 2 * chunk_size * (K + V))
+def forward_flops(seq_len: int, chunk_size: int) -> float:
+    return bench.forward_flops(bench.workload("simple_gla", (B, seq_len, H, K, V), "float32", ["g_gamma"]), chunk_size)
 
 
 def simple_gla_programs(seq_len: int = T, chunk_size: int = 64):
