@@ -151,6 +151,8 @@ def test_cli_bench_json_is_one_document_with_every_figure(installed, capsys, mon
     assert set(rows) == {"fake.portable", "ref.recurrent"}
     assert rows["fake.portable"]["forward"]["median"] > 0 and rows["fake.portable"]["within_tolerance"] is True
     assert rows["fake.portable"]["forward_error"] >= 0
+    assert rows["fake.portable"]["forward_share"] > 0 and "forward_share" in rows["ref.recurrent"]
+    assert len(document["ceiling"]["timings"]) == 2 and document["ceiling"]["flops"] == 2 * 16 * 2 * 8 * 8
     assert document["failures"] == []
     assert document["modelled_tpu"]["generation"] == "v5e"
     assert document["modelled_tpu"]["unavailable"] == "not compiled in this test"

@@ -427,6 +427,8 @@ def report_json(report: Report) -> dict[str, Any]:
         "platform": report.platform,
         "reference_at_workload": report.reference_at_workload,
         "rows": [dataclasses.asdict(row) for row in report.rows],
+        "ceiling": {"flops": report.ceiling_flops, "counted_forward_flops": forward_flops(report.workload),
+                    "timings": [dataclasses.asdict(timing) for timing in report.ceiling]},
     }
 
 
