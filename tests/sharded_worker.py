@@ -196,7 +196,7 @@ def tpu(case: dict) -> dict:
     }
     with in_context(case, mesh):
         try:
-            compiled = program(case, mesh).lower(abstract).compile()
+            compiled = program(case, mesh, case.get("explicit_backward", False)).lower(abstract).compile()
         except Exception as error:  # noqa: BLE001 - the test reads what went wrong
             return {"error_text": f"{type(error).__name__}: {error}"}
     facts = compile_only.ProgramFacts.of(compiled)

@@ -182,15 +182,15 @@ def libtpu():
 
 def test_tpu_batch_and_heads_run_the_pallas_kernel_on_every_chip(worker, libtpu):
     answer = worker.ask("tpu", dict(TPU, name="tpu-batch-heads", mode="shard", mesh=[2, 2], split={"batch": 0, "heads": 1}))
-    assert answer["kernels"] == 1
-    assert answer["implementations"] == ["tpu_pallas.fused.forward", "xla.chunk.backward"]
+    assert answer["kernels"] == 1 + 2  # the fused forward and its backward's two kernels
+    assert answer["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
     assert answer["collectives"] == [["all-reduce", "f32[2]", 8]]  # dg_gamma of the chip's 2 heads
 
 
 def test_tpu_sequence_exchanges_states_the_same_whatever_T(worker, libtpu):
     case = dict(TPU, name="tpu-sequence", mode="shard", mesh=[4], split={"sequence": 0})
     short, long = (worker.ask("tpu", dict(case, T=T)) for T in (256, 1024))
-    assert short["implementations"] == ["tpu_pallas.fused.forward", "xla.chunk.backward"]
+    assert short["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
     assert sorted(short["collectives"]) == sorted(long["collectives"])
     state = 4 * case["B"] * case["H"] * case["K"] * case["V"]
     assert {size for opcode, _, size in short["collectives"] if opcode == "collective-permute"} == {state, 4 * case["B"] * case["H"]}
@@ -198,13 +198,15 @@ def test_tpu_sequence_exchanges_states_the_same_whatever_T(worker, libtpu):
 
 def test_tpu_explicit_mesh_axes_split_without_being_asked(worker, libtpu):
     answer = worker.ask("tpu", dict(TPU, name="tpu-types", mode="types", mesh=[2, 2], split={"batch": 0, "sequence": 1}))
-    assert answer["kernels"] == 1 and "tpu_pallas.fused.forward" in answer["implementations"]
+    assert answer["kernels"] == 1 + 2 and "tpu_pallas.fused.forward" in answer["implementations"]
 
 
-def test_tpu_sharded_inputs_without_a_split_say_how_to_split(worker, libtpu):
+@pytest.mark.parametrize("explicit_backward", [False, True], ids=["vjp", "backward"])
+def test_tpu_sharded_inputs_without_a_split_say_how_to_split(worker, libtpu, explicit_backward):
     # TPU compilers cannot run custom_partitioning's callback, and Pallas kernels run on several
-    # devices only inside shard_map: the error says what to do.
-    answer = worker.ask("tpu", dict(TPU, name="tpu-auto", mode="auto", mesh=[4], split={"batch": 0}))
+    # devices only inside shard_map: the error says what to do, for the backward kernels alone too.
+    case = dict(TPU, name="tpu-auto", mode="auto", mesh=[4], split={"batch": 0}, explicit_backward=explicit_backward)
+    answer = worker.ask("tpu", case)
     assert "tops_core.parallel.shard(mesh, batch=..., heads=..., sequence=...)" in answer["error_text"]
 
 

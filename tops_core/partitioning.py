@@ -222,10 +222,12 @@ def partitioned(plan: Plan, operands: Sequence[jax.Array], body: Callable[..., A
     whole = jax.make_jaxpr(body)(*operands)
     if any(isinstance(const, jax.core.Tracer) for const in whole.consts):
         raise ValueError("partitioned: the body closes over a traced value; pass it in the operands")
-    if _calls_the_host(whole.jaxpr):
+    if _calls_the_host(whole.jaxpr) or whole.effects:
         # A host callback inside a custom_partitioning function crashes the process when the
         # program runs on several devices (JAX 0.10.2, CPU: a segfault), so a call whose
         # implementation runs on the host (the float64 reference) is left whole, for XLA to place.
+        # So is one with side effects (Pallas' faithful TPU interpreter calls back in order): the
+        # custom_partitioning lowering has no token for them (a KeyError on the ordered effect).
         return jax.tree.unflatten(plan.out_tree, jaxpr_as_fun(whole)(*operands))
     # Traced here rather than when lowering: JAX gives a lowering the devices custom_partitioning
     # needs only when it finds the primitive in the program.

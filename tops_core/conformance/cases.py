@@ -19,7 +19,9 @@ from tops_core.ops import op
 HEAD_DIMS = (64, 100, 128)
 OUT_OF_RANGE_DIMS = (64, 100, 128, 256, 32, 96, 512)
 GATES = {"simple_gla": ("g", "g_gamma"), "kda": ()}
-PACKINGS = ((0, 1, 70, 57), (130, 0, 3))
+# Boundaries inside a chunk and on one (64), at token 0, empty sequences first, inside and last, one-token
+# sequences, a sequence over several chunks; cases that change T resize the last sequence.
+PACKINGS = ((0, 1, 70, 57), (130, 0, 3), (64, 200, 1, 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,14 @@ class Case:
     seqlens: tuple[int, ...] | None = None
     strong_decay: bool = False
     config: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        if self.seqlens is not None and sum(self.seqlens) != self.seq_len:
+            # A packed case given another T keeps its packing and resizes the last sequence to fit.
+            last = self.seq_len - sum(self.seqlens[:-1])
+            if last < 0:
+                raise ValueError(f"{self.name}: packing {self.seqlens} does not fit T = {self.seq_len}")
+            object.__setattr__(self, "seqlens", (*self.seqlens[:-1], last))
 
     def spec(self, platform: str, interpret: bool) -> CallSpec:
         num_seqs = len(self.seqlens) if self.seqlens is not None else self.batch

@@ -5,7 +5,8 @@ environment, so libtpu's start-up stays out of the test process. It reads one JS
 line on stdin and answers each with one JSON line on stdout: the facts of the compiled program
 (``tops_core.compile_only.ProgramFacts``), or the error.
 
-Requests: ``{"call": {...}}`` compiles the forward of one call, or with ``"gradient": true`` the
+Requests: ``{"call": {...}}`` compiles the forward of one call (packed with traced
+``cu_seqlens`` when it names ``num_seqs``), or with ``"gradient": true`` the
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
 text of ``tops bench``'s modelled TPU section.
@@ -36,8 +37,11 @@ def _arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
     }
     if call["g"]:
         arrays["g"] = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
+    num_seqs = call.get("num_seqs")  # packed: B == 1 and N traced boundaries
+    if num_seqs is not None:
+        arrays["cu_seqlens"] = jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32)
     if call["initial_state"]:
-        arrays["initial_state"] = jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)
+        arrays["initial_state"] = jax.ShapeDtypeStruct((num_seqs or B, H, K, V), jnp.float32)
     return arrays
 
 
@@ -60,7 +64,7 @@ def _loss(call: dict):
 
 
 def compile_call(call: dict) -> compile_only.ProgramFacts:
-    function = jax.value_and_grad(_loss(call)) if call.get("gradient") else _forward(call)
+    function = jax.value_and_grad(_loss(call), allow_int=True) if call.get("gradient") else _forward(call)  # cu_seqlens: int
     return compile_only.ProgramFacts.of(compile_only.compile_for(call["generation"], function, _arrays(call)))
 
 

@@ -19,7 +19,7 @@ def make_inputs():
     """``make(B, T, H, K, V, dtype, g=..., g_gamma=..., initial_state=..., seed=...)`` -> (kernel inputs, reference inputs).
 
     ``g``: True for ``log_sigmoid(normal) / 16`` gates, or an array; ``g_gamma``: "alibi", a
-    number (every head) or None; ``initial_state``: True for a unit-normal state. q, k, v are cast
+    number (every head), an array ``[H]`` or None; ``initial_state``: True for a unit-normal state. q, k, v are cast
     to ``dtype`` (gates and state stay float32); the reference gets the same values in float64.
     """
 
@@ -36,6 +36,8 @@ def make_inputs():
             arrays["g"] = np.broadcast_to(np.asarray(g, np.float64), (B, T, H))
         if isinstance(g_gamma, str):
             arrays["g_gamma"] = alibi_g_gamma(H)
+        elif np.ndim(g_gamma) == 1:
+            arrays["g_gamma"] = np.asarray(g_gamma, np.float64)
         elif g_gamma is not None:
             arrays["g_gamma"] = np.full((H,), float(g_gamma))
         if initial_state:
@@ -61,7 +63,7 @@ def reference():
         previous = jax.config.jax_enable_x64
         jax.config.update("jax_enable_x64", True)
         try:
-            args = {n: jnp.asarray(x, jnp.float64) for n, x in inputs.items()}
+            args = {n: jnp.asarray(x) if n == "cu_seqlens" else jnp.asarray(x, jnp.float64) for n, x in inputs.items()}
             o, final_state = tops_core.op("simple_gla").forward(
                 **args, output_final_state=output_final_state, implementation="ref.recurrent"
             )
@@ -83,3 +85,35 @@ def assert_matches():
         return measurement.error
 
     return check
+
+
+@pytest.fixture(scope="session")
+def reference_gradients():
+    """``reference_gradients(inputs, do, dht)`` -> float64 gradients (a dict by input name) from ``ref.recurrent``.
+
+    The VJP of ``(o, final_state)`` for cotangents ``do`` and ``dht``; x64 switched on as in ``reference``.
+    """
+    pytest.importorskip("tops_plugins_ref")
+
+    def run(inputs, do, dht):
+        previous = jax.config.jax_enable_x64
+        jax.config.update("jax_enable_x64", True)
+        try:
+            args = {n: jnp.asarray(x, jnp.float64) for n, x in inputs.items()}
+            _, vjp = jax.vjp(lambda a: tops_core.op("simple_gla").forward(**a, output_final_state=True, implementation="ref.recurrent"), args)
+            (grads,) = vjp((jnp.asarray(do, jnp.float64), jnp.asarray(dht, jnp.float64)))
+            return {n: np.asarray(x) for n, x in grads.items()}
+        finally:
+            jax.config.update("jax_enable_x64", previous)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def alibi_layers():
+    """``alibi_layers(heads_per_layer, layers)``: the ALiBi-style decays of every head of every layer, side by side ``[layers * heads]``."""
+
+    def decays(heads_per_layer: int, layers: int) -> np.ndarray:
+        return np.concatenate([alibi_g_gamma(heads_per_layer, layer, layers) for layer in range(layers)])
+
+    return decays

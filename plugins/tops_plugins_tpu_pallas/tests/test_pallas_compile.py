@@ -41,6 +41,7 @@ FACTORS = {
     "final_state": (False, True),
 }
 KERNELS = {"fused": 1, "chunk": 2}  # pallas_calls per forward
+GRADIENT_KERNELS = {"fused": 1 + 2, "chunk": 2 + 3}  # pallas_calls per forward and backward
 
 
 def covering_design(factors: dict[str, tuple]) -> list[dict]:
@@ -155,10 +156,10 @@ def test_forward_compiles_to_the_mosaic_kernels(worker, call):
 
 @pytest.mark.parametrize("call", GRADIENTS, ids=_label)
 def test_gradient_compiles_the_kernels_forward_and_the_paired_backward(worker, call):
-    # The kernels are forward-only: the dispatcher pairs them with xla.chunk's backward, in the same TPU program.
+    # jax.grad through the op lowered for TPU: the dispatcher pairs each forward with its backward, in one TPU program.
     facts = compile_call(worker, call, gradient=True)
-    assert facts["kernels"] == KERNELS[call["kernel"]]
-    assert facts["implementations"] == sorted([f"tpu_pallas.{call['kernel']}.forward", "xla.chunk.backward"])
+    assert facts["kernels"] == GRADIENT_KERNELS[call["kernel"]]
+    assert facts["implementations"] == sorted([f"tpu_pallas.{call['kernel']}.forward", f"tpu_pallas.{call['kernel']}.backward"])
 
 
 def test_compiled_cost_analysis_reads_back_the_kernels_estimates(worker):
@@ -216,4 +217,29 @@ def test_forward_compiles_over_the_full_sweep(worker, kernel, generation):
 @pytest.mark.slow
 @pytest.mark.parametrize("call", DESIGN, ids=_label)
 def test_gradient_compiles_over_the_design(worker, call):
-    assert compile_call(worker, call, gradient=True)["kernels"] == KERNELS[call["kernel"]]
+    assert compile_call(worker, call, gradient=True)["kernels"] == GRADIENT_KERNELS[call["kernel"]]
+
+
+# tpu_pallas.varlen (packed, B = 1, traced cu_seqlens): every generation, ragged T, both dtypes,
+# in-place and lane-padded head dims, with and without g, initial_state, final state.
+VARLEN_CALLS = [
+    dict(generation="v4", T=1, K=32, V=100, dtype="float32", g=True, initial_state=True, final_state=True, num_seqs=3),
+    dict(generation="v5e", T=1000, K=128, V=128, dtype="bfloat16", g=False, initial_state=True, final_state=True, num_seqs=16),
+    dict(generation="v5p", T=65, K=100, V=200, dtype="bfloat16", g=True, initial_state=False, final_state=False, num_seqs=2),
+    dict(generation="v6e", T=1000, K=256, V=256, dtype="float32", g=True, initial_state=False, final_state=True, num_seqs=256),
+]
+
+
+@pytest.mark.parametrize("call", VARLEN_CALLS, ids=lambda call: f"{call['generation']}-N{call['num_seqs']}-" + _label({**call, "kernel": "varlen"}).split("-", 2)[2])
+def test_varlen_forward_compiles_with_traced_cu_seqlens(worker, call):
+    facts = worker.ask({"call": {**call, "kernel": "varlen", "B": 1, "H": 3, "gradient": False}})
+    assert facts["kernels"] == 1
+    assert facts["implementations"] == ["tpu_pallas.varlen.forward"]
+    assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
+
+
+def test_varlen_gradient_compiles_with_the_paired_backward(worker):
+    call = {**VARLEN_CALLS[1], "kernel": "varlen", "B": 1, "H": 3, "gradient": True}
+    facts = worker.ask({"call": call})
+    assert facts["kernels"] == 1
+    assert facts["implementations"] == ["tpu_pallas.varlen.forward", "xla.chunk.backward"]

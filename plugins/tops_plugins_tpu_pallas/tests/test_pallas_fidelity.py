@@ -1,4 +1,4 @@
-"""Both kernels under Pallas' faithful TPU interpreter, against the float64 reference (slow).
+"""The kernels, forward and backward, under Pallas' faithful TPU interpreter, against the float64 reference (slow).
 
 ``pltpu.InterpretParams`` simulates what the fast interpreter hides: uninitialised VMEM and
 outputs full of NaN, two cores sharing the parallel grid axes, the order of parallel grid points
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tops_core
+from tops_core.conformance.compare import measure, tolerance
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 SEEDS = (0, 1, 2)
 LAUNCHES = {"fused": 1, "chunk": 2}
+GRADIENT_LAUNCHES = {"fused": 1 + 2, "chunk": 2 + 3}  # forward and backward
 
 # B, T, H, K, V, dtype, inputs, config. K and V multiples of 128 are read in place, the others go
 # through the lane padding copy; every case has a ragged last block or several (batch, head, tile) points.
@@ -84,6 +86,41 @@ def test_faithful_interpreter_matches_reference(kernel, case, seed, race_reports
     assert_matches("final_state", final_state, final_ref, dtype)
 
 
+def gradients_faithfully(kernel: str, inputs: dict, do, dht, config: dict, seed: int):
+    def call(inputs):
+        with tops_core.use(interpret=True, strict=True):
+            _, vjp = jax.vjp(
+                lambda a: tops_core.op("simple_gla").forward(
+                    **a, output_final_state=True, implementation=(f"tpu_pallas.{kernel}", {**config, "interpret": faithful(seed)}),
+                ),
+                inputs,
+            )
+            return vjp((do, dht))[0]
+
+    return jax.block_until_ready(jax.jit(call)(inputs))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kernel", list(LAUNCHES))
+def test_faithful_interpreter_gradients_match_reference(kernel, case, race_reports, make_inputs, reference_gradients):
+    # Every gradient, with a final-state cotangent; one seed (the backward launches the forward's states again).
+    shape, dtype, given, config = CASES[case]
+    seed = SEEDS[0]
+    inputs, ref_inputs = make_inputs(*shape, dtype, seed=seed, **given)
+    rng = np.random.default_rng(seed + 10)
+    B, T, H, K, V = shape
+    do = jnp.asarray(rng.standard_normal((B, T, H, V)), dtype)
+    dht = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
+    if kernel == "fused":  # segments of num_steps chunks, not the default 1024 tokens: several per sequence
+        config = {**config, "backward_num_steps": config["num_steps"]}
+    grads = gradients_faithfully(kernel, inputs, do, dht, config, seed)
+    assert len(race_reports) == GRADIENT_LAUNCHES[kernel]
+    assert not any(report.races_found for report in race_reports)
+    for name, want in reference_gradients(ref_inputs, do, dht).items():
+        measurement = measure(f"d{name}", grads[name], want, tolerance(jnp.dtype(dtype).name, gradient=True))
+        assert measurement.passed, measurement.describe()
+
+
 def test_race_detector_catches_a_race(race_reports):
     # The check above can fail: two parallel grid points writing one output block, on two cores, is a race.
     def kernel(x_ref, o_ref):
@@ -110,3 +147,29 @@ def test_rows_past_the_end_are_nan_unless_masked(race_reports, monkeypatch, make
         jax.clear_caches()  # drop the traces made with the mask patched out
     assert np.isfinite(np.asarray(o[:, :64])).all()  # the first chunk is whole
     assert np.isnan(np.asarray(final_state)).all()
+
+
+# tpu_pallas.varlen: (H, K, V), dtype, packing, config. Boundaries inside chunks and on them, empty
+# sequences first, inside and last, one-token sequences, a sequence over several chunks, a ragged last
+# block; the initial states come in and the final states go out by the kernel's own DMAs.
+VARLEN_CASES = {
+    "f32-h0-anywhere-ragged": ((2, 128, 128), jnp.float32, (0, 1, 70, 57, 0, 5, 1, 140, 1, 0), dict(chunk_size=64, num_steps=2)),
+    "bf16-h0-lane-padded-C128": ((1, 100, 200), jnp.bfloat16, (64, 200, 1, 0), dict(chunk_size=128, num_steps=1)),
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+def test_faithful_interpreter_matches_reference_packed(case, seed, race_reports, make_inputs, reference, assert_matches):
+    (H, K, V), dtype, seqlens, config = VARLEN_CASES[case]
+    inputs, ref_inputs = make_inputs(1, sum(seqlens), H, K, V, dtype, seed=seed, g=True, g_gamma="alibi")
+    rng = np.random.default_rng(seed)
+    inputs["initial_state"] = jnp.asarray(rng.standard_normal((len(seqlens), H, K, V)), jnp.float32)
+    ref_inputs["initial_state"] = np.asarray(inputs["initial_state"], np.float64)
+    cu_seqlens = np.cumsum((0, *seqlens)).astype(np.int32)
+    o, final_state = run_faithfully("varlen", {**inputs, "cu_seqlens": jnp.asarray(cu_seqlens)}, config, seed)
+    assert len(race_reports) == 1
+    assert not any(report.races_found for report in race_reports)
+    o_ref, final_ref = reference({**ref_inputs, "cu_seqlens": cu_seqlens})
+    assert_matches("o", o, o_ref, dtype)
+    assert_matches("final_state", final_state, final_ref, dtype)

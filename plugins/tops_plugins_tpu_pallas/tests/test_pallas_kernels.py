@@ -257,10 +257,16 @@ def test_configs_reject_invalid_fields(Config, field, value, error):
         Config(**{field: value})
 
 
+@pytest.mark.parametrize("value", [0, 2.0, True])
+def test_fused_config_rejects_an_invalid_backward_segment(value):
+    with pytest.raises(ValueError, match="backward_num_steps"):
+        FusedConfig(backward_num_steps=value)
+
+
 def test_capabilities_reject_what_does_not_fit_vmem():
     fits = dataclasses.replace(_spec(1, 2, 128), key_dim=256)
     too_wide = dataclasses.replace(_spec(1, 2, 128), key_dim=8192)
     for implementation in (FUSED, CHUNK):
         assert implementation.reasons(fits, "forward") == []
         assert any("VMEM" in reason for reason in implementation.reasons(too_wide, "forward"))
-        assert implementation.reasons(fits, "backward") == ["forward only (no backward)"]
+        assert implementation.reasons(fits, "backward") == []

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 import tops_core
 
-from tops_plugins_tpu_pallas import chunk, fused, traffic
-from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan, Relayout, Scalars, Scratch
+from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, traffic, varlen
+from tops_plugins_tpu_pallas.launch import Blocked, DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 
@@ -93,6 +93,49 @@ def test_chunk_figures_at_the_benchmark_shape():
     assert f.peak_vmem <= traffic.VMEM_BUDGET
 
 
+BACKWARD_FLOOR = 4 * 128 * 2 + 3 * 128 * 2  # read q, k, v, do and write dq, dk, dv: 1792 B/token
+RECOMPUTED_STATES = 2 * 128 * 2  # the forward walk that recomputes the states reads k and v again
+
+
+@pytest.mark.parametrize("seq_len", [4096, 32768])
+@pytest.mark.parametrize(("chunk_size", "backward_num_steps"), [(128, None), (64, None), (64, 4)])
+def test_fused_backward_figures_at_the_benchmark_shape(seq_len, chunk_size, backward_num_steps):
+    B, _, H, K, V = BENCHMARK
+    tokens = B * seq_len * H
+    config = fused.FusedConfig(chunk_size=chunk_size, backward_num_steps=backward_num_steps)
+    plans = backward_fused.fitted_plans(backward_fused.geometry_of(B, seq_len, H, K, V, config), jnp.bfloat16)
+    f = traffic.figures(plans, tokens)
+    segment = 1024 if backward_num_steps is None else chunk_size * backward_num_steps  # tokens
+    checkpoint = 128 * 128 * 4 / segment  # one float32 state per segment, written once and read once
+    decay_gradient = 4  # float32 per token, summed into dg_gamma outside
+    assert f.kernel_bytes == tokens * (BACKWARD_FLOOR + RECOMPUTED_STATES + 2 * checkpoint + decay_gradient) + 2 * 16 * 4
+    assert f.relayout_bytes == 0
+    assert f.peak_vmem <= traffic.VMEM_BUDGET
+    if backward_num_steps is None:  # the default segment of 1024 tokens: within 10% of the floor with recomputation
+        assert f.kernel_per_token <= 1.1 * (BACKWARD_FLOOR + RECOMPUTED_STATES)
+
+
+def test_fused_backward_segments_shrink_to_fit_vmem():
+    # K = V = 512: 8 chunks of 128 per segment would need more than the budget; fewer chunks fit.
+    config = fused.FusedConfig()
+    geometry = backward_fused.geometry_of(1, 4096, 1, 512, 512, config)
+    assert max(traffic.vmem_bytes(plan) for plan in backward_fused.plans(geometry, jnp.bfloat16)) > traffic.VMEM_BUDGET
+    checkpoints, gradients = backward_fused.fitted_plans(geometry, jnp.bfloat16)
+    assert max(traffic.vmem_bytes(checkpoints), traffic.vmem_bytes(gradients)) <= traffic.VMEM_BUDGET
+    assert gradients.grid[-1] > geometry.time_steps
+
+
+def test_split_backward_figures_at_the_benchmark_shape():
+    geometry = Geometry(*BENCHMARK, 128, 4)
+    f = traffic.figures(backward_split.plans(geometry, jnp.bfloat16), TOKENS)
+    state = 128 * 128 * 4 / 128  # one float32 state (or state gradient) per chunk of 128 tokens
+    states = RECOMPUTED_STATES + state  # read k, v; write the states
+    pass1 = 3 * 128 * 2 + 128 * 2 + state  # read q, k, do; write dv and dS
+    pass2 = 4 * 128 * 2 + 2 * state + 2 * 128 * 2 + 4  # read q, k, v, do, states, dS; write dq, dk, the decay gradient
+    assert f.kernel_per_token == pytest.approx(states + pass1 + pass2, abs=0.01)
+    assert f.peak_vmem <= traffic.VMEM_BUDGET
+
+
 def test_lane_padding_copies_are_counted_end_to_end():
     # K = V = 100 bf16: q, k, v are read at 100 lanes and written at 128, o read at 128 and written
     # at 100; the kernel then moves the padded 128 lanes.
@@ -142,3 +185,32 @@ def test_chunk_cost_estimates_split_the_work_between_its_two_kernels():
     # chunks): exp of the 128 x 128 decays, 128 query and 128 key decays and the chunk's decay.
     gates = 4 * (128 * 128 + 128 + 128 + 1)
     assert states["transcendentals"] == outputs["transcendentals"] == gates
+
+
+def test_arrays_the_kernel_copies_itself_count_once_and_take_no_vmem_blocks():
+    plan = dataclasses.replace(
+        _tiny_plan(),
+        inputs=(*_tiny_plan().inputs, InHbm("h0", (5, 8, 128), jnp.float32)),
+        outputs=(*_tiny_plan().outputs, InHbm("ht", (5, 8, 128), jnp.float32)),
+        scratch=(*_tiny_plan().scratch, DmaSemaphores("copies", 2)),
+    )
+    blocked_read, blocked_written = traffic.kernel_traffic(_tiny_plan())
+    assert traffic.kernel_traffic(plan) == (blocked_read + 5 * 8 * 128 * 4, blocked_written + 5 * 8 * 128 * 4)
+    assert traffic.vmem_bytes(plan) == traffic.vmem_bytes(_tiny_plan())
+
+
+@pytest.mark.parametrize("num_seqs", [1, 16, 256])
+def test_varlen_moves_what_fused_moves_whatever_the_number_of_sequences(num_seqs):
+    # B = 1, T = 8192 packed, H = 16, K = V = 128, bf16, g_gamma: q, k, v read and o written once,
+    # plus the scalars in SMEM: the decays, N + 1 boundaries and two sequence numbers per chunk.
+    # The default config of both: chunks of 128, all of V in one block.
+    T, H = 8192, 16
+    geometry = fused.geometry_of(1, T, H, 128, 128, varlen.VarlenConfig())
+    packed = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), T * H)
+    alone = traffic.figures(fused.fitted_plans(geometry, jnp.bfloat16), T * H)
+    assert packed.kernel_bytes == alone.kernel_bytes + (num_seqs + 1) * 4 + 2 * (T // 128) * 4
+    assert packed.kernel_per_token <= 1.10 * alone.kernel_per_token
+    assert packed.peak_vmem <= traffic.VMEM_BUDGET
+    # The states are the caller's data: N of them each way, as fused moves for B = N rows.
+    stateful = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H)
+    assert stateful.kernel_bytes - packed.kernel_bytes == 2 * num_seqs * H * 128 * 128 * 4

@@ -1,14 +1,17 @@
-"""Pallas TPU kernels for the tops ops: ``tpu_pallas.fused`` and ``tpu_pallas.chunk`` (simple_gla forward).
+"""Pallas TPU kernels for the tops ops: ``tpu_pallas.fused``, ``tpu_pallas.chunk`` and, for packed
+sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla).
 
-Both are forward-only (the dispatcher pairs them with another plugin's backward), run natively on
-TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere else.
+``fused`` and ``chunk`` have their own backward (``backward_fused``, ``backward_split``);
+``varlen`` is forward-only (the dispatcher pairs it with another plugin's backward). All run
+natively on TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere else.
 """
 
 
 import jax
 import tops_core
 
-from tops_plugins_tpu_pallas import chunk, fused, traffic
+from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, traffic, varlen
+from tops_plugins_tpu_pallas.layout import Geometry
 
 TOPS_CORE_API_VERSION = 1
 
@@ -51,29 +54,34 @@ def _chunk_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
     prefer, facts = _prefer_fused(spec)
     if prefer:
         return 190, f"{facts}: fused fills every core, chunk ranks below it"
-    return 190, f"{facts}: chunk's output stage is parallel over time, ranks above fused"
+    return 190, f"{facts}: chunk's output stage and its backward's dq/dk pass are parallel over time, ranks above fused"
 
 
 FUSED_CONFIG = fused.FusedConfig()
+CHUNK_CONFIG = chunk.ChunkConfig()
 
 
-def _fits_vmem(build_plans, config, geometry_of):
+def _fits_vmem(config, *directions):
     """A capability predicate: reject shapes whose launch plans (default config) exceed the VMEM budget.
 
-    The whole padded K sits in every block, so a large K is what can overflow VMEM. The spec does
-    not carry the dtypes of ``g`` and ``initial_state``; float32 (the larger) is assumed.
+    ``directions``: ``(geometry_of, build_plans)`` of the forward and, when the implementation has
+    its own, the backward; one implementation serves both, so both must fit. The whole padded K
+    sits in every block, so a large K is what can overflow VMEM. The spec does not carry the dtypes
+    of ``g`` and ``initial_state``; float32 (the larger) is assumed.
     """
 
     def predicate(spec: tops_core.CallSpec) -> str | None:
-        """blocks and scratch of the default config must fit the VMEM budget (bounds K)"""
-        geometry = geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
-        plans = build_plans(
-            geometry, spec.dtype,
-            gate_dtype="float32" if "g" in spec.features else None,
-            initial_state_dtype="float32" if "initial_state" in spec.features else None,
-            output_final_state="output_final_state" in spec.features,
-        )
-        needed = max(traffic.vmem_bytes(plan) for plan in plans)
+        """blocks and scratch of the default config (forward, and backward where it has one) must fit the VMEM budget (bounds K)"""
+        needed = 0
+        for geometry_of, build_plans in directions:
+            geometry = geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
+            plans = build_plans(
+                geometry, spec.dtype,
+                gate_dtype="float32" if "g" in spec.features else None,
+                initial_state_dtype="float32" if "initial_state" in spec.features else None,
+                output_final_state="output_final_state" in spec.features,
+            )
+            needed = max(needed, *(traffic.vmem_bytes(plan) for plan in plans))
         if needed > traffic.VMEM_BUDGET:
             return f"needs {needed / 2**20:.1f} MiB of VMEM for K={spec.key_dim} (budget {traffic.VMEM_BUDGET / 2**20:.0f} MiB)"
         return None
@@ -81,12 +89,24 @@ def _fits_vmem(build_plans, config, geometry_of):
     return predicate
 
 
-def _capabilities(predicate) -> tops_core.Capabilities:
+def _varlen_plans(geometry: Geometry, dtype, **inputs):
+    """varlen's plans for one sequence: its VMEM does not depend on N (boundaries in SMEM, states in HBM)."""
+    return varlen.fitted_plans(geometry, dtype, 1, **inputs)
+
+
+def _varlen_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
+    """200: the Pallas kernel for packed sequences (fused and chunk do not take cu_seqlens)"""
+    return 200, f"packed input, N = {spec.num_seqs} sequences: the one Pallas kernel that takes cu_seqlens"
+
+
+def _capabilities(predicate, packed: bool = False) -> tops_core.Capabilities:
+    features = {"g", "g_gamma", "initial_state", "output_final_state"}
     return tops_core.Capabilities(
         platforms={"tpu"},
         interpretable=True,
         dtypes={"bfloat16", "float32"},
-        features={"g", "g_gamma", "initial_state", "output_final_state"},
+        features=features | {"cu_seqlens"} if packed else features,
+        requires={"cu_seqlens"} if packed else set(),
         ndims={"g_gamma": {0, 1}},  # a scalar is broadcast to [H] before the kernel
         predicate=predicate,
     )
@@ -96,25 +116,44 @@ FUSED = tops_core.Implementation(
     op="simple_gla",
     name="fused",
     forward=fused.forward,
-    capabilities=_capabilities(_fits_vmem(fused.fitted_plans, FUSED_CONFIG, fused.geometry_of)),
+    backward=backward_fused.backward,
+    capabilities=_capabilities(_fits_vmem(FUSED_CONFIG, (fused.geometry_of, fused.fitted_plans), (backward_fused.geometry_of, backward_fused.fitted_plans))),
     priority=_fused_priority,
     config=FUSED_CONFIG,
-    description="one pallas_call: state in VMEM along a sequential time axis, num_steps chunks per grid step",
+    description=(
+        "one pallas_call: state in VMEM along a sequential time axis, num_steps chunks per grid step; "
+        "backward: state checkpoints per step, then dS in VMEM along the reverse time axis"
+    ),
 )
 
 CHUNK = tops_core.Implementation(
     op="simple_gla",
     name="chunk",
     forward=chunk.forward,
-    capabilities=_capabilities(_fits_vmem(chunk.plans, chunk.ChunkConfig(), chunk.geometry_of)),
+    backward=backward_split.backward,
+    capabilities=_capabilities(_fits_vmem(CHUNK_CONFIG, (chunk.geometry_of, chunk.plans), (backward_split.geometry_of, backward_split.plans))),
     priority=_chunk_priority,
-    config=chunk.ChunkConfig(),
-    description="two pallas_calls: chunk states in time order, then outputs parallel over time",
+    config=CHUNK_CONFIG,
+    description=(
+        "two pallas_calls: chunk states in time order, then outputs parallel over time; "
+        "backward: states, then dS in reverse time order, then dq, dk, dg parallel over time"
+    ),
+)
+
+VARLEN = tops_core.Implementation(
+    op="simple_gla",
+    name="varlen",
+    forward=varlen.forward,
+    capabilities=_capabilities(_fits_vmem(varlen.VarlenConfig(), (fused.geometry_of, _varlen_plans)), packed=True),
+    priority=_varlen_priority,
+    config=varlen.VarlenConfig(),
+    description="one pallas_call over packed sequences: cu_seqlens in SMEM, state reset at every boundary",
 )
 
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register the simple_gla forward kernels."""
+    """Register the simple_gla kernels (fused and chunk with their own backward, varlen forward-only)."""
     register(FUSED)
     register(CHUNK)
+    register(VARLEN)

@@ -86,23 +86,19 @@ def cumulative_sum(g: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkGates:
-    """The decays one chunk applies, already exponentiated, from its cumulative log decays ``b``.
+class LogDecays:
+    """A chunk's cumulative log decays ``b`` (float32), in the two layouts the chunk needs.
 
-    Every exponent is a difference of cumulative gates inside the chunk (``b_i - b_j`` with
-    ``j <= i``, ``b_C - b_j``) or ``b`` itself, masked before ``exp``; nothing here depends on the
-    state, so a constant decay's gates are the same for every whole chunk and a kernel computes
-    them once per grid step.
+    Kept apart from ``ChunkGates`` for a kernel whose decays start somewhere inside the chunk
+    (a packed sequence's boundary), which exponentiates its own differences of ``b``.
     """
 
-    decays: jax.Array  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal
-    query: jax.Array  # (C, 1): exp(b_i), how the state entering the chunk decays up to row i
-    key: jax.Array  # (C, 1): exp(b_C - b_j), how row j's key-value product decays to the chunk's end
-    chunk: jax.Array  # (1, 1): exp(b_C), how the state decays over the whole chunk
+    column: jax.Array  # (C, 1): b_i along sublanes, scales rows
+    row: jax.Array  # (1, C): the same values along lanes, for the (i, j) decay matrix
 
     @classmethod
-    def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int) -> ChunkGates:
-        """Gates of one chunk from the per-head constant ``decay`` (0 without g_gamma) and per-token ``g`` ``(C, 1)``.
+    def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int) -> LogDecays:
+        """From the per-head constant ``decay`` (0 without g_gamma) and per-token ``g`` ``(C, 1)``.
 
         ``valid_rows`` (None: all) stops the constant decay at the last real token, so the rows past
         the end of the sequence leave the final state exact; their ``g`` must already be 0.
@@ -119,11 +115,37 @@ class ChunkGates:
             cumulative = cumulative_sum(g)
             column = column + cumulative
             row = row + _column_to_row(cumulative)
-        total = column[chunk_size - 1 :, :]
+        return cls(column=column, row=row)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkGates:
+    """The decays one chunk applies, already exponentiated, from its cumulative log decays ``b``.
+
+    Every exponent is a difference of cumulative gates inside the chunk (``b_i - b_j`` with
+    ``j <= i``, ``b_C - b_j``) or ``b`` itself, masked before ``exp``; nothing here depends on the
+    state, so a constant decay's gates are the same for every whole chunk and a kernel computes
+    them once per grid step.
+    """
+
+    decays: jax.Array  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal
+    query: jax.Array  # (C, 1): exp(b_i), how the state entering the chunk decays up to row i
+    key: jax.Array  # (C, 1): exp(b_C - b_j), how row j's key-value product decays to the chunk's end
+    chunk: jax.Array  # (1, 1): exp(b_C), how the state decays over the whole chunk
+
+    @classmethod
+    def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int) -> ChunkGates:
+        """Gates of one chunk from its ``decay``, ``g`` and ``valid_rows``, as ``LogDecays.compute`` takes them."""
+        return cls.of(LogDecays.compute(decay, g, valid_rows, chunk_size))
+
+    @classmethod
+    def of(cls, log: LogDecays) -> ChunkGates:
+        chunk_size = log.column.shape[0]
+        total = log.column[chunk_size - 1 :, :]
         rows, cols = _row_and_column_iotas(chunk_size)
         causal = rows >= cols
-        decays = jnp.where(causal, jnp.exp(jnp.where(causal, column - row, 0.0)), 0.0)
-        return cls(decays=decays, query=jnp.exp(column), key=jnp.exp(total - column), chunk=jnp.exp(total))
+        decays = jnp.where(causal, jnp.exp(jnp.where(causal, log.column - log.row, 0.0)), 0.0)
+        return cls(decays=decays, query=jnp.exp(log.column), key=jnp.exp(total - log.column), chunk=jnp.exp(total))
 
 
 def chunk_output(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, gates: ChunkGates, scale: float) -> jax.Array:
@@ -226,11 +248,15 @@ class Chunk:
             return x
         return jnp.where(self._row_is_real(), x, jnp.zeros((), x.dtype))
 
-    def gates(self, refs: dict, head: jax.Array, constant: ChunkGates | None) -> ChunkGates:
-        """The chunk's gates: ``constant`` (the step's, without ``g``) for a whole chunk; else computed from
-        ``decay`` in SMEM and, when given, the all-heads ``g`` block."""
+    def gates(self, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None) -> ChunkGates:
+        """The chunk's gates: ``constant`` (the step's, without ``g``) for a whole chunk; else exponentiated
+        from ``log`` (``log_decays``, computed here when not given)."""
         if constant is not None and self.valid_rows is None:
             return constant
+        return ChunkGates.of(self.log_decays(refs, head) if log is None else log)
+
+    def log_decays(self, refs: dict, head: jax.Array) -> LogDecays:
+        """The chunk's cumulative log decays from a kernel's refs: ``decay`` in SMEM and, when given, the all-heads ``g`` block."""
         g = None
         if "g" in refs:
             every_head = refs["g"][self.rows, :]
@@ -239,7 +265,7 @@ class Chunk:
                 take = take & self._row_is_real()
             # One selected term per row, so the lane sum is exact.
             g = jnp.sum(jnp.where(take, every_head, jnp.zeros((), every_head.dtype)).astype(_F32), axis=1, keepdims=True)
-        return ChunkGates.compute(refs["decay"][head], g, self.valid_rows, self.rows.size)
+        return LogDecays.compute(refs["decay"][head], g, self.valid_rows, self.rows.size)
 
 
 def constant_gates(refs: dict, head: jax.Array, geometry: Geometry) -> ChunkGates | None:

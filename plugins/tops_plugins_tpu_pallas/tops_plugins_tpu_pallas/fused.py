@@ -31,7 +31,9 @@ from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
     """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step, at most: fewer when
-    the step's blocks would not fit the VMEM budget (``fitting_geometry``). ``full_values``: one grid point
+    the step's blocks would not fit the VMEM budget (``traffic.fitting_geometry``). ``backward_num_steps``:
+    chunks per segment of the backward (``backward_fused``), at most, fewer when VMEM is short; None: as
+    many as make ``backward_fused.SEGMENT_TOKENS`` (1024) tokens. ``full_values``: one grid point
     per (batch, head) holding all of ``V`` (``q`` and ``k`` read once, the MXU's full width on ``V``), else
     one per 128-lane value tile. ``interpret``: None (compile where lowered for a TPU, interpret
     elsewhere), True (fast interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False
@@ -46,10 +48,14 @@ class FusedConfig:
     chunk_size: int = 128
     num_steps: int = 8
     full_values: bool = True
+    backward_num_steps: int | None = None
     interpret: Any = None
 
     def __post_init__(self):
         check_common_fields(self)
+        steps = self.backward_num_steps
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            raise ValueError(f"FusedConfig.backward_num_steps must be None or an int >= 1, got {steps!r}")
         if not isinstance(self.full_values, bool):
             raise TypeError(f"FusedConfig.full_values must be a bool, got {self.full_values!r}")
 
@@ -58,16 +64,10 @@ def geometry_of(B: int, T: int, H: int, K: int, V: int, config: FusedConfig) -> 
     return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values)
 
 
-def fitting_geometry(geometry: Geometry, dtype, **inputs) -> Geometry:
-    """``geometry`` with fewer chunks per step while its plan would not fit the VMEM budget (at least one chunk)."""
-    while geometry.chunks_per_step > 1 and traffic.vmem_bytes(plans(geometry, dtype, **inputs)[0]) > traffic.VMEM_BUDGET:
-        geometry = dataclasses.replace(geometry, num_steps=geometry.chunks_per_step - 1)
-    return geometry
-
-
-def fitted_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
-    """``plans`` for ``fitting_geometry``: what ``forward`` launches."""
-    return plans(fitting_geometry(geometry, dtype, **inputs), dtype, **inputs)
+def fitted_plans(geometry: Geometry, dtype, build_plans=None, **inputs) -> tuple[LaunchPlan]:
+    """``build_plans`` (default ``plans``) at the geometry ``traffic.fitting_geometry`` fits to VMEM: what ``launch`` launches."""
+    build_plans = build_plans or plans
+    return build_plans(traffic.fitting_geometry(build_plans, geometry, dtype, **inputs), dtype, **inputs)
 
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
@@ -112,21 +112,34 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     finish_sequence(refs, step, geometry)
 
 
-def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
-    """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
-    del cu_seqlens
+def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config: FusedConfig, scalars=None):
+    """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
+
+    ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (``plans``'s
+    signature) describes, at the geometry that fits VMEM; ``scalars`` are operands beyond the
+    layout's (``kernel_operands``). Returns ``o`` and, when asked for, ``final_state`` as the
+    caller lays them out.
+    """
     B, T, H, K = q.shape
     inputs = dict(
         gate_dtype=None if g is None else g.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
-    geometry = fitting_geometry(geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
-    (launch,) = plans(geometry, q.dtype, **inputs)
-    traffic.check_vmem(launch)
-    kernel = functools.partial(_kernel, plan=launch, geometry=geometry, scale=scale)
-    operands = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)
-    results = launch.call(kernel, operands, config.interpret, traffic.cost_estimate(launch))
+    geometry = traffic.fitting_geometry(build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
+    (plan,) = build_plans(geometry, q.dtype, **inputs)
+    traffic.check_vmem(plan)
+    body = functools.partial(kernel, plan=plan, geometry=geometry, scale=scale)
+    operands = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(scalars or {})}
+    results = plan.call(body, operands, config.interpret, traffic.cost_estimate(plan))
     final_state = caller_state(results["final_state"], geometry) if output_final_state else None
     return caller_output(results["o"], geometry), final_state
 
+
+def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
+    """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
+    del cu_seqlens
+    return launch(
+        _kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, config=config,
+    )

@@ -78,6 +78,25 @@ class Blocked(_Array):
 
 
 @dataclasses.dataclass(frozen=True)
+class InHbm(_Array):
+    """An HBM array the kernel moves itself, region by region, with DMAs (``memory_space=pl.ANY``).
+
+    The traffic model cannot follow those copies; it counts the whole array moved once, which is
+    what a kernel that touches every region at most once moves at most. ``relayout`` as for ``Blocked``.
+    """
+
+    relayout: Relayout | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DmaSemaphores:
+    """``count`` DMA semaphores in the kernel's scratch, for the copies of ``InHbm`` arrays."""
+
+    name: str
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Scalars(_Array):
     """A small array copied whole into SMEM before the grid starts (scalar prefetch)."""
 
@@ -100,9 +119,9 @@ class LaunchPlan:
     grid: tuple[int, ...]
     dimension_semantics: tuple[str, ...]
     scalars: tuple[Scalars, ...]
-    inputs: tuple[Blocked, ...]
-    outputs: tuple[Blocked, ...]
-    scratch: tuple[Scratch, ...] = ()
+    inputs: tuple[Blocked | InHbm, ...]
+    outputs: tuple[Blocked | InHbm, ...]
+    scratch: tuple[Scratch | DmaSemaphores, ...] = ()
     body_vmem: int = 0
     flops: int = 0
     transcendentals: int = 0
@@ -146,9 +165,9 @@ class LaunchPlan:
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(self.scalars),
             grid=self.grid,
-            in_specs=[pl.BlockSpec(x.block_shape, x.index_map) for x in self.inputs],
-            out_specs=[pl.BlockSpec(x.block_shape, x.index_map) for x in self.outputs],
-            scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) for s in self.scratch],
+            in_specs=[_block_spec(x) for x in self.inputs],
+            out_specs=[_block_spec(x) for x in self.outputs],
+            scratch_shapes=[_scratch_shape(s) for s in self.scratch],
         )
         operands = [arrays[x.name] for x in (*self.scalars, *self.inputs)]
 
@@ -168,3 +187,15 @@ class LaunchPlan:
         else:
             results = launch(interpret, operands)
         return {x.name: result for x, result in zip(self.outputs, results)}
+
+
+def _block_spec(x: Blocked | InHbm) -> pl.BlockSpec:
+    if isinstance(x, InHbm):
+        return pl.BlockSpec(memory_space=pl.ANY)
+    return pl.BlockSpec(x.block_shape, x.index_map)
+
+
+def _scratch_shape(s: Scratch | DmaSemaphores) -> Any:
+    if isinstance(s, DmaSemaphores):
+        return pltpu.SemaphoreType.DMA((s.count,))
+    return pltpu.VMEM(s.shape, s.dtype)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan
+from tops_plugins_tpu_pallas.launch import Blocked, InHbm, LaunchPlan, Scratch
 
 VMEM_BUDGET = 16 * 2**20
 """Scoped VMEM a kernel may plan for: the default scoped limit of v4/v5e (v6e and later allow more)."""
@@ -71,12 +71,23 @@ def kernel_traffic(plan: LaunchPlan) -> tuple[int, int]:
     written = 0
     points = _grid_points(plan)
     for x in plan.inputs:  # fetched at the first point and wherever the index differs from the previous one
+        if isinstance(x, InHbm):
+            read += _whole_array_bytes(x)
+            continue
         index = _block_indices(x, points)
         read += _moved_bytes(x, index, np.concatenate([[True], _changes(index)]))
     for x in plan.outputs:  # written back before the index changes, and after the last point
+        if isinstance(x, InHbm):
+            written += _whole_array_bytes(x)
+            continue
         index = _block_indices(x, points)
         written += _moved_bytes(x, index, np.concatenate([_changes(index), [True]]))
     return read, written
+
+
+def _whole_array_bytes(x: InHbm) -> int:
+    """What the kernel's own DMAs move of an ``InHbm`` array: every region at most once."""
+    return math.prod(x.shape) * _itemsize(x.dtype)
 
 
 def _changes(index: np.ndarray) -> np.ndarray:
@@ -100,14 +111,22 @@ def relayout_traffic(plans: Sequence[LaunchPlan]) -> tuple[int, int]:
 def vmem_bytes(plan: LaunchPlan) -> int:
     """Peak VMEM of one plan: double-buffered blocks and scratch in whole tiles, plus the body's values."""
     blocks = sum(
-        2 * _vmem_tile_bytes([b for b in x.block_shape if b is not None], x.dtype) for x in (*plan.inputs, *plan.outputs)
+        2 * _vmem_tile_bytes([b for b in x.block_shape if b is not None], x.dtype)
+        for x in (*plan.inputs, *plan.outputs) if isinstance(x, Blocked)
     )
-    return blocks + sum(_vmem_tile_bytes(s.shape, s.dtype) for s in plan.scratch) + plan.body_vmem
+    return blocks + sum(_vmem_tile_bytes(s.shape, s.dtype) for s in plan.scratch if isinstance(s, Scratch)) + plan.body_vmem
 
 
 def cost_estimate(plan: LaunchPlan) -> pl.CostEstimate:
     """What XLA is told the launch costs: the plan's flops and transcendentals, and the bytes it moves."""
     return pl.CostEstimate(flops=plan.flops, transcendentals=plan.transcendentals, bytes_accessed=sum(kernel_traffic(plan)))
+
+
+def fitting_geometry(build_plans, geometry, dtype, **inputs):
+    """``geometry`` with fewer chunks per step while one of ``build_plans``' plans would not fit the VMEM budget (at least one chunk)."""
+    while geometry.chunks_per_step > 1 and max(vmem_bytes(plan) for plan in build_plans(geometry, dtype, **inputs)) > VMEM_BUDGET:
+        geometry = dataclasses.replace(geometry, num_steps=geometry.chunks_per_step - 1)
+    return geometry
 
 
 def check_vmem(plan: LaunchPlan) -> None:

@@ -1,4 +1,4 @@
-"""Print the traffic and VMEM figures of both kernels for the benchmark shape, kernel-only and end to end.
+"""Print the traffic and VMEM figures of both kernels, forward and backward, for the benchmark shape.
 
     python -m tops_plugins_tpu_pallas.traffic_report
 """
@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tops_plugins_tpu_pallas import chunk, fused
+from tops_plugins_tpu_pallas import backward_fused, backward_split, chunk, fused, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.traffic import VMEM_BUDGET, figures
 
 B, T, H = 8, 4096, 16
 HEAD_DIMS = (128, 100)  # the benchmark's, then one that needs the lane padding copy
+PACKED_T, PACKED_NUM_SEQS = 8192, (1, 16, 256)  # tpu_pallas.varlen: one packed row
 
 
 def _floor(head_dim: int) -> int:
@@ -40,6 +41,7 @@ def main() -> None:
                     f"{label:<32}{f.kernel_per_token:>9.1f}{f.relayout_per_token:>10.1f}{f.end_to_end_per_token:>12.1f}"
                     f"{f.end_to_end_per_token / floor:>9.3f}x{f.peak_vmem / 2**20:>10.2f} MiB"
                 )
+    _packed()
     print("\nrelayout: the lane padding copies of q, k, v and the slice of o when K or V is not a multiple of 128 (layout.py)")
     print(
         f"peak VMEM: double-buffered blocks and scratch in whole tiles, plus an estimate of the values the "
@@ -47,5 +49,49 @@ def main() -> None:
     )
 
 
+def backward_report() -> None:
+    """Both backward kernels at K = V = 128 beside the floor, at T = 4096 and 32768, for a few segment lengths."""
+    floor, recomputation = 1792, 512  # read q, k, v, do, write dq, dk, dv; the states' forward walk reads k, v again
+    print(f"\nsimple_gla backward, B={B} H={H} K=V=128 bfloat16 with g_gamma; floor {floor} B/token, {floor + recomputation} with the states recomputed")
+    print(f"{'implementation':<58}{'T':>7}{'kernel':>9}{'vs floor':>10}{'vs floor+recomp.':>18}{'peak VMEM':>14}")
+    for seq_len in (4096, 32768):
+        for name, config in (
+            ("fused", fused.FusedConfig()), ("fused", fused.FusedConfig(chunk_size=64)),
+            ("fused", fused.FusedConfig(backward_num_steps=16)), ("fused", fused.FusedConfig(chunk_size=64, backward_num_steps=4)),
+            ("chunk", chunk.ChunkConfig()), ("chunk", chunk.ChunkConfig(chunk_size=64)),
+        ):
+            if name == "fused":
+                plans = backward_fused.fitted_plans(backward_fused.geometry_of(B, seq_len, H, 128, 128, config), jnp.bfloat16)
+                segment = plans[1].grid[-1]
+                label = f"fused C={config.chunk_size} backward_num_steps={config.backward_num_steps} ({seq_len // segment}-token segments)"
+            else:
+                plans = backward_split.plans(backward_split.geometry_of(B, seq_len, H, 128, 128, config), jnp.bfloat16)
+                label = f"chunk (split) C={config.chunk_size} num_steps={config.num_steps}"
+            f = figures(plans, B * seq_len * H)
+            print(
+                f"{label:<58}{seq_len:>7}{f.kernel_per_token:>9.1f}{f.kernel_per_token / floor:>9.3f}x"
+                f"{f.kernel_per_token / (floor + recomputation):>17.3f}x{f.peak_vmem / 2**20:>10.2f} MiB"
+            )
+
+
+def _packed() -> None:
+    geometry = fused.geometry_of(1, PACKED_T, H, 128, 128, varlen.VarlenConfig())  # the default config of both
+    tokens = PACKED_T * H
+    alone = figures(fused.fitted_plans(geometry, jnp.bfloat16), tokens)
+    print(f"\npacked: B=1 T={PACKED_T} H={H} K=V=128 bfloat16, g_gamma, default config (C=128); N sequences in cu_seqlens (bytes per token and head)")
+    print(f"{'implementation':<32}{'kernel':>9}{'vs fused':>10}{'+ states':>10}{'peak VMEM':>14}")
+    print(f"{'tpu_pallas.fused (unpacked)':<32}{alone.kernel_per_token:>9.2f}{1:>9.4f}x{'':>10}{alone.peak_vmem / 2**20:>10.2f} MiB")
+    for num_seqs in PACKED_NUM_SEQS:
+        packed = figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), tokens)
+        stateful = figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), tokens)
+        label = f"tpu_pallas.varlen N={num_seqs}"
+        print(
+            f"{label:<32}{packed.kernel_per_token:>9.2f}{packed.kernel_per_token / alone.kernel_per_token:>9.4f}x"
+            f"{stateful.kernel_per_token:>10.1f}{stateful.peak_vmem / 2**20:>10.2f} MiB"
+        )
+    print("+ states: with initial_state and the final state, N float32 states each way (the caller's data)")
+
+
 if __name__ == "__main__":
     main()
+    backward_report()

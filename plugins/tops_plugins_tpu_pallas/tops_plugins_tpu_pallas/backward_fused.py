@@ -1,0 +1,143 @@
+"""The backward of ``tpu_pallas.fused``: the state's gradient in VMEM along a reverse sequential time axis.
+
+Two ``pallas_call``s. The reverse walk needs the forward state entering every chunk, and only a
+forward walk produces it, so:
+
+1. **checkpoints** walks time forwards and writes the float32 state entering every *segment*
+   (one grid step: ``chunks_per_step`` chunks) to HBM.
+2. **gradients** walks the segments from the last to the first (reverse index maps,
+   ``t -> steps - 1 - t``; nothing is flipped or copied). At each segment it recomputes the states
+   of its chunks from the checkpoint into VMEM, from the ``k``, ``v`` and ``g`` blocks it reads
+   anyway, then walks its chunks backwards: ``dq``, ``dk``, ``dv`` and the decay gradient of each,
+   and the float32 state gradient ``dS`` (a VMEM scratch, set to ``dht`` or zeros at the first
+   reverse step of every (batch, head) and written to ``dinitial_state`` after the last).
+
+A segment is ``FusedConfig.backward_num_steps`` chunks, by default ``SEGMENT_TOKENS`` (1024) tokens'
+worth, independent of the forward's ``num_steps``, and fewer chunks while the plans would not fit
+VMEM. VMEM is bounded for any ``T``: one segment's blocks, ``chunks_per_step`` states and ``dS``
+(``traffic.vmem_bytes`` of the plans; 16 MiB budget); HBM gains one float32 state per segment,
+written once and read once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from tops_plugins_tpu_pallas import blocks, gradients, traffic
+from tops_plugins_tpu_pallas.chunkwise import advance_state, advance_state_work, constant_gates, gates_work, step_chunks
+from tops_plugins_tpu_pallas.launch import LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.layout import Geometry
+
+_F32 = jnp.float32
+
+
+SEGMENT_TOKENS = 1024
+"""Tokens per segment when ``FusedConfig.backward_num_steps`` is None. Each segment writes and reads
+one float32 ``K_pad x V_pad`` checkpoint: ``8 K V / 1024`` bytes per token, 128 at K = V = 128, 5.6%
+of the backward's floor with the states recomputed (2304 B/token); a segment of 256 tokens would add 22%."""
+
+
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
+    """The backward's geometry for a ``FusedConfig``: its chunk size, ``backward_num_steps`` chunks per
+    segment (None: ``SEGMENT_TOKENS`` tokens' worth), all of ``V`` per block; before VMEM fitting (``fitted_plans``)."""
+    chunks = config.backward_num_steps or max(1, SEGMENT_TOKENS // config.chunk_size)
+    return gradients.backward_geometry(Geometry(B, T, H, K, V, config.chunk_size, chunks))
+
+
+def fitted_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
+    """``plans`` for ``traffic.fitting_geometry`` (fewer chunks per segment while VMEM is short): what ``backward`` launches."""
+    return plans(traffic.fitting_geometry(plans, geometry, dtype, **inputs), dtype, **inputs)
+
+
+def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True) -> tuple[LaunchPlan, LaunchPlan]:
+    """The checkpoints and gradients plans; ``output_final_state``: a ``dht`` is given; ``decayed``: ``g`` or ``g_gamma`` is (a decay gradient is wanted)."""
+    geometry = gradients.backward_geometry(geometry)
+    checkpoints = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=False)
+    steps = functools.partial(gradients.reversed_in_time, geometry=geometry)
+    K, V = geometry.padded_key_dim, geometry.padded_value_dim
+    inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"))]
+    inputs.append(steps(gradients.state_checkpoints(geometry, every_chunk=False)))
+    if output_final_state:
+        inputs.append(blocks.state("dht", geometry, _F32))
+    outputs = [steps(blocks.key_rows("dq", geometry, dtype)), steps(blocks.key_rows("dk", geometry, dtype)), steps(blocks.value_rows("dv", geometry, dtype))]
+    if decayed:
+        outputs.append(steps(gradients.decay_gradients(geometry)))
+    if initial_state_dtype is not None:
+        outputs.append(blocks.state("dinitial_state", geometry, initial_state_dtype))
+    gated = gate_dtype is not None
+    per_chunk = (
+        advance_state_work(geometry)
+        + gradients.attention_work(geometry)
+        + gradients.value_gradient_work(geometry)
+        + gradients.query_key_gradients_work(geometry, decayed)
+        + gradients.state_gradient_work(geometry)
+    )
+    # With g, recomputing the states needs the gates of every chunk but a step's last, computed again.
+    recomputed_gates = geometry.batch * geometry.heads * geometry.time_steps * (geometry.chunks_per_step - 1) if gated else 0
+    work = per_chunk * (geometry.batch * geometry.heads * geometry.num_chunks) + gradients.gating_work(geometry, gated) + gates_work(geometry, gated) * recomputed_gates
+    return checkpoints, LaunchPlan(
+        name="simple_gla_fused_backward",
+        grid=blocks.grid(geometry),
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        scalars=(blocks.decay(geometry),),
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        scratch=(gradients.state_gradient(geometry), Scratch("states", (geometry.chunks_per_step, K, V), _F32)),
+        body_vmem=gradients.body_vmem(geometry),
+        flops=work.flops,
+        transcendentals=work.transcendentals,
+    )
+
+
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
+    refs = plan.bind(refs)
+    head, step = pl.program_id(1), pl.program_id(3)
+    gradients.start_state_gradient(refs, step)
+
+    constant = constant_gates(refs, head, geometry)
+    chunks = step_chunks(geometry, geometry.time_steps - 1 - step)
+    state = refs["checkpoints"][0]
+    refs["states"][0] = state
+    for chunk in chunks[:-1]:
+        state = advance_state(state, chunk.read(refs["k"]), chunk.read(refs["v"]), chunk.gates(refs, head, constant))
+        refs["states"][chunk.index + 1] = state
+
+    dstate = refs["dstate"][...]
+    for chunk in reversed(chunks):
+        gates = chunk.gates(refs, head, constant)
+        q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
+        attention = gradients.attention(gates, q, k)
+        refs["dv"][chunk.rows, :] = gradients.value_gradient(gates, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
+        dq, dk, da = gradients.query_key_gradients(gates, attention, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs)
+        refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
+        refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)
+        if da is not None:
+            refs["da"][chunk.index : chunk.index + 1, :] = da
+        dstate = gradients.state_gradient_entering(gates, q, do, dstate, scale)
+    refs["dstate"][...] = dstate
+
+    gradients.finish_state_gradient(refs, step, geometry)
+
+
+def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):
+    """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
+    del cu_seqlens
+    B, T, H, K = q.shape
+    inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
+    geometry = traffic.fitting_geometry(plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
+    checkpoints_plan, gradients_plan = plans(geometry, q.dtype, **inputs)
+    traffic.check_vmem(checkpoints_plan)
+    traffic.check_vmem(gradients_plan)
+    arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
+    checkpoints = checkpoints_plan.call(
+        functools.partial(gradients.checkpoints_kernel, plan=checkpoints_plan, geometry=geometry, every_chunk=False),
+        arrays, config.interpret, traffic.cost_estimate(checkpoints_plan),
+    )
+    results = gradients_plan.call(
+        functools.partial(_kernel, plan=gradients_plan, geometry=geometry, scale=scale),
+        {**arrays, **checkpoints}, config.interpret, traffic.cost_estimate(gradients_plan),
+    )
+    return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

@@ -1,0 +1,302 @@
+"""What one chunk of the simple_gla backward does, and the operands and passes both backward kernels share.
+
+With the notation of ``chunkwise`` (``b_i`` the cumulative log decay inside the chunk, ``b_C``
+the chunk's, ``S`` the state entering it, ``D_ij = exp(b_i - b_j)`` for ``j <= i`` and 0 above)
+and ``dS`` the gradient of the state *leaving* the chunk::
+
+    dq_i  = scale * (sum_j D_ij (do_i . v_j) k_j + exp(b_i) do_i S^T)
+    dk_j  = scale * sum_i D_ij (do_i . v_j) q_i + exp(b_C - b_j) v_j dS^T
+    dv_j  = scale * sum_i D_ij (q_i . k_j) do_i + exp(b_C - b_j) k_j dS
+    dS_in = exp(b_C) dS + scale * sum_i exp(b_i) q_i^T do_i
+
+The gradient of token ``t``'s log decay sums the products its decay scales (docs/ops.md
+"Precision of dg"): pairs ``j < t <= i`` inside the chunk, a query ``i >= t`` reading the state
+``S``, a key ``j < t`` reaching ``dS``, and ``S`` carried across the whole chunk. Every term is a
+product of decays ``<= 1``, so nothing large cancels (a suffix sum of ``q.dq - k.dk`` would). It
+is computed as a row ``(1, C)`` by sums over sublanes, so no transpose is needed.
+
+Every factor ``D``, ``exp(b_i)``, ``exp(b_C - b_j)``, ``exp(b_C)`` is one of the forward's
+``ChunkGates``, computed by the same code (a constant decay's once per grid step); ``dg`` needs no
+log-domain value beyond them.
+
+A backward block always holds the *whole* padded ``V`` of a head (``backward_geometry``): ``dq``
+and ``dk`` sum over ``V``, and a value tile per grid point would have to reduce across grid points.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tops_core.ops.simple_gla import SimpleGLAGrads
+
+from tops_plugins_tpu_pallas import blocks
+from tops_plugins_tpu_pallas.chunkwise import (
+    ChunkGates, Work, advance_state, advance_state_work, constant_gates, gate_computations, gates_work, matmul,
+    mxu_operand_dtype, start_sequence, step_chunks,
+)
+from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.layout import Geometry, _heads_flattened, caller_output, caller_state, kernel_operands, padded_state
+
+_F32 = jnp.float32
+_ROWS_BY_ROWS = ((1,), (1,))  # a @ b.T
+_COLUMNS_BY_COLUMNS = ((0,), (0,))  # a.T @ b
+
+
+# -- operands -------------------------------------------------------------------------------------
+
+
+def backward_geometry(geometry: Geometry) -> Geometry:
+    """``geometry`` with one value block of the whole ``V_pad``: the grid ``(batch, head, 1, time step)``."""
+    return dataclasses.replace(geometry, full_values=True)
+
+
+def reversed_in_time(operand: Blocked, geometry: Geometry) -> Blocked:
+    """The operand walked from the last time step to the first (an index map ``t -> steps - 1 - t``, no copy)."""
+    last = geometry.time_steps - 1
+
+    def index_map(b, h, tile, t, *scalars):
+        return operand.index_map(b, h, tile, last - t, *scalars)
+
+    return dataclasses.replace(operand, index_map=index_map)
+
+
+def state_checkpoints(geometry: Geometry, every_chunk: bool) -> Blocked:
+    """The float32 forward state entering every time step (``every_chunk``: every chunk), ``[B, H, steps, per step, K_pad, V_pad]``."""
+    g = geometry
+    per_step = g.chunks_per_step if every_chunk else 1
+
+    def step_states(b, h, tile, t, *_):
+        return (b, h, t, 0, 0, 0)
+
+    return Blocked(
+        "checkpoints", (g.batch, g.heads, g.time_steps, per_step, g.padded_key_dim, g.padded_value_dim), _F32,
+        (None, None, None, per_step, g.padded_key_dim, g.padded_value_dim), step_states,
+    )
+
+
+def decay_gradients(geometry: Geometry) -> Blocked:
+    """Per-token gradient of the log decay, float32 ``[B, H, steps, chunks per step, C]``: one row per chunk.
+
+    The last two block dimensions equal the array's, a legal TPU block for any chunk count.
+    """
+    g = geometry
+
+    def head_rows(b, h, tile, t, *_):
+        return (b, h, t, 0, 0)
+
+    return Blocked(
+        "da", (g.batch, g.heads, g.time_steps, g.chunks_per_step, g.chunk_size), _F32,
+        (None, None, None, g.chunks_per_step, g.chunk_size), head_rows,
+    )
+
+
+def state_gradient(geometry: Geometry) -> Scratch:
+    """The float32 gradient of the state, carried along the reverse time axis in VMEM only."""
+    return Scratch("dstate", (geometry.padded_key_dim, geometry.padded_value_dim), _F32)
+
+
+def token_inputs(geometry: Geometry, dtype, gate_dtype, names: tuple[str, ...]) -> tuple[Blocked, ...]:
+    """The blocked token arrays ``names`` (of q, k, v, do) and ``g`` when given, in that order."""
+    layouts = {"q": blocks.key_rows, "k": blocks.key_rows, "v": blocks.value_rows, "do": blocks.value_rows}
+    inputs = tuple(layouts[name](name, geometry, dtype) for name in names)
+    return inputs + ((blocks.gates(geometry, gate_dtype),) if gate_dtype is not None else ())
+
+
+def plan_inputs(q, g, g_gamma, initial_state, dht) -> dict:
+    """The keyword arguments of both backward kernels' ``plans`` for one call: which inputs are given, and their dtypes."""
+    return dict(
+        gate_dtype=None if g is None else g.dtype,
+        initial_state_dtype=None if initial_state is None else initial_state.dtype,
+        output_final_state=dht is not None,
+        decayed=g is not None or g_gamma is not None,
+    )
+
+
+def operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry: Geometry) -> dict[str, jax.Array]:
+    """The arrays both backward kernels read, by operand name (absent inputs left out)."""
+    arrays = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)
+    arrays["do"] = _heads_flattened(do, geometry.padded_value_dim)
+    if dht is not None:
+        arrays["dht"] = padded_state(dht.astype(_F32), geometry)
+    return arrays
+
+
+def caller_gradients(results: dict[str, jax.Array], q, k, v, g, g_gamma, initial_state, geometry: Geometry) -> SimpleGLAGrads:
+    """The kernels' outputs in the caller's shapes and dtypes; ``dg_gamma`` sums the float32 per-token gradient."""
+    keys = dataclasses.replace(geometry, value_dim=geometry.key_dim)  # dq, dk: the layout of o, K wide
+    dg = dg_gamma = dinitial_state = None
+    if "da" in results:
+        B, T, H = geometry.batch, geometry.seq_len, geometry.heads
+        da = results["da"].reshape(B, H, -1)[:, :, :T]
+        if g is not None:
+            dg = jnp.swapaxes(da, 1, 2).astype(g.dtype)
+        if g_gamma is not None:
+            dg_gamma = jnp.sum(da, axis=(0, 2)) if g_gamma.ndim == 1 else jnp.sum(da)
+            dg_gamma = dg_gamma.astype(g_gamma.dtype)
+    if initial_state is not None:
+        dinitial_state = caller_state(results["dinitial_state"], geometry).astype(initial_state.dtype)
+    return SimpleGLAGrads(
+        dq=caller_output(results["dq"], keys), dk=caller_output(results["dk"], keys), dv=caller_output(results["dv"], geometry),
+        dg=dg, dg_gamma=dg_gamma, dinitial_state=dinitial_state,
+    )
+
+
+# -- the forward states the backward needs --------------------------------------------------------
+
+
+def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dtype, every_chunk: bool) -> LaunchPlan:
+    """A forward walk writing the state entering every time step (every chunk with ``every_chunk``)."""
+    start = (blocks.state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
+    gated = gate_dtype is not None
+    work = advance_state_work(geometry) * (geometry.batch * geometry.heads * geometry.num_chunks) + gates_work(geometry, gated) * gate_computations(geometry, gated)
+    return LaunchPlan(
+        name="simple_gla_backward_checkpoints",
+        grid=blocks.grid(geometry),
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        scalars=(blocks.decay(geometry),),
+        inputs=(*token_inputs(geometry, dtype, gate_dtype, ("k", "v")), *start),
+        outputs=(state_checkpoints(geometry, every_chunk),),
+        scratch=(blocks.running_state(geometry),),
+        body_vmem=4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
+        flops=work.flops,
+        transcendentals=work.transcendentals,
+    )
+
+
+def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk: bool):
+    refs = plan.bind(refs)
+    head, step = pl.program_id(1), pl.program_id(3)
+    start_sequence(refs, step)
+
+    constant = constant_gates(refs, head, geometry)
+    state = refs["state"][...]
+    if not every_chunk:
+        refs["checkpoints"][0] = state
+    for chunk in step_chunks(geometry, step):
+        if every_chunk:
+            refs["checkpoints"][chunk.index] = state
+        state = advance_state(state, chunk.read(refs["k"]), chunk.read(refs["v"]), chunk.gates(refs, head, constant))
+    refs["state"][...] = state
+
+
+def start_state_gradient(refs: dict, step) -> None:
+    """Set the VMEM ``dstate`` to ``dht`` (or zeros) at the first reverse step of each (batch, head).
+
+    Parallel grid points run on either core in any order, so nothing carries over from the previous (batch, head).
+    """
+
+    @pl.when(step == 0)
+    def _start():
+        dstate = refs["dstate"]
+        dstate[...] = refs["dht"][...].astype(_F32) if "dht" in refs else jnp.zeros(dstate.shape, _F32)
+
+
+def finish_state_gradient(refs: dict, step, geometry: Geometry) -> None:
+    """Write ``dstate`` to ``dinitial_state`` (when it is an output) after the last reverse step."""
+    if "dinitial_state" not in refs:
+        return
+
+    @pl.when(step == geometry.time_steps - 1)
+    def _finish():
+        refs["dinitial_state"][...] = refs["dstate"][...].astype(refs["dinitial_state"].dtype)
+
+
+# -- one chunk --------------------------------------------------------------------------------------
+
+
+def attention(gates: ChunkGates, q, k) -> jax.Array:
+    """The forward's masked, decayed ``(C, C)`` scores ``D_ij (q_i . k_j)`` (unscaled, float32)."""
+    return matmul(q, k, mxu_operand_dtype(q.dtype), _ROWS_BY_ROWS) * gates.decays
+
+
+def value_gradient(gates: ChunkGates, attention, k, do, dstate, scale: float) -> jax.Array:
+    """``dv`` of the chunk's rows, float32 ``(C, V_pad)``; ``dstate`` is the gradient of the state leaving it."""
+    operands = mxu_operand_dtype(k.dtype)
+    return scale * matmul(attention, do, operands, _COLUMNS_BY_COLUMNS) + gates.key * matmul(k, dstate, operands)
+
+
+def query_key_gradients(
+    gates: ChunkGates, attention, q, k, v, do, entering, dstate, scale: float, with_decay: bool
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """``dq``, ``dk`` (float32 ``(C, K_pad)``) and, ``with_decay``, the decay gradient row ``(1, C)`` of the chunk.
+
+    ``entering`` is the forward state entering the chunk, ``dstate`` the gradient of the one leaving it.
+    """
+    operands = mxu_operand_dtype(q.dtype)
+    C = q.shape[0]
+    output_by_value = matmul(do, v, operands, _ROWS_BY_ROWS)  # (i, j): do_i . v_j
+    dattention = output_by_value * gates.decays
+    from_state = gates.query * matmul(do, entering, operands, _ROWS_BY_ROWS)  # (C, K): exp(b_i) do_i S^T
+    to_state = gates.key * matmul(v, dstate, operands, _ROWS_BY_ROWS)  # (C, K): exp(b_C - b_j) v_j dS^T
+    dq = scale * (matmul(dattention, k, operands) + from_state)
+    dk = scale * matmul(dattention, q, operands, _COLUMNS_BY_COLUMNS) + to_state
+    if not with_decay:
+        return dq, dk, None
+
+    rows = lax.broadcasted_iota(jnp.int32, (C, C), 0)  # i (or j) along sublanes
+    tokens = lax.broadcasted_iota(jnp.int32, (C, C), 1)  # t along lanes
+    pairs = scale * attention * output_by_value  # (i, j)
+    # (i, t): sum over j < t of pairs; then over i >= t. A 0/1 matrix in float32 keeps every term exact.
+    keys_before = matmul(pairs, (rows < tokens).astype(_F32), _F32)
+    within = jnp.sum(jnp.where(rows >= tokens, keys_before, 0.0), axis=0, keepdims=True)
+    query_reads_state = scale * jnp.sum(q.astype(_F32) * from_state, axis=1, keepdims=True)  # (C, 1), i
+    key_reaches_end = jnp.sum(k.astype(_F32) * to_state, axis=1, keepdims=True)  # (C, 1), j
+    later_queries = jnp.sum(jnp.where(rows >= tokens, query_reads_state, 0.0), axis=0, keepdims=True)
+    earlier_keys = jnp.sum(jnp.where(rows < tokens, key_reaches_end, 0.0), axis=0, keepdims=True)
+    across = gates.chunk * jnp.sum(entering * dstate)
+    return dq, dk, within + later_queries + earlier_keys + across
+
+
+def state_gradient_entering(gates: ChunkGates, q, do, dstate, scale: float) -> jax.Array:
+    """The gradient of the state entering the chunk, from the one leaving it."""
+    decayed_queries = q.astype(_F32) * gates.query
+    return gates.chunk * dstate + scale * matmul(decayed_queries, do, mxu_operand_dtype(q.dtype), _COLUMNS_BY_COLUMNS)
+
+
+# -- work, counted op by op from the functions above -----------------------------------------------
+
+
+def _sizes(geometry: Geometry) -> tuple[int, int, int]:
+    return geometry.chunk_size, geometry.padded_key_dim, geometry.padded_value_dim
+
+
+def gating_work(geometry: Geometry, gated: bool) -> Work:
+    """Every ``ChunkGates`` one walk over the grid computes (``chunkwise.gate_computations``)."""
+    return gates_work(geometry, gated) * gate_computations(geometry, gated)
+
+
+def attention_work(geometry: Geometry) -> Work:
+    C, K, _ = _sizes(geometry)
+    return Work(flops=2 * C * C * K)
+
+
+def value_gradient_work(geometry: Geometry) -> Work:
+    C, K, V = _sizes(geometry)
+    return Work(flops=2 * C * C * V + 2 * C * K * V)
+
+
+def query_key_gradients_work(geometry: Geometry, with_decay: bool) -> Work:
+    """do v^T, from the state, to the state, dq's and dk's intra-chunk products; with the decay, the pair sums."""
+    C, K, V = _sizes(geometry)
+    work = Work(flops=2 * C * C * V + 4 * C * K * V + 4 * C * C * K)
+    return work + Work(flops=2 * C * C * C) if with_decay else work
+
+
+def state_gradient_work(geometry: Geometry) -> Work:
+    C, K, V = _sizes(geometry)
+    return Work(flops=2 * C * K * V)
+
+
+def body_vmem(geometry: Geometry) -> int:
+    """Float32 values one chunk of the backward holds at once (upper estimate).
+
+    q, k, v, do, dq, dk, dv as float32 ``(C, K_pad or V_pad)``; six ``C x C`` matrices; the
+    entering state, its gradient and a new one ``(K_pad, V_pad)``.
+    """
+    C, K, V = _sizes(geometry)
+    return 4 * (4 * C * K + 3 * C * V + 6 * C * C + 3 * K * V)
