@@ -7,15 +7,12 @@ Every registered implementation that supports a workload on this machine is time
 a warm-up call; the float64 reference only where its stored states fit (small workloads).
 """
 
-import jax
 import pytest
 
 from tops_core import bench, op
 from tops_core.ops.base import platform_of
-from tops_core.policy import current_policy
 
-PLATFORM = platform_of([])
-DTYPE = bench.default_dtype(PLATFORM)
+DTYPE = bench.default_dtype(platform_of([]))
 WORKLOADS = {
     "B2-T4096-H8-K128-V128-g_gamma": bench.workload("simple_gla", (2, 4096, 8, 128, 128), DTYPE, ["g_gamma"]),
     "B1-T8192-H4-K64-V64-g-h0-final": bench.workload(
@@ -27,23 +24,8 @@ WORKLOADS = {
 IMPLEMENTATIONS = sorted(impl.name for impl in op("simple_gla").implementations())
 
 
-def _programs_or_skip(workload: str, name: str):
-    case = WORKLOADS[workload]
-    impl = next(impl for impl in op("simple_gla").implementations() if impl.name == name)
-    reasons = impl.reasons(case.spec(PLATFORM, current_policy("simple_gla").interpret), "forward")
-    if reasons:
-        pytest.skip("; ".join(reasons))
-    if name == bench.REFERENCE and bench.elements(case) > bench.REFERENCE_MAX_ELEMENTS:
-        pytest.skip("the float64 reference sweeps token by token on the host; too slow here")
-    return bench.programs(case, name)
-
-
 @pytest.mark.parametrize("direction", ["forward", "forward+backward"])
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 @pytest.mark.parametrize("workload", WORKLOADS)
-def test_simple_gla(benchmark, workload, name, direction):
-    forward, forward_backward, forward_args, forward_backward_args = _programs_or_skip(workload, name)
-    program, args = (forward, forward_args) if direction == "forward" else (forward_backward, forward_backward_args)
-    benchmark.group = f"{workload} {direction}"
-    jax.block_until_ready(program(*args))
-    benchmark(lambda: jax.block_until_ready(program(*args)))
+def test_simple_gla(side_by_side, workload, name, direction):
+    side_by_side(WORKLOADS[workload], name, direction, group=f"{workload} {direction}")

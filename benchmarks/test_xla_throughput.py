@@ -4,7 +4,8 @@
     python benchmarks/test_xla_throughput.py                     # GFLOP/s and ratios to the matmul
 
 FLOPs: the forward counts ``B*H*T*(4*K*V + 2*C*(K+V))`` (the chunked algorithm's matrix
-products, causal triangles counted whole); forward+backward counts 3x that. The backward here
+products, causal triangles counted whole; ``tops_core.bench.forward_flops``, which ``tops bench``
+uses too); forward+backward counts 3x that. The backward here
 really does 2.5x the forward's products (state recompute, then dq, dk, dv and dS), so the
 forward+backward figure understates the arithmetic done by about 15%. The reference matmul is a
 jitted ``jnp.dot`` of two 2048x2048 float32 matrices.
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import pytest
 
 import tops_core
+from tops_core import bench
 
 B, T, H, K, V = 2, 4096, 8, 128, 128
 MATMUL_N = 2048
@@ -43,8 +45,8 @@ def inputs(seq_len: int):
     return q, k, v, g_gamma, do
 
 
-def forward_flops(seq_len: int, chunk_size: int) -> int:
-    return B * H * seq_len * (4 * K * V + 2 * chunk_size * (K + V))
+def forward_flops(seq_len: int, chunk_size: int) -> float:
+    return bench.forward_flops(bench.workload("simple_gla", (B, seq_len, H, K, V), "float32", ["g_gamma"]), chunk_size)
 
 
 def simple_gla_programs(seq_len: int = T, chunk_size: int = 64):
@@ -86,7 +88,7 @@ def product_programs(chunk_size: int = 64):
     return {"flat product": flat, "per-chunk products": (jax.jit(per_chunk), (queries, state), flops)}
 
 
-def _ready(program, args):
+def ready(program, args):
     return lambda: jax.block_until_ready(program(*args))
 
 
@@ -98,7 +100,7 @@ def programs():
     return simple_gla_programs()
 
 
-def _run(benchmark, group, call):
+def run(benchmark, group, call):
     benchmark.group = group
     call()  # compile outside the timing
     benchmark(call)
@@ -107,57 +109,64 @@ def _run(benchmark, group, call):
 @pytest.mark.parametrize("group", ["matmul-vs-forward", "matmul-vs-forward-backward"])
 def test_matmul_2048(benchmark, group):
     program, args, _ = matmul_program()
-    _run(benchmark, group, _ready(program, args))
+    run(benchmark, group, ready(program, args))
 
 
 def test_forward(benchmark, programs):
     forward, args, _, _ = programs
-    _run(benchmark, "matmul-vs-forward", _ready(forward, args))
+    run(benchmark, "matmul-vs-forward", ready(forward, args))
 
 
 def test_forward_backward(benchmark, programs):
     _, _, forward_backward, args = programs
-    _run(benchmark, "matmul-vs-forward-backward", _ready(forward_backward, args))
+    run(benchmark, "matmul-vs-forward-backward", ready(forward_backward, args))
 
 
 @pytest.mark.parametrize("shape", ["flat product", "per-chunk products"])
 def test_state_products(benchmark, shape):
     program, args, _ = product_programs()[shape]
-    _run(benchmark, "matmul-vs-forward", _ready(program, args))
+    run(benchmark, "matmul-vs-forward", ready(program, args))
 
 
 @pytest.mark.parametrize("seq_len", [2048, 4096, 8192])
 def test_forward_linear_in_t(benchmark, seq_len):
     forward, args, _, _ = simple_gla_programs(seq_len)
-    _run(benchmark, "forward-linear-in-T", _ready(forward, args))
+    run(benchmark, "forward-linear-in-T", ready(forward, args))
 
 
 @pytest.mark.parametrize("seq_len", [2048, 4096, 8192])
 def test_forward_backward_linear_in_t(benchmark, seq_len):
     _, _, forward_backward, args = simple_gla_programs(seq_len)
-    _run(benchmark, "forward-backward-linear-in-T", _ready(forward_backward, args))
+    run(benchmark, "forward-backward-linear-in-T", ready(forward_backward, args))
 
 
 @pytest.mark.parametrize("chunk_size", [32, 64, 128])
 def test_forward_chunk_size(benchmark, chunk_size):
     forward, args, _, _ = simple_gla_programs(chunk_size=chunk_size)
-    _run(benchmark, "forward-chunk-size", _ready(forward, args))
+    run(benchmark, "forward-chunk-size", ready(forward, args))
 
 
 # -- the report --------------------------------------------------------------------------------
 
 
-def interleaved_medians(calls: dict, rounds: int) -> dict:
-    """Median seconds per call, the calls taking turns so that load changes hit all of them alike."""
+def interleaved_timings(calls: dict, rounds: int) -> dict:
+    """Median ``(wall, process CPU)`` seconds per call, the calls taking turns so that load changes
+    hit all of them alike. CPU time counts every thread of this process, so it moves less than
+    wall time when other jobs share the machine."""
     for call in calls.values():
         call()
     times = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             call()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {name: tuple(statistics.median(column) for column in zip(*values)) for name, values in times.items()}
+
+
+def interleaved_medians(calls: dict, rounds: int) -> dict:
+    """Median wall seconds per call, interleaved (see ``interleaved_timings``)."""
+    return {name: wall for name, (wall, _) in interleaved_timings(calls, rounds).items()}
 
 
 def report(rounds: int = 7) -> None:
@@ -165,10 +174,10 @@ def report(rounds: int = 7) -> None:
     forward, forward_args, forward_backward, fb_args = simple_gla_programs()
     products = product_programs()
     seconds = interleaved_medians({
-        "matmul": _ready(matmul, matmul_args),
-        "forward": _ready(forward, forward_args),
-        "forward+backward": _ready(forward_backward, fb_args),
-        **{name: _ready(program, args) for name, (program, args, _) in products.items()},
+        "matmul": ready(matmul, matmul_args),
+        "forward": ready(forward, forward_args),
+        "forward+backward": ready(forward_backward, fb_args),
+        **{name: ready(program, args) for name, (program, args, _) in products.items()},
     }, rounds)
     flops = {"matmul": matmul_flops, "forward": forward_flops(T, 64), "forward+backward": 3 * forward_flops(T, 64),
              **{name: count for name, (_, _, count) in products.items()}}
@@ -185,8 +194,8 @@ def report(rounds: int = 7) -> None:
     calls = {}
     for seq_len in seq_lens:
         forward, forward_args, forward_backward, fb_args = simple_gla_programs(seq_len)
-        calls[seq_len, "f"] = _ready(forward, forward_args)
-        calls[seq_len, "fb"] = _ready(forward_backward, fb_args)
+        calls[seq_len, "f"] = ready(forward, forward_args)
+        calls[seq_len, "fb"] = ready(forward_backward, fb_args)
     t = interleaved_medians(calls, rounds)
     for seq_len in seq_lens:
         per_k = 1024 / seq_len * 1e3

@@ -14,7 +14,8 @@ and answers each with one JSON line:
   them), the ``op`` (``simple_gla`` unless named) and the data (``B, T, H, K, V, dtype,
   features, seqlens, strong_decay, scalar_gamma``). ``"backward": true`` also compares the
   explicit ``op.backward``; ``"unplaced": true`` passes unsharded inputs; ``"against":
-  "ref.recurrent"`` computes the single-device results with that implementation.
+  "ref.recurrent"`` computes the single-device results with that implementation, ``"force":
+  "ref.recurrent"`` both the single-device and the split results.
 - ``{"collectives": case}``: only compiles the split program and returns its collectives.
 - ``{"tpu": case}``: compiles the split program for a compile-only TPU (``generation``, 4 chips)
   and returns its Mosaic kernels, implementations and collectives, or the error's text.
@@ -148,6 +149,11 @@ def in_context(case: dict, mesh: Mesh):
     return jax.set_mesh(mesh) if case["mode"] == "types" else contextlib.nullcontext()
 
 
+def forcing(case: dict, key: str):
+    """A fresh scope forcing the implementation the case names under ``key``, if any."""
+    return tops_core.use(**{op_name(case): case[key]}) if case.get(key) else contextlib.nullcontext()
+
+
 def collectives_of(compiled) -> list[list]:
     return [[c.opcode, c.shape, c.bytes] for c in compile_only.collectives(compiled.as_text())]
 
@@ -156,11 +162,10 @@ def compare(case: dict) -> dict:
     inputs = inputs_of(case)
     mesh = make_mesh(case, jax.devices())
     answer = {"errors": {}, "tolerances": {}}
-    against = tops_core.use(**{op_name(case): case["against"]}) if case.get("against") else contextlib.nullcontext()
     for explicit_backward in (False, True) if case.get("backward") else (False,):
-        with against:
+        with forcing(case, "force"), forcing(case, "against"):
             single = program(case, None, explicit_backward)(inputs)
-        with in_context(case, mesh):
+        with forcing(case, "force"), in_context(case, mesh):
             sharded_inputs = placed(case, mesh, inputs)
             split = program(case, mesh, explicit_backward)
             results = split(sharded_inputs)

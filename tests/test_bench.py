@@ -47,6 +47,45 @@ def test_report_table_names_the_winner_speedups_and_errors(installed):
     assert "measured at workload against the float64 reference" in text
 
 
+def test_counted_flops_per_op():
+    # Per token and head at K = V = 8, chunk 64: simple_gla 4*64 + 2*64*16 = 2304;
+    # kda 6*64 + 4*64*16 + 2*64*64/3 = 384 + 4096 + 2730.67.
+    assert bench.forward_flops(tiny(shape=(2, 24, 3, 8, 8))) == 2 * 24 * 3 * 2304
+    kda = bench.workload("kda", (2, 24, 3, 8, 8), "float32", [])
+    assert bench.forward_flops(kda) == pytest.approx(2 * 24 * 3 * (384 + 4096 + 2 * 64 * 64 / 3))
+
+
+def test_shares_of_the_flat_product_ceiling_timed_in_turns(installed):
+    report = bench.run(tiny(), budget=0.05, max_repeats=3)
+    flat, (tokens, state), flops = bench.flat_product(report.workload)
+    assert tokens.shape == (1 * 24 * 2, 8) and state.shape == (8, 8) and flops == report.ceiling_flops == 2 * 48 * 8 * 8
+    timed = [row for row in report.rows if row.implementation != "ref.recurrent"]
+    assert len(report.ceiling) == sum(1 + row.differentiable for row in timed)  # one beside each timing at the workload
+    reference = next(row for row in report.rows if row.implementation == "ref.recurrent")
+    assert reference.forward and reference.forward_share is None  # another algorithm, on the host
+    ceilings = iter(report.ceiling)
+    counted = bench.forward_flops(report.workload)
+    for row in timed:
+        assert row.forward_share == pytest.approx(counted / flops * next(ceilings).median / row.forward.median)
+        assert row.forward_backward_share == pytest.approx(3 * counted / flops * next(ceilings).median / row.forward_backward.median)
+    portable = next(row for row in report.rows if row.implementation == "fake.portable")
+    text = bench.format_report(report)
+    shares = f"{portable.forward_share:.0%} / {portable.forward_backward_share:.0%}"
+    assert shares in next(line for line in text.splitlines() if line.startswith("fake.portable"))
+    assert "at the rate of one flat [B*T*H, K] @ [K, V] product timed in turns with each" in text
+
+
+def test_calls_timed_in_turns_each_get_their_own_timing():
+    import time
+
+    def sleeper(seconds):
+        return lambda: time.sleep(seconds)
+
+    short, long = bench.time_turns([(sleeper(0.001), ()), (sleeper(0.02), ())], budget=0.1, max_repeats=4)
+    assert short.repeats == long.repeats >= 3
+    assert short.median < 0.01 < long.median
+
+
 def test_a_large_workload_checks_and_compares_at_a_smaller_shape(installed, monkeypatch):
     monkeypatch.setattr(bench, "REFERENCE_MAX_ELEMENTS", 1000)
     report = bench.run(tiny(shape=(2, 40, 3, 8, 8)), budget=0.05, max_repeats=3)
@@ -55,6 +94,7 @@ def test_a_large_workload_checks_and_compares_at_a_smaller_shape(installed, monk
     reference = next(row for row in report.rows if row.implementation == "ref.recurrent")
     assert reference.forward is None and "not timed at the workload" in reference.note
     assert reference.check_forward is not None
+    assert reference.forward_share is None and reference.forward_backward_share is None
     text = bench.format_report(report)
     assert "measured at B=1 T=40 H=3 K=8 V=8 against" in text
 
@@ -111,6 +151,8 @@ def test_cli_bench_json_is_one_document_with_every_figure(installed, capsys, mon
     assert set(rows) == {"fake.portable", "ref.recurrent"}
     assert rows["fake.portable"]["forward"]["median"] > 0 and rows["fake.portable"]["within_tolerance"] is True
     assert rows["fake.portable"]["forward_error"] >= 0
+    assert rows["fake.portable"]["forward_share"] > 0 and "forward_share" in rows["ref.recurrent"]
+    assert len(document["ceiling"]["timings"]) == 2 and document["ceiling"]["flops"] == 2 * 16 * 2 * 8 * 8
     assert document["failures"] == []
     assert document["modelled_tpu"]["generation"] == "v5e"
     assert document["modelled_tpu"]["unavailable"] == "not compiled in this test"

@@ -76,6 +76,8 @@ def test_explain_force_strict_deny_and_ndim(kernels, capsys):
     (["explain", "simple_gla", "--with", "cu_seqlens"], "cu_seqlens packs the sequences along T and requires B == 1"),
     (["explain", "simple_gla", "--num-seqs", "3"], "--num-seqs describes packed sequences: add cu_seqlens to --with"),
     (["explain", "simple_gla", "--force", "nope.impl"], "unknown implementation 'nope.impl' of simple_gla; registered: fake.kernel, fake.portable"),
+    (["explain"], "name the op: OP or --op OP, one of kda, simple_gla"),
+    (["explain", "simple_gla", "--op", "kda"], "two ops named: simple_gla and --op kda"),
 ])
 def test_explain_rejects_malformed_descriptions_in_one_line(kernels, capsys, argv, message):
     assert main(argv) == 2
@@ -94,6 +96,18 @@ def test_explain_and_bench_share_their_defaults(kernels, capsys):
     assert "float32 on cpu" in capsys.readouterr().out
     main(["explain", "simple_gla", "--platform", "tpu"])
     assert "bfloat16 on tpu" in capsys.readouterr().out
+
+
+def test_the_op_is_named_as_an_argument_or_with_op(kernels, capsys):
+    from tops_core.cli import build_parser
+
+    main(["explain", "--op", "simple_gla"])
+    assert capsys.readouterr().out.startswith("simple_gla forward: ")
+    main(["explain", "simple_gla", "--op", "simple_gla"])
+    assert capsys.readouterr().out.startswith("simple_gla forward: ")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--op", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
 def test_version(capsys):

@@ -42,6 +42,8 @@ CASES = [
          dtype="bfloat16", features=["g_gamma", "output_final_state"]),
     dict(BASE, op="kda", name="kda-batch-heads-shard", mode="shard", mesh=[2, 4], split={"batch": 0, "heads": 1}, B=2, T=32,
          features=["initial_state", "output_final_state", "use_qk_l2norm"], backward=True),
+    dict(BASE, op="kda", name="kda-batch-heads-auto", mode="auto", mesh=[2, 4], split={"batch": 0, "heads": 1}, B=2, T=32,
+         features=["initial_state", "output_final_state"]),
     dict(BASE, op="kda", name="kda-heads-packed", mode="shard", mesh=[4], split={"heads": 0}, T=40, seqlens=[7, 0, 33],
          features=["initial_state", "output_final_state"]),
 ]
@@ -146,9 +148,9 @@ def test_kda_refuses_a_split_sequence_with_the_reason(worker):
 
 
 def test_an_implementation_on_the_host_runs_whole_under_sharded_inputs(worker):
-    # JAX crashes running a host callback (the float64 reference, KDA's only implementation here)
-    # inside custom_partitioning on several devices: such a call is left whole, gathered, and right.
-    case = dict(CASES[-1], name="kda-auto", mode="auto")
+    # JAX crashes running a host callback (the float64 reference, forced here) inside
+    # custom_partitioning on several devices: such a call is left whole, gathered, and right.
+    case = dict(CASES[-1], name="kda-auto-host", mode="auto", force="ref.recurrent")
     answer = worker.ask("compare", case)
     assert_within_tolerance(case, answer)
     assert answer["o_spec"] == [None] * 4

@@ -5,6 +5,13 @@ only in interpret mode, labelled as interpreted) is timed jitted, forward and fo
 (a forward-only kernel with the backward the dispatcher pairs it with). The float64 reference
 sweeps token by token on the host, so accuracy and the speedup against it are measured at a
 smaller *check* shape unless the workload itself is small; the table says which.
+
+Each timing at the workload takes turns with one flat ``[B*T*H, K] @ [K, V]`` product in the
+workload's dtype, the best-shaped product any algorithm with these head dims could have: its
+rate is the *ceiling*, and an implementation's share of it is the op's counted FLOPs
+(``forward_flops``) at that rate over the implementation's time. Taking turns puts both under
+the same load when other jobs share the machine. The float64 reference's share is not given: it
+runs another algorithm, on the host.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from tops_core.policy import current_policy
 DEFAULT_FEATURES = {"simple_gla": ["g_gamma"], "kda": ["use_qk_l2norm"]}
 REFERENCE_MAX_ELEMENTS = 2**24
 """The reference is timed at the workload itself only up to this many ``B*T*H*K*V`` state elements."""
+COUNTED_CHUNK = 64
+"""The chunk size the FLOP counts assume."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +65,8 @@ class Row:
     forward_backward: Timing | None = None
     backward_by: str | None = None  # the paired backward of a forward-only implementation
     differentiable: bool = True
+    forward_share: float | None = None  # of the ceiling, at the workload
+    forward_backward_share: float | None = None
     check_forward: Timing | None = None
     check_forward_backward: Timing | None = None
     forward_error: float | None = None
@@ -71,6 +82,16 @@ class Report:
     platform: str
     reference_at_workload: bool
     rows: list[Row]
+    ceiling: list[Timing] = dataclasses.field(default_factory=list)
+    """The flat product's timings, one beside each timing at the workload but the reference's."""
+    ceiling_flops: float = 0.0
+
+    def ceiling_rates(self) -> tuple[float, float] | None:
+        """The lowest and highest FLOP/s of the flat product in this run."""
+        if not self.ceiling:
+            return None
+        medians = [timing.median for timing in self.ceiling]
+        return self.ceiling_flops / max(medians), self.ceiling_flops / min(medians)
 
 
 def default_dtype(platform: str) -> str:
@@ -98,6 +119,29 @@ def workload(op_name: str, shape: Sequence[int], dtype: str, features: Sequence[
     if num_seqs < 1:
         raise ValueError(f"the number of packed sequences must be at least 1, got {num_seqs}")
     return case.with_features("workload", frozenset(features), seq_len=T, seqlens=packed_lengths(num_seqs, T))
+
+
+def forward_flops(case: Case, chunk_size: int = COUNTED_CHUNK) -> float:
+    """The forward's FLOPs as this project counts them: the chunked algorithm's matrix products,
+    causal triangles counted whole; forward+backward counts 3x this.
+
+    Per token and head, simple_gla: ``4KV`` (queries against the state, the state update) and
+    ``2C(K+V)`` (scores, scores against values); kda: ``6KV`` (keys against the state too),
+    ``4C(K+V)`` (``Aqk``, ``Akk``, the inverse and ``Aqk`` against the writes) and ``2C^2/3``
+    (the blocked triangular inverse).
+    """
+    C, K, V = chunk_size, case.key_dim, case.value_dim
+    per_token = {"simple_gla": 4 * K * V + 2 * C * (K + V), "kda": 6 * K * V + 4 * C * (K + V) + 2 * C * C / 3}[case.op]
+    return case.batch * case.seq_len * case.heads * per_token
+
+
+def flat_product(case: Case) -> tuple[Callable, tuple, float]:
+    """One ``[B*T*H, K] @ [K, V]`` product in the workload's dtype, jitted, with its arguments and FLOPs."""
+    rows = case.batch * case.seq_len * case.heads
+    keys = jax.random.split(jax.random.PRNGKey(0))
+    tokens = jax.random.normal(keys[0], (rows, case.key_dim), jnp.dtype(case.dtype))
+    state = jax.random.normal(keys[1], (case.key_dim, case.value_dim), jnp.dtype(case.dtype))
+    return jax.jit(jnp.dot), (tokens, state), 2.0 * rows * case.key_dim * case.value_dim
 
 
 def packed_lengths(num_seqs: int, seq_len: int) -> tuple[int, ...]:
@@ -151,12 +195,23 @@ def programs(case: Case, name: str) -> tuple[Callable, Callable, tuple, tuple]:
 
 def time_call(function: Callable, args: tuple, budget: float, max_repeats: int) -> Timing:
     """Median and spread of wall time after one warm-up (compile) call."""
-    jax.block_until_ready(function(*args))
-    times: list[float] = []
-    while len(times) < 3 or (len(times) < max_repeats and sum(times) < budget):
-        start = time.perf_counter()
+    return time_turns([(function, args)], budget, max_repeats)[0]
+
+
+def time_turns(calls: Sequence[tuple[Callable, tuple]], budget: float, max_repeats: int) -> list[Timing]:
+    """``time_call`` of several calls taking turns, so that load changes hit all of them alike."""
+    for function, args in calls:
         jax.block_until_ready(function(*args))
-        times.append(time.perf_counter() - start)
+    times: list[list[float]] = [[] for _ in calls]
+    while len(times[0]) < 3 or (len(times[0]) < max_repeats and sum(map(sum, times)) < budget):
+        for (function, args), column in zip(calls, times):
+            start = time.perf_counter()
+            jax.block_until_ready(function(*args))
+            column.append(time.perf_counter() - start)
+    return [_timing(column) for column in times]
+
+
+def _timing(times: list[float]) -> Timing:
     quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     median = statistics.median(times)
     return Timing(median, (quartiles[2] - quartiles[0]) / 2 / median, len(times))
@@ -250,19 +305,24 @@ def _run(case: Case, names: Sequence[str] | None, budget: float, max_repeats: in
     progress = Progress(total=int(has_reference) + sum(
         len(shapes[row.implementation]) * (1 + row.differentiable) + int(has_reference) for row in rows))
 
+    report = Report(case, check, platform, reference_at_workload, rows)
+    flat, flat_args, report.ceiling_flops = flat_product(case)
     reference = None
     if has_reference:
         progress.step(f"{REFERENCE} at the check shape")
         reference = evaluate(check, REFERENCE, backward=True)
     for row in rows:
         for timed in shapes[row.implementation]:
-            fields = ("forward", "forward_backward") if timed is case else ("check_forward", "check_forward_backward")
-            _time(row, timed, progress, budget if timed is case else budget / 2, max_repeats, *fields)
+            if timed is case and row.implementation != REFERENCE:
+                _time_beside_the_ceiling(row, report, (flat, flat_args), progress, budget, max_repeats)
+            else:
+                fields = ("forward", "forward_backward") if timed is case else ("check_forward", "check_forward_backward")
+                _time(row, timed, progress, budget if timed is case else budget / 2, max_repeats, *fields)
         if reference is not None:
             progress.step(f"{row.implementation} accuracy")
             _accuracy(row, check, reference)
     progress.close()
-    return Report(case, check, platform, reference_at_workload, rows)
+    return report
 
 
 def _time(row: Row, case: Case, progress: Progress, budget: float, max_repeats: int, forward_field: str, both_field: str) -> None:
@@ -272,6 +332,23 @@ def _time(row: Row, case: Case, progress: Progress, budget: float, max_repeats: 
     if row.differentiable:
         progress.step(f"{row.implementation} forward+backward, {case.name}")
         setattr(row, both_field, time_call(forward_backward, backward_args, budget, max_repeats))
+
+
+def _time_beside_the_ceiling(row: Row, report: Report, flat: tuple[Callable, tuple], progress: Progress, budget: float,
+                             max_repeats: int) -> None:
+    """Time the row at the workload, each call taking turns with the flat product, and its shares of the ceiling."""
+    case = report.workload
+    forward, forward_backward, forward_args, backward_args = programs(case, row.implementation)
+    counted = forward_flops(case)
+    progress.step(f"{row.implementation} forward, {case.name}")
+    row.forward, ceiling = time_turns([(forward, forward_args), flat], budget, max_repeats)
+    report.ceiling.append(ceiling)
+    row.forward_share = counted / report.ceiling_flops * ceiling.median / row.forward.median
+    if row.differentiable:
+        progress.step(f"{row.implementation} forward+backward, {case.name}")
+        row.forward_backward, ceiling = time_turns([(forward_backward, backward_args), flat], budget, max_repeats)
+        report.ceiling.append(ceiling)
+        row.forward_backward_share = 3 * counted / report.ceiling_flops * ceiling.median / row.forward_backward.median
 
 
 def _paired_backward(case: Case, spec: CallSpec, name: str) -> str | None:
@@ -313,7 +390,8 @@ def format_report(report: Report, header: bool = True) -> str:
     check = report.check
     at = "workload" if report.reference_at_workload else f"B={check.batch} T={check.seq_len} H={check.heads} K={check.key_dim} V={check.value_dim}"
     reference = next((r for r in report.rows if r.implementation == REFERENCE), None)
-    header = ("implementation", "selected", "forward", "fwd+bwd", "speedup vs ref (fwd / fwd+bwd)", "rel. error (out / grad)")
+    header = ("implementation", "selected", "forward", "fwd+bwd", "speedup vs ref (fwd / fwd+bwd)", "of ceiling (fwd / fwd+bwd)",
+              "rel. error (out / grad)")
     table = [header]
     for row in report.rows:
         label = row.implementation + (" [interpreted]" if row.interpreted else "")
@@ -321,12 +399,20 @@ def format_report(report: Report, header: bool = True) -> str:
         fwdbwd = row.forward_backward.describe() if row.forward_backward else ("-" if row.differentiable else "no backward")
         if row.backward_by and row.forward_backward:
             fwdbwd += f" (bwd {row.backward_by})"
-        table.append((label, row.selected or "-", fwd, fwdbwd, _speedup(row, reference, report.reference_at_workload), _errors(row)))
+        shares = " / ".join("-" if share is None else f"{share:.0%}" for share in (row.forward_share, row.forward_backward_share))
+        table.append((label, row.selected or "-", fwd, fwdbwd, _speedup(row, reference, report.reference_at_workload), shares,
+                      _errors(row)))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
     lines.append("")
     lines.append(f"Speedup and error measured at {at} against the float64 reference ({REFERENCE}); "
                  "errors are relative RMS, 'ok' = within the tolerance for the dtype (docs/ops.md).")
+    rates = report.ceiling_rates()
+    if rates:
+        low, high = (f"{rate / 1e9:.3g}" for rate in rates)
+        lines.append(f"Of ceiling: {forward_flops(case) / 1e9:.3g} GFLOP counted for the forward (3x for fwd+bwd; the chunked "
+                     f"algorithm's products at chunk {COUNTED_CHUNK}) at the rate of one flat [B*T*H, K] @ [K, V] product "
+                     f"timed in turns with each ({low if low == high else f'{low}-{high}'} GFLOP/s), over the measured time.")
     for row in report.rows:
         if row.note:
             lines.append(f"{row.implementation}: {row.note}.")
@@ -341,6 +427,8 @@ def report_json(report: Report) -> dict[str, Any]:
         "platform": report.platform,
         "reference_at_workload": report.reference_at_workload,
         "rows": [dataclasses.asdict(row) for row in report.rows],
+        "ceiling": {"flops": report.ceiling_flops, "counted_forward_flops": forward_flops(report.workload),
+                    "timings": [dataclasses.asdict(timing) for timing in report.ceiling]},
     }
 
 

@@ -118,7 +118,7 @@ def _describe_priority(priority) -> str:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    contract = op(args.op)
+    contract = op(_op_name(args))
     spec = _spec_from_args(contract, args)
     policy = current_policy(contract.name)
     policy = dataclasses.replace(
@@ -187,7 +187,7 @@ def _default_dtype(platform: str) -> str:
 def cmd_bench(args: argparse.Namespace) -> int:
     from tops_core import bench
 
-    contract = op(args.op)
+    contract = op(_op_name(args))
     features = _features(contract, args)
     platform = platform_of([])
     try:
@@ -256,6 +256,15 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def _op_name(args: argparse.Namespace) -> str:
+    if args.op and args.op_option and args.op != args.op_option:
+        raise UsageError(f"two ops named: {args.op} and --op {args.op_option}")
+    name = args.op or args.op_option or args.default_op
+    if name is None:
+        raise UsageError(f"name the op: OP or --op OP, one of {', '.join(sorted(CONTRACTS))}")
+    return name
+
+
 def _parse_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
@@ -266,11 +275,13 @@ def _table(rows: list[tuple[str, ...]], indent: str = "") -> str:
 
 
 def _call_arguments(parser: argparse.ArgumentParser, default_op: str | None) -> None:
-    """The description of a call, shared by explain and bench (same names, same defaults)."""
-    if default_op is None:
-        parser.add_argument("op", choices=sorted(CONTRACTS))
-    else:
-        parser.add_argument("op", nargs="?", default=default_op, choices=sorted(CONTRACTS), help="default: %(default)s")
+    """The description of a call, shared by explain and bench (same names, same defaults).
+
+    The op is named either way, ``tops bench kda`` or ``tops bench --op kda``; ``_op_name`` reads it.
+    """
+    parser.add_argument("op", nargs="?", choices=sorted(CONTRACTS), help="the op" + (f" (default: {default_op})" if default_op else ""))
+    parser.add_argument("--op", dest="op_option", metavar="OP", choices=sorted(CONTRACTS), help="the same as OP")
+    parser.set_defaults(default_op=default_op)
     parser.add_argument("--shape", default=DEFAULT_SHAPE, help="B,T,H,K,V (default: %(default)s)")
     parser.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"input dtype (default: {DEFAULT_DTYPES})")
     parser.add_argument("--with", dest="with_features", metavar="FEATURES",

@@ -5,14 +5,17 @@ import numpy as np
 import pytest
 
 import tops_core
-from tops_plugins_xla.simple_gla import ChunkConfig
+from tops_plugins_xla.config import ChunkConfig
 
 
-def test_registered_with_its_default_config():
-    impl = next(i for i in tops_core.op("simple_gla").implementations() if i.name == "xla.chunk")
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+def test_registered_with_its_default_config(op):
+    impl = next(i for i in tops_core.op(op).implementations() if i.name == "xla.chunk")
     assert impl.config == ChunkConfig(chunk_size=64)
     assert impl.backward is not None
-    assert impl.capabilities.accepted_ndims("g_gamma") == {0, 1}
+    assert impl.capabilities.features == tops_core.op(op).features
+    if op == "simple_gla":
+        assert impl.capabilities.accepted_ndims("g_gamma") == {0, 1}
 
 
 @pytest.mark.parametrize("size", [16, 32, 64, 128, 256])

@@ -2,14 +2,20 @@
 
 import tops_core
 
-from tops_plugins_xla import simple_gla
+from tops_plugins_xla import kda, simple_gla
+from tops_plugins_xla.config import ChunkConfig
 
 TOPS_CORE_API_VERSION = 1
+
+_PLATFORMS = {"cpu", "gpu", "tpu"}
+_DTYPES = {"bfloat16", "float16", "float32", "float64"}
+# On TPU the Pallas kernels outrank them.
+_PRIORITY = {"cpu": 100, "gpu": 100, "tpu": 50}
 
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register ``xla.chunk`` for simple_gla."""
+    """Register ``xla.chunk`` for simple_gla and kda."""
     register(
         tops_core.Implementation(
             op="simple_gla",
@@ -17,14 +23,29 @@ def tops_register_implementations(register):
             forward=simple_gla.forward,
             backward=simple_gla.backward,
             capabilities=tops_core.Capabilities(
-                platforms={"cpu", "gpu", "tpu"},
-                dtypes={"bfloat16", "float16", "float32", "float64"},
+                platforms=_PLATFORMS,
+                dtypes=_DTYPES,
                 features={"g", "g_gamma", "initial_state", "cu_seqlens", "output_final_state"},
                 ndims={"g_gamma": {0, 1}},
             ),
-            # On TPU the Pallas kernels outrank it.
-            priority={"cpu": 100, "gpu": 100, "tpu": 50},
-            config=simple_gla.ChunkConfig(),
+            priority=_PRIORITY,
+            config=ChunkConfig(),
             description="chunked simple_gla in plain jax.numpy with a hand-written chunked backward",
+        )
+    )
+    register(
+        tops_core.Implementation(
+            op="kda",
+            name="chunk",
+            forward=kda.forward,
+            backward=kda.backward,
+            capabilities=tops_core.Capabilities(
+                platforms=_PLATFORMS,
+                dtypes=_DTYPES,
+                features={"initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm"},
+            ),
+            priority=_PRIORITY,
+            config=ChunkConfig(),
+            description="chunked KDA in plain jax.numpy: exact per-chunk inverse, hand-written chunked backward",
         )
     )

@@ -29,28 +29,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from tops_core import SimpleGLAGrads
 from tops_core.ops.base import state_dtype
 from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
+from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
 
 Array = jax.Array
-
-# Full float32 products on GPU and TPU, whose default float32 matmul rounds to bfloat16 passes.
-_PRECISION = lax.Precision.HIGHEST
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkConfig:
-    """Tuning of ``xla.chunk``: ``chunk_size`` tokens per chunk (a power of two, 16 to 256)."""
-
-    chunk_size: int = 64
-
-    def __post_init__(self):
-        size = self.chunk_size
-        if isinstance(size, bool) or not isinstance(size, int) or not 16 <= size <= 256 or size & (size - 1):
-            raise ValueError(f"chunk_size must be a power of two from 16 to 256, got {size!r}")
 
 
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config):
@@ -69,7 +54,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
 def _forward(q, k, v, g, g_gamma, initial_state, cu_seqlens, *, scale, output_final_state, chunk_size):
     x = _chunked(q, k, v, g, g_gamma, initial_state, cu_seqlens, scale, chunk_size)
     o, final, _ = _forward_sweep(x, output_dtype=v.dtype, record_states=False)
-    final_state = _flat_states(final) if output_final_state else None
+    final_state = flat_states(final) if output_final_state else None
     return x.layout.unpack(o), final_state
 
 
@@ -91,7 +76,7 @@ def _backward(q, k, v, do, g, g_gamma, initial_state, dht, cu_seqlens, *, scale,
             summed = (0, 1) if g_gamma.ndim else (0, 1, 2)
             dg_gamma = jnp.sum(dlog_decay, axis=summed).astype(g_gamma.dtype)
     if initial_state is not None:
-        dinitial_state = _flat_states(dh0).astype(initial_state.dtype)
+        dinitial_state = flat_states(dh0).astype(initial_state.dtype)
     return SimpleGLAGrads(
         dq=layout.unpack(dq), dk=layout.unpack(dk), dv=layout.unpack(dv),
         dg=dg, dg_gamma=dg_gamma, dinitial_state=dinitial_state,
@@ -181,11 +166,6 @@ def _masked_exp(diff: Array) -> Array:
     return jnp.exp(jnp.where(causal, diff, -jnp.inf))
 
 
-def _flat_states(states: Array) -> Array:
-    """``[R, sequences_per_row, H, K, V]`` -> ``[N, H, K, V]``."""
-    return states.reshape(-1, *states.shape[2:])
-
-
 # -- one chunk ----------------------------------------------------------------------------------
 
 
@@ -215,43 +195,14 @@ def _take_chunk(x: _Chunked, n: Array) -> _Chunk:
     else:
         intra = x.intra[None]
     return _Chunk(
-        q=_heads_first(x.q, n, C, x.dtype) * x.scale,
-        k=_heads_first(x.k, n, C, x.dtype),
-        v=_heads_first(x.v, n, C, x.dtype),
+        q=heads_first(x.q, n, C, x.dtype) * x.scale,
+        k=heads_first(x.k, n, C, x.dtype),
+        v=heads_first(x.v, n, C, x.dtype),
         decay_to_token=x.decay_to_token[n][..., None],
         decay_to_end=x.decay_to_end[n][..., None],
         decay_whole=x.decay_whole[n][..., None, None],
         intra=intra,
     )
-
-
-def _heads_first(a: Array, n: Array, chunk_size: int, dtype) -> Array:
-    """Chunk ``n`` of ``a`` (``[R, P, H, .]``), heads first: ``[R, H, C, .]``."""
-    block = lax.dynamic_slice_in_dim(a, n * chunk_size, chunk_size, axis=1)
-    return jnp.swapaxes(block, 1, 2).astype(dtype)
-
-
-def _einsum(spec, a, b):
-    return jnp.einsum(spec, a, b, precision=_PRECISION)
-
-
-def _put(buffer: Array, n: Array, value: Array, chunk_size: int) -> Array:
-    """Write ``value`` (``[R, H, C, .]`` or ``[R, H, C]``) as chunk ``n`` of ``buffer`` (``[R, P, H, .]``)."""
-    value = jnp.swapaxes(value, 1, 2).astype(buffer.dtype)
-    return lax.dynamic_update_slice_in_dim(buffer, value, n * chunk_size, axis=1)
-
-
-def _sequence_state(states: Array | None, like: Array, sequence: Array) -> Array:
-    """Row-wise ``states[:, sequence]`` (``[R, H, K, V]``), zeros when there are none."""
-    if states is None:
-        return jnp.zeros_like(like)
-    return lax.dynamic_index_in_dim(states, sequence, axis=1, keepdims=False)
-
-
-def _record_if(condition: Array, records: Array, sequence: Array, value: Array) -> Array:
-    """``records[:, sequence] = value`` when ``condition``, else ``records`` unchanged."""
-    current = lax.dynamic_index_in_dim(records, sequence, axis=1, keepdims=False)
-    return lax.dynamic_update_index_in_dim(records, jnp.where(condition, value, current), sequence, axis=1)
 
 
 # -- the sweeps ---------------------------------------------------------------------------------
@@ -268,35 +219,18 @@ def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
     R, P, H, K = x.q.shape
     V = x.v.shape[-1]
     C = layout.chunk_size
-    reset = not layout.one_sequence_per_row
-    state = jnp.zeros((R, H, K, V), x.dtype)
-    if not reset:
-        state = _sequence_state(x.initial_state, state, 0)
-    finals = jnp.zeros((R, layout.sequences_per_row, H, K, V), x.dtype) if reset else None
     o = None if output_dtype is None else jnp.zeros((R, P, H, V), output_dtype)
-    states = jnp.zeros((layout.num_chunks, R, H, K, V), x.dtype) if record_states else None
 
-    def step(n, carry):
-        state, finals, o, states = carry
-        sequence = layout.chunk_sequence[n]
-        if reset:
-            state = jnp.where(layout.chunk_is_first[n], _sequence_state(x.initial_state, state, sequence), state)
+    def step(n, state, o):
         c = _take_chunk(x, n)
         if o is not None:
-            scores = _einsum("rhik,rhjk->rhij", c.q, c.k) * c.intra
-            o_n = _einsum("rhij,rhjv->rhiv", scores, c.v) + c.decay_to_token * _einsum("rhik,rhkv->rhiv", c.q, state)
-            o = _put(o, n, o_n, C)
-        if states is not None:
-            states = lax.dynamic_update_index_in_dim(states, state, n, axis=0)
-        state = c.decay_whole * state + _einsum("rhjk,rhjv->rhkv", c.k, c.decay_to_end * c.v)
-        if reset:
-            finals = _record_if(layout.chunk_is_last[n], finals, sequence, state)
-        return state, finals, o, states
+            scores = einsum("rhik,rhjk->rhij", c.q, c.k) * c.intra
+            o_n = einsum("rhij,rhjv->rhiv", scores, c.v) + c.decay_to_token * einsum("rhik,rhkv->rhiv", c.q, state)
+            o = put(o, n, o_n, C)
+        state = c.decay_whole * state + einsum("rhjk,rhjv->rhkv", c.k, c.decay_to_end * c.v)
+        return state, o
 
-    state, finals, o, states = lax.fori_loop(0, layout.num_chunks, step, (state, finals, o, states))
-    if not reset:
-        finals = state[:, None]
-    return o, finals, states
+    return forward_sweep(layout, x.initial_state, jnp.zeros((R, H, K, V), x.dtype), step, o, record_states=record_states)
 
 
 def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array, finals: Array):
@@ -315,61 +249,47 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array, fin
     R, P, H, K = x.q.shape
     V = x.v.shape[-1]
     C = layout.chunk_size
-    reset = not layout.one_sequence_per_row
     at_or_after = jnp.tril(jnp.ones((C, C), x.dtype))
     before = jnp.triu(jnp.ones((C, C), x.dtype), 1)
     dq = jnp.zeros((R, P, H, K), x.q.dtype)
     dk = jnp.zeros((R, P, H, K), x.k.dtype)
     dv = jnp.zeros((R, P, H, V), x.v.dtype)
     da = jnp.zeros((R, P, H), x.dtype)
-    dstate = jnp.zeros((R, H, K, V), x.dtype)
-    if not reset:
-        dstate = _sequence_state(dht, dstate, 0)
-    dh0 = jnp.zeros((R, layout.sequences_per_row, H, K, V), x.dtype) if reset else None
 
-    def step(i, carry):
-        dstate, dq, dk, dv, da, dh0 = carry
-        n = layout.num_chunks - 1 - i
-        sequence = layout.chunk_sequence[n]
-        if reset:
-            dstate = jnp.where(layout.chunk_is_last[n], _sequence_state(dht, dstate, sequence), dstate)
+    def step(n, dstate, grads):
+        dq, dk, dv, da = grads
         state = states[n]
         c = _take_chunk(x, n)
-        do_n = _heads_first(do, n, C, x.dtype)
-        scores = _einsum("rhik,rhjk->rhij", c.q, c.k) * c.intra
-        do_v = _einsum("rhiv,rhjv->rhij", do_n, c.v)
+        do_n = heads_first(do, n, C, x.dtype)
+        scores = einsum("rhik,rhjk->rhij", c.q, c.k) * c.intra
+        do_v = einsum("rhiv,rhjv->rhij", do_n, c.v)
         dscores = do_v * c.intra
-        dq_inter = c.decay_to_token * _einsum("rhiv,rhkv->rhik", do_n, state)
-        dq_n = _einsum("rhij,rhjk->rhik", dscores, c.k) + dq_inter
-        dk_n = _einsum("rhij,rhik->rhjk", dscores, c.q)
-        dk_n += c.decay_to_end * _einsum("rhjv,rhkv->rhjk", c.v, dstate)
-        dv_inter = c.decay_to_end * _einsum("rhjk,rhkv->rhjv", c.k, dstate)
-        dv_n = _einsum("rhij,rhiv->rhjv", scores, do_n) + dv_inter
-        dq = _put(dq, n, dq_n * x.scale, C)
-        dk = _put(dk, n, dk_n, C)
-        dv = _put(dv, n, dv_n, C)
+        dq_inter = c.decay_to_token * einsum("rhiv,rhkv->rhik", do_n, state)
+        dq_n = einsum("rhij,rhjk->rhik", dscores, c.k) + dq_inter
+        dk_n = einsum("rhij,rhik->rhjk", dscores, c.q)
+        dk_n += c.decay_to_end * einsum("rhjv,rhkv->rhjk", c.v, dstate)
+        dv_inter = c.decay_to_end * einsum("rhjk,rhkv->rhjv", c.k, dstate)
+        dv_n = einsum("rhij,rhiv->rhjv", scores, do_n) + dv_inter
+        dq = put(dq, n, dq_n * x.scale, C)
+        dk = put(dk, n, dk_n, C)
+        dv = put(dv, n, dv_n, C)
 
         # Sums over token ranges as products with 0/1 triangles ([j, t]: j < t; [i, t]: i >= t).
         pairs = scores * do_v
-        within = jnp.sum(_einsum("rhij,jt->rhit", pairs, before) * at_or_after, axis=-2)
+        within = jnp.sum(einsum("rhij,jt->rhit", pairs, before) * at_or_after, axis=-2)
         later_query = jnp.sum(c.q * dq_inter, axis=-1)  # i in the chunk, j earlier
         earlier_key = jnp.sum(c.v * dv_inter, axis=-1)  # j in the chunk, i later
         spanning = jnp.sum(c.decay_whole * state * dstate, axis=(-2, -1))[..., None]  # i after, j before
         da_n = (
             within
-            + _einsum("rhi,it->rht", later_query, at_or_after)
-            + _einsum("rhj,jt->rht", earlier_key, before)
+            + einsum("rhi,it->rht", later_query, at_or_after)
+            + einsum("rhj,jt->rht", earlier_key, before)
             + spanning
         )
-        da = _put(da, n, da_n, C)
+        da = put(da, n, da_n, C)
 
-        dstate = c.decay_whole * dstate + _einsum("rhik,rhiv->rhkv", c.decay_to_token * c.q, do_n)
-        if reset:
-            dh0 = _record_if(layout.chunk_is_first[n], dh0, sequence, dstate)
-        return dstate, dq, dk, dv, da, dh0
+        dstate = c.decay_whole * dstate + einsum("rhik,rhiv->rhkv", c.decay_to_token * c.q, do_n)
+        return dstate, (dq, dk, dv, da)
 
-    carry = (dstate, dq, dk, dv, da, dh0)
-    dstate, dq, dk, dv, da, dh0 = lax.fori_loop(0, layout.num_chunks, step, carry)
-    if not reset:
-        dh0 = dstate[:, None]
+    (dq, dk, dv, da), dh0 = reverse_sweep(layout, dht, jnp.zeros((R, H, K, V), x.dtype), step, (dq, dk, dv, da))
     return dq, dk, dv, da, dh0

@@ -1,0 +1,278 @@
+"""KDA, chunked, in plain jax.numpy: the forward and a hand-written backward.
+
+Per sequence and head, tokens are cut into chunks of ``C``. Inside a chunk, with ``b`` the
+cumulative log decay per token and key, ``S`` the state before the chunk, ``q`` already
+normalised and times ``scale``, and ``Aqk``, ``Akk`` and the inverse from ``intra``, the
+delta rule's writes ``delta_t`` (``S_t = diag(exp(g_t)) S_{t-1} + k_t^T delta_t``) solve a unit
+lower-triangular system::
+
+    (I + diag(beta) Akk) delta = beta * (v - (exp(b) * k) S)
+    o     = (exp(b) * q) S + Aqk delta
+    S_out = exp(b_C) * S + (exp(b_C - b) * k)^T delta            (b_C: the chunk's last token)
+
+The backward recomputes the state before every chunk (a forward sweep that stores
+``[T/C, K, V]`` per row and head), then walks the chunks backwards carrying ``dS``, the
+gradient of the state after the chunk. With ``r = v - (exp(b) * k) S`` and ``M^-1`` the inverse::
+
+    d_delta = Aqk^T do + (exp(b_C - b) * k) dS^T
+    d_r     = M^-T d_delta                    (the gradient of beta * r)
+    dv      = beta * d_r
+    dbeta   = rowsum(d_r * r) + rowsum(dAkk * Akk),   dAkk = -tril_strict(d_r delta^T)
+    dAqk    = tril(do delta^T),   and beta * dAkk for Akk without beta, into ``intra.pairs_backward``
+    dS_in   = exp(b_C) * dS + (exp(b) * q)^T do - (exp(b) * k)^T dv
+
+plus the direct terms of ``exp(b) * q``, ``exp(b) * k`` and ``exp(b_C - b) * k`` in ``dq`` and
+``dk``. ``dg`` comes from the gradients of every decay's exponent, summed back along the halving
+that built them (``intra.decays_backward``). The normalisation of ``q`` and ``k`` is differentiated
+per chunk too.
+
+Both sweeps loop over chunks, all rows and heads of a chunk at once, and write their outputs in
+place: every temporary stays the size of one chunk. Memory is O(T (K + V) + (T / C) K V).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tops_core import KDAGrads
+from tops_core.ops.base import state_dtype
+from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
+from tops_plugins_xla.kda import intra
+from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
+
+Array = jax.Array
+
+L2NORM_EPSILON = 1e-6
+"""flash-linear-attention's: ``x / sqrt(sum(x^2) + 1e-6)``."""
+
+
+def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config):
+    """``(o, final_state)`` of kda (the ``Forward`` protocol of ``tops_core.ops.kda``)."""
+    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, output_final_state=output_final_state,
+                    use_qk_l2norm=use_qk_l2norm, chunk_size=config.chunk_size)
+
+
+def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config):
+    """The VJP of kda (the ``Backward`` protocol of ``tops_core.ops.kda``)."""
+    return _backward(q, k, v, g, beta, do, initial_state, dht, cu_seqlens, scale=scale,
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=config.chunk_size)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm", "chunk_size"))
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, output_final_state, use_qk_l2norm, chunk_size):
+    x = _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
+    o, final, _ = _forward_sweep(x, output_dtype=v.dtype, record_states=False)
+    final_state = flat_states(final) if output_final_state else None
+    return x.layout.unpack(o), final_state
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "chunk_size"))
+def _backward(q, k, v, g, beta, do, initial_state, dht, cu_seqlens, *, scale, use_qk_l2norm, chunk_size):
+    x = _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
+    layout = x.layout
+    _, final, states = _forward_sweep(x, output_dtype=None, record_states=True)
+    if dht is not None:
+        dht = dht.astype(x.dtype).reshape(final.shape)
+    dq, dk, dv, dg, dbeta, dh0 = _reverse_sweep(x, layout.pack(do), dht, states)
+    dinitial_state = None if initial_state is None else flat_states(dh0).astype(initial_state.dtype)
+    return KDAGrads(
+        dq=layout.unpack(dq), dk=layout.unpack(dk), dv=layout.unpack(dv),
+        dg=layout.unpack(dg), dbeta=layout.unpack(dbeta).astype(beta.dtype),
+        dinitial_state=dinitial_state,
+    )
+
+
+# -- the call, in its chunk layout ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunked:
+    """A call moved into its chunk layout: ``[R, P, H, .]`` (``R`` rows of ``P`` slots).
+
+    ``q, k, v, g`` keep their dtype; ``beta`` is in the compute dtype. Padded slots hold zeros:
+    no decay, no write.
+    """
+
+    layout: ChunkLayout
+    q: Array
+    k: Array
+    v: Array
+    g: Array
+    beta: Array
+    initial_state: Array | None
+    """``[R, sequences_per_row, H, K, V]`` in the compute dtype, or None."""
+    scale: float
+    use_qk_l2norm: bool
+
+    @property
+    def dtype(self):
+        """The compute dtype: float32, float64 for float64 inputs."""
+        return state_dtype(self.q.dtype)
+
+
+def _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size) -> _Chunked:
+    B, T, H, _ = q.shape
+    C = chunk_size
+    layout = dense_layout(T, C) if cu_seqlens is None else packed_layout(cu_seqlens, T, C)
+    dtype = state_dtype(q.dtype)
+    rows = B if cu_seqlens is None else 1
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.astype(dtype).reshape(rows, layout.sequences_per_row, *initial_state.shape[1:])
+    return _Chunked(
+        layout=layout, q=layout.pack(q), k=layout.pack(k), v=layout.pack(v),
+        g=layout.pack(g), beta=layout.pack(beta.astype(dtype)),
+        initial_state=h0, scale=scale, use_qk_l2norm=use_qk_l2norm,
+    )
+
+
+# -- one chunk ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """Chunk ``n`` of every row, heads first (``[R, H, C, .]``), in the compute dtype."""
+
+    q: Array
+    """Queries, normalised when asked, times ``scale``."""
+    k: Array
+    """Keys, normalised when asked."""
+    v: Array
+    beta: Array
+    """``[R, H, C]``."""
+    decays: intra.Decays
+    q_norm: Array | None
+    """``[R, H, C, 1]``: ``sqrt(sum(q^2) + eps)`` when normalising, else None."""
+    k_norm: Array | None
+
+
+def _take_chunk(x: _Chunked, n: Array) -> _Chunk:
+    C = x.layout.chunk_size
+    q = heads_first(x.q, n, C, x.dtype)
+    k = heads_first(x.k, n, C, x.dtype)
+    q_norm = k_norm = None
+    if x.use_qk_l2norm:
+        q_norm, k_norm = _l2norm(q), _l2norm(k)
+        q, k = q / q_norm, k / k_norm
+    return _Chunk(
+        q=q * x.scale, k=k, v=heads_first(x.v, n, C, x.dtype), beta=heads_first(x.beta, n, C, x.dtype),
+        decays=intra.decays(heads_first(x.g, n, C, x.dtype)), q_norm=q_norm, k_norm=k_norm,
+    )
+
+
+def _l2norm(x: Array) -> Array:
+    return jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPSILON)
+
+
+def _l2norm_backward(normalised: Array, norm: Array, d_normalised: Array) -> Array:
+    """The gradient of ``x`` for ``y = x / norm``, ``norm = sqrt(sum(x^2) + eps)``: ``(dy - y (y . dy)) / norm``."""
+    return (d_normalised - normalised * jnp.sum(normalised * d_normalised, axis=-1, keepdims=True)) / norm
+
+
+@dataclasses.dataclass(frozen=True)
+class _Writes:
+    """The delta rule inside one chunk, from the state before it."""
+
+    pairs: intra.Pairs
+    residual: Array
+    """``[R, H, C, V]``: ``r = v - (exp(b) * k) S``, what the decayed state misses."""
+    delta: Array
+    """``[R, H, C, V]``: ``M^-1 (beta * r)``, each token's write."""
+
+
+def _writes(c: _Chunk, state: Array, *, with_queries: bool) -> _Writes:
+    """``with_queries``: also ``Aqk``, which the outputs and the gradients need but not the state."""
+    pairs = intra.pairs(c.q if with_queries else None, c.k, c.decays.levels, c.beta)
+    residual = c.v - einsum("rhik,rhkv->rhiv", c.k * c.decays.to_token, state)
+    delta = einsum("rhij,rhjv->rhiv", pairs.inverse, c.beta[..., None] * residual)
+    return _Writes(pairs, residual, delta)
+
+
+def _state_after(c: _Chunk, state: Array, delta: Array) -> Array:
+    decay_whole = c.decays.whole[..., 0, :, None]  # [R, H, K, 1]
+    return decay_whole * state + einsum("rhjk,rhjv->rhkv", c.k * c.decays.to_end, delta)
+
+
+# -- the sweeps ---------------------------------------------------------------------------------
+
+
+def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
+    """Walk the chunks in order carrying the state; returns ``(o, final_states, states)``.
+
+    ``o`` (``[R, P, H, V]``) only when ``output_dtype`` is given; ``states``
+    (``[num_chunks, R, H, K, V]``, the state before each chunk) only when ``record_states``.
+    """
+    R, P, H, K = x.q.shape
+    V = x.v.shape[-1]
+    C = x.layout.chunk_size
+    o = None if output_dtype is None else jnp.zeros((R, P, H, V), output_dtype)
+
+    def step(n, state, o):
+        c = _take_chunk(x, n)
+        w = _writes(c, state, with_queries=o is not None)
+        if o is not None:
+            query_state = einsum("rhik,rhkv->rhiv", c.q * c.decays.to_token, state)
+            o = put(o, n, query_state + einsum("rhij,rhjv->rhiv", w.pairs.aqk, w.delta), C)
+        return _state_after(c, state, w.delta), o
+
+    return forward_sweep(x.layout, x.initial_state, jnp.zeros((R, H, K, V), x.dtype), step, o, record_states=record_states)
+
+
+def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array):
+    """Walk the chunks backwards carrying the state gradient; returns ``dq, dk, dv, dg, dbeta, dh0``."""
+    R, P, H, K = x.q.shape
+    V = x.v.shape[-1]
+    C = x.layout.chunk_size
+    grads = (
+        jnp.zeros((R, P, H, K), x.q.dtype), jnp.zeros((R, P, H, K), x.k.dtype), jnp.zeros((R, P, H, V), x.v.dtype),
+        jnp.zeros((R, P, H, K), x.g.dtype), jnp.zeros((R, P, H), x.dtype),
+    )
+
+    def step(n, dstate, grads):
+        dq, dk, dv, dg, dbeta = grads
+        state = states[n]
+        c = _take_chunk(x, n)
+        w = _writes(c, state, with_queries=True)
+        do_n = heads_first(do, n, C, x.dtype)
+        decay, decay_to_end = c.decays.to_token, c.decays.to_end
+        key_to_end = c.k * decay_to_end
+
+        d_delta = einsum("rhij,rhiv->rhjv", w.pairs.aqk, do_n) + einsum("rhjk,rhkv->rhjv", key_to_end, dstate)
+        d_residual = einsum("rhij,rhiv->rhjv", w.pairs.inverse, d_delta)  # M^-T d_delta: of beta * r
+        dv_n = c.beta[..., None] * d_residual
+        d_pairs = einsum("rhiv,rhjv->rhij", jnp.concatenate([do_n, d_residual], axis=-2), w.delta)
+        daqk, dakk = d_pairs[..., :C, :], -d_pairs[..., C:, :]  # dakk: of diag(beta) Akk, strictly lower part used
+        dbeta_n = jnp.sum(d_residual * w.residual, axis=-1) + jnp.sum(dakk * w.pairs.akk, axis=-1)
+        dq_pairs, dk_pairs, d_later, d_earlier = intra.pairs_backward(
+            c.q, c.k, c.decays.levels, daqk, c.beta[..., None] * dakk)
+
+        # (exp(b) * q) S and (exp(b) * k) S: gradients of the decayed queries and keys.
+        d_decayed = einsum("rhiv,rhkv->rhik", jnp.concatenate([do_n, -dv_n], axis=-2), state)
+        dq_decayed, dk_decayed = d_decayed[..., :C, :], d_decayed[..., C:, :]
+        dk_to_end = einsum("rhjv,rhkv->rhjk", w.delta, dstate)
+        dq_n = dq_pairs + decay * dq_decayed
+        dk_n = dk_pairs + decay * dk_decayed + decay_to_end * dk_to_end
+        dg_n = intra.decays_backward(intra.DecayCotangents(
+            later=d_later, earlier=d_earlier,
+            to_token=(c.q * decay) * dq_decayed + (c.k * decay) * dk_decayed,
+            to_end=key_to_end * dk_to_end,
+            whole=c.decays.whole * jnp.sum(state * dstate, axis=-1)[..., None, :],
+        ))
+
+        dq_n = dq_n * x.scale
+        if x.use_qk_l2norm:
+            dq_n = _l2norm_backward(c.q / x.scale, c.q_norm, dq_n)
+            dk_n = _l2norm_backward(c.k, c.k_norm, dk_n)
+        grads = (put(dq, n, dq_n, C), put(dk, n, dk_n, C), put(dv, n, dv_n, C), put(dg, n, dg_n, C),
+                 put(dbeta, n, dbeta_n, C))
+        dstate = (c.decays.whole[..., 0, :, None] * dstate
+                  + einsum("rhik,rhiv->rhkv", jnp.concatenate([c.q * decay, c.k * decay], axis=-2),
+                           jnp.concatenate([do_n, -dv_n], axis=-2)))
+        return dstate, grads
+
+    grads, dh0 = reverse_sweep(x.layout, dht, jnp.zeros((R, H, K, V), x.dtype), step, grads)
+    return (*grads, dh0)
