@@ -2,7 +2,7 @@
 
 Supported cases start from a *base* call that uses everything the implementation declares,
 then vary one factor at a time (gates, ranks, optional state, head dims, T, packing, strong
-decay, dtype, config sweep). Unsupported cases are the base plus exactly one factor outside
+decay, weak decay in bf16, dtype, config sweep). Unsupported cases are the base plus exactly one factor outside
 the declarations; each must be rejected by the matcher.
 """
 
@@ -40,6 +40,7 @@ class Case:
     ndims: tuple[tuple[str, int], ...] = ()
     seqlens: tuple[int, ...] | None = None
     strong_decay: bool = False
+    weak_decay: bool = False
     config: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
@@ -129,6 +130,7 @@ def grid(impl: Implementation) -> Grid:
         supported.append(dataclasses.replace(base, name=dtype, dtype=dtype))
         if dtype == "bfloat16":
             supported += [dataclasses.replace(case, name=f"bfloat16-{case.name}", dtype=dtype) for case in strong[:1]]
+            supported += _weak_decay_cases(base, base_features, gate_options, gates)
     for overrides in impl.config_sweep:
         label = "config=" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
         config = tuple(sorted(overrides.items()))
@@ -148,6 +150,22 @@ def _strong_decay_cases(base: Case, base_features: frozenset[str], gate_options:
             cases.append(base.with_features(f"strong-{gate}", features, strong_decay=True, seq_len=256, batch=1))
     if not gates:
         cases.append(dataclasses.replace(base, name="strong-g", strong_decay=True, seq_len=256, batch=1))
+    return cases
+
+
+def _weak_decay_cases(base: Case, base_features: frozenset[str], gate_options: list, gates: frozenset[str]) -> list[Case]:
+    """bf16 under a weak decay (g_gamma = -2**-8, or g near -0.003), one head, 8 sequences: the decay gradient sums
+    per-token terms that nearly cancel, so it shows a float32 intermediate rounded to bf16 on its way (a single bf16
+    pass for the state products of the Pallas backward misses dg_gamma's tolerance here)."""
+    cases = []
+    for gate in ("g_gamma", "g"):
+        options = [s for s in gate_options if gate in s]
+        if options:
+            features = (base_features - gates) | min(options, key=len)
+            batch = 1 if "cu_seqlens" in features else 8  # a packed case keeps its sequences, the last resized
+            cases.append(base.with_features(
+                f"bfloat16-weak-{gate}", features, dtype="bfloat16", weak_decay=True, heads=1, batch=batch, seq_len=128,
+            ))
     return cases
 
 

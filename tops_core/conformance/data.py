@@ -2,7 +2,8 @@
 
 ``q, k`` unit-normal times ``K ** -0.5`` (kda: L2-normalised unless the kernel normalises),
 ``v`` unit-normal, ``g = log_sigmoid(normal) / 16``, ``g_gamma`` from ALiBi slopes, and strong
-decays (``g_gamma = -1``; ``g <= -1``) that overflow a naive ``exp`` of the masked triangle.
+decays (``g_gamma = -1``; ``g <= -1``) that overflow a naive ``exp`` of the masked triangle, and
+weak ones (``g_gamma = -2**-8``; ``g`` 16 times weaker than the default) under which the decay gradient cancels.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def forward_inputs(case: Case) -> dict[str, Any]:
         q, k = q * K**-0.5, k * K**-0.5
         if "g" in features:
             g = -1.0 - np.abs(rng.standard_normal((B, T, H))) if case.strong_decay else _log_sigmoid(rng.standard_normal((B, T, H))) / 16
-            inputs["g"] = jnp.asarray(g, gate_dtype)
+            inputs["g"] = jnp.asarray(g / 16 if case.weak_decay else g, gate_dtype)
         if "g_gamma" in features:
-            g_gamma = -np.ones(H) if case.strong_decay else alibi_g_gamma(H)
+            g_gamma = -np.ones(H) if case.strong_decay else np.full(H, -(2.0**-8)) if case.weak_decay else alibi_g_gamma(H)
             inputs["g_gamma"] = jnp.asarray(g_gamma[0] if dict(case.ndims).get("g_gamma") == 0 else g_gamma, gate_dtype)
     else:
         if "use_qk_l2norm" in features:

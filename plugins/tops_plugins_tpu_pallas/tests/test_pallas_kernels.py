@@ -270,3 +270,23 @@ def test_capabilities_reject_what_does_not_fit_vmem():
         assert implementation.reasons(fits, "forward") == []
         assert any("VMEM" in reason for reason in implementation.reasons(too_wide, "forward"))
         assert implementation.reasons(fits, "backward") == []
+
+
+def test_split_operands_keep_about_16_bits_in_two_bf16_passes():
+    # matmul's SPLIT_BFLOAT16: a bf16 input times a float32 intermediate as two native bf16 passes (the
+    # intermediate's high and low bf16 parts); about 2**-16 relative against float64, where one bf16 pass
+    # rounds the intermediate to 2**-8. Two float32 operands take three passes (all but low x low).
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((128, 128)) * np.exp(rng.standard_normal((128, 128))), jnp.float32)
+    want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+
+    def error(operands):
+        got = np.asarray(chunkwise.matmul(a, b, operands), np.float64)
+        return np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
+
+    assert error(chunkwise.SPLIT_BFLOAT16) < 2**-15 < 2**-10 < error(jnp.bfloat16)
+    for operands, passes in (((a, b), 2), ((b, b), 3)):
+        dots = [e for e in jax.make_jaxpr(lambda x, y: chunkwise.matmul(x, y, chunkwise.SPLIT_BFLOAT16))(*operands).eqns if e.primitive.name == "dot_general"]
+        assert len(dots) == passes
+        assert all(x.aval.dtype == jnp.bfloat16 for dot in dots for x in dot.invars)

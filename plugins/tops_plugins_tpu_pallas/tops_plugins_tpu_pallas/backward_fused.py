@@ -102,7 +102,8 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     state = refs["checkpoints"][0]
     refs["states"][0] = state
     for chunk in chunks[:-1]:
-        state = advance_state(state, chunk.read(refs["k"]), chunk.read(refs["v"]), chunk.gates(refs, head, constant))
+        k = chunk.read(refs["k"])
+        state = advance_state(state, k, chunk.read(refs["v"]), chunk.gates(refs, head, constant), gradients.decay_gradient_operands(k.dtype))
         refs["states"][chunk.index + 1] = state
 
     dstate = refs["dstate"][...]

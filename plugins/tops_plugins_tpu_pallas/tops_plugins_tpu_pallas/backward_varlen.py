@@ -139,7 +139,8 @@ def _advance(refs: dict, states: varlen.SequenceStates, chunk, number, state, he
     log = chunk.log_decays(refs, head)
     piece = varlen.Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * chunk.rows.size, log)
     entering = jnp.where(piece.continuing, state, states.load("initial_state", "loaded", piece.sequence, ~piece.continuing))
-    return advance_state(entering, chunk.read(refs["k"]), chunk.read(refs["v"]), piece)
+    k = chunk.read(refs["k"])
+    return advance_state(entering, k, chunk.read(refs["v"]), piece, gradients.decay_gradient_operands(k.dtype))
 
 
 def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):

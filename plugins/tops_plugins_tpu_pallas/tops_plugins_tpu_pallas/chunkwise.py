@@ -17,6 +17,8 @@ last chunk that lie past the end of the sequence are zeroed with ``where`` as th
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,7 @@ _COLUMNS_BY_COLUMNS = ((0,), (0,))  # a.T @ b
 
 
 def mxu_operand_dtype(input_dtype) -> jnp.dtype:
-    """The dtype the float32 intermediates (attention matrix, state, decayed keys) take into the MXU.
+    """The dtype the float32 intermediates (attention matrix, state, decayed keys) take into the forward's MXU products.
 
     bf16 inputs: bf16, as flash-linear-attention does: one MXU pass per matmul, float32
     accumulation. float32 inputs: float32 at HIGHEST precision, or the float32 tolerance (docs/ops.md) would
@@ -41,12 +43,40 @@ def mxu_operand_dtype(input_dtype) -> jnp.dtype:
     return jnp.dtype(input_dtype)
 
 
+SPLIT_BFLOAT16 = "bfloat16 high + low"
+"""``matmul``'s operands for a product of a bf16 input and a float32 intermediate that must keep ~16 bits:
+the float32 operand splits into two bf16 parts (``bf16_parts``), two native passes instead of six at HIGHEST."""
+
+
+def bf16_parts(x: jax.Array, count: int) -> list[jax.Array]:
+    """``x`` (float32) as ``count`` float32 arrays that sum to it exactly, each but the last exact in bf16.
+
+    Each part is the bf16 rounding of what the previous ones leave, the last part the rest: 8 more
+    bits of the significand per part, so three parts hold all 24 exactly and two hold about 16.
+    """
+    parts, rest = [], x
+    for _ in range(count - 1):
+        part = rest.astype(jnp.bfloat16).astype(_F32)
+        parts.append(part)
+        rest = rest - part
+    return [*parts, rest]
+
+
 def matmul(a: jax.Array, b: jax.Array, operands, contracting=_ROWS_BY_COLUMNS) -> jax.Array:
-    """A float32-accumulating matmul whose operands are rounded to ``operands`` (a dtype) for the MXU.
+    """A float32-accumulating matmul whose operands are rounded to ``operands`` (a dtype, or ``SPLIT_BFLOAT16``) for the MXU.
 
     A bf16 x bf16 product is exact in float32, so bf16 operands need one native pass. float32
-    operands ask for HIGHEST precision: at the default a TPU rounds them to bf16.
+    operands ask for HIGHEST precision: at the default a TPU rounds them to bf16. ``SPLIT_BFLOAT16``
+    splits each float32 operand into a high and a low bf16 part and sums the products of the parts
+    but low x low (2 passes with one float32 operand, 3 with two); a bf16 operand goes in whole.
     """
+    if isinstance(operands, str) and operands == SPLIT_BFLOAT16:
+        a_parts, b_parts = (bf16_parts(x, 2) if x.dtype == _F32 else [x] for x in (a, b))
+        products = [
+            matmul(a_part, b_part, jnp.bfloat16, contracting)
+            for i, a_part in enumerate(a_parts) for j, b_part in enumerate(b_parts) if i + j < 2
+        ]
+        return functools.reduce(operator.add, products)
     operands = jnp.dtype(operands)
     precision = lax.Precision.HIGHEST if operands == _F32 else lax.Precision.DEFAULT
     return lax.dot_general(
@@ -75,9 +105,7 @@ def cumulative_sum(g: jax.Array) -> jax.Array:
     was most of a gated chunk's MXU pushes.
     """
     size = g.shape[0]
-    high = g.astype(jnp.bfloat16).astype(_F32)
-    middle = (g - high).astype(jnp.bfloat16).astype(_F32)
-    low = g - high - middle
+    high, middle, low = bf16_parts(g, 3)
     lanes = lax.broadcasted_iota(jnp.int32, (size, LANES), 1)
     parts = jnp.where(lanes == 0, high, jnp.where(lanes == 1, middle, jnp.where(lanes == 2, low, 0.0)))
     rows, cols = _row_and_column_iotas(size)
@@ -156,10 +184,12 @@ def chunk_output(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, gat
     return scale * (matmul(attention, v, operands) + from_state)
 
 
-def advance_state(state: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGates) -> jax.Array:
-    """The state leaving the chunk, float32 ``(K_pad, value block)``."""
+def advance_state(state: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGates, operands=None) -> jax.Array:
+    """The state leaving the chunk, float32 ``(K_pad, value block)``; the decayed keys go into the MXU as
+    ``operands`` (``matmul``'s; None: the forward's ``mxu_operand_dtype``)."""
     weighted_keys = k.astype(_F32) * gates.key
-    return state * gates.chunk + matmul(weighted_keys, v, mxu_operand_dtype(k.dtype), _COLUMNS_BY_COLUMNS)
+    operands = mxu_operand_dtype(k.dtype) if operands is None else operands
+    return state * gates.chunk + matmul(weighted_keys, v, operands, _COLUMNS_BY_COLUMNS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ from tops_core.ops.simple_gla import SimpleGLAGrads
 
 from tops_plugins_tpu_pallas import blocks
 from tops_plugins_tpu_pallas.chunkwise import (
-    ChunkGates, Work, advance_state, advance_state_work, constant_gates, gate_computations, gates_work, matmul,
+    SPLIT_BFLOAT16, ChunkGates, Work, advance_state, advance_state_work, constant_gates, gate_computations, gates_work, matmul,
     mxu_operand_dtype, start_sequence, step_chunks,
 )
 from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan, Scratch
@@ -180,7 +180,8 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
     for chunk in step_chunks(geometry, step):
         if every_chunk:
             refs["checkpoints"][chunk.index] = state
-        state = advance_state(state, chunk.read(refs["k"]), chunk.read(refs["v"]), chunk.gates(refs, head, constant))
+        k = chunk.read(refs["k"])
+        state = advance_state(state, k, chunk.read(refs["v"]), chunk.gates(refs, head, constant), decay_gradient_operands(k.dtype))
     refs["state"][...] = state
 
 
@@ -209,6 +210,18 @@ def finish_state_gradient(refs: dict, step, geometry: Geometry) -> None:
 # -- one chunk --------------------------------------------------------------------------------------
 
 
+def decay_gradient_operands(input_dtype):
+    """``matmul``'s operands for the products ``dg`` is built from: states, ``dS``, decayed queries and keys, the pairs' sums.
+
+    ``dg_gamma`` sums every token's ``dg``, terms that nearly cancel under a weak decay, so one bf16
+    rounding of a float32 operand (8 bits) costs it 0.2 relative on README.md's weak-decay case.
+    bf16 inputs are exact in bf16, so splitting the float32 operand alone into two bf16 parts
+    (``SPLIT_BFLOAT16``) keeps about 16 bits in two native passes. float32 inputs: ``mxu_operand_dtype``.
+    """
+    return SPLIT_BFLOAT16 if jnp.dtype(input_dtype) == jnp.bfloat16 else mxu_operand_dtype(input_dtype)
+
+
+
 def attention(decays, q, k) -> jax.Array:
     """The forward's masked, decayed ``(C, C)`` scores ``D_ij (q_i . k_j)`` (unscaled, float32); ``decays`` is ``D``."""
     return matmul(q, k, mxu_operand_dtype(q.dtype), _ROWS_BY_ROWS) * decays
@@ -231,12 +244,12 @@ def state_value_gradient(gates: ChunkGates, k, dstate) -> jax.Array:
 
 def state_reads(gates: ChunkGates, do, entering) -> jax.Array:
     """``(C, K)``: ``exp(b_i) do_i S^T``, what the rows' reading of the entering state adds to ``dq`` (before ``scale``)."""
-    return gates.query * matmul(do, entering, mxu_operand_dtype(do.dtype), _ROWS_BY_ROWS)
+    return gates.query * matmul(do, entering, decay_gradient_operands(do.dtype), _ROWS_BY_ROWS)
 
 
 def state_writes(gates: ChunkGates, v, dstate) -> jax.Array:
     """``(C, K)``: ``exp(b_C - b_j) v_j dS^T``, what the rows' writing into the leaving state adds to ``dk``."""
-    return gates.key * matmul(v, dstate, mxu_operand_dtype(v.dtype), _ROWS_BY_ROWS)
+    return gates.key * matmul(v, dstate, decay_gradient_operands(v.dtype), _ROWS_BY_ROWS)
 
 
 def query_key_gradients(
@@ -279,8 +292,8 @@ def query_key_gradients_of(
         piece_start, piece_end = pieces
         later, earlier = later & (tokens >= piece_start), earlier & (tokens < piece_end)
     pairs = scale * attention * output_by_value  # (i, j); 0 between pieces, where decays is 0
-    # (i, t): sum over j < t of pairs; then over i >= t. A 0/1 matrix in float32 keeps every term exact.
-    keys_before = matmul(pairs, (rows < tokens).astype(_F32), _F32)
+    # (i, t): sum over j < t of pairs; then over i >= t. The 0/1 matrix is exact in bf16.
+    keys_before = matmul(pairs, (rows < tokens).astype(jnp.bfloat16), decay_gradient_operands(q.dtype))
     within = jnp.sum(jnp.where(rows >= tokens, keys_before, 0.0), axis=0, keepdims=True)
     query_reads_state = scale * jnp.sum(q.astype(_F32) * reads, axis=1, keepdims=True)  # (C, 1), i
     key_reaches_end = jnp.sum(k.astype(_F32) * writes, axis=1, keepdims=True)  # (C, 1), j
@@ -292,7 +305,7 @@ def query_key_gradients_of(
 def state_gradient_entering(gates: ChunkGates, q, do, dstate, scale: float) -> jax.Array:
     """The gradient of the state entering the chunk, from the one leaving it."""
     decayed_queries = q.astype(_F32) * gates.query
-    return gates.chunk * dstate + scale * matmul(decayed_queries, do, mxu_operand_dtype(q.dtype), _COLUMNS_BY_COLUMNS)
+    return gates.chunk * dstate + scale * matmul(decayed_queries, do, decay_gradient_operands(q.dtype), _COLUMNS_BY_COLUMNS)
 
 
 # -- work, counted op by op from the functions above -----------------------------------------------
