@@ -112,12 +112,14 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     finish_sequence(refs, step, geometry)
 
 
-def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config: FusedConfig, scalars=None):
+def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config: FusedConfig, operands=None):
     """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
 
     ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (``plans``'s
-    signature) describes, at the geometry that fits VMEM; ``scalars`` are operands beyond the
-    layout's (``kernel_operands``). Returns ``o`` and, when asked for, ``final_state`` as the
+    signature) describes, at the geometry that fits VMEM; ``operands`` are arrays beyond the
+    layout's (``kernel_operands``), or in place of one of them of the same name (kda's ``g``, laid
+    out as ``k``). ``config``: ``FusedConfig`` or any config with its ``chunk_size``, ``num_steps``,
+    ``full_values`` and ``interpret``. Returns ``o`` and, when asked for, ``final_state`` as the
     caller lays them out.
     """
     B, T, H, K = q.shape
@@ -130,8 +132,8 @@ def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, ou
     (plan,) = build_plans(geometry, q.dtype, **inputs)
     traffic.check_vmem(plan)
     body = functools.partial(kernel, plan=plan, geometry=geometry, scale=scale)
-    operands = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(scalars or {})}
-    results = plan.call(body, operands, config.interpret, traffic.cost_estimate(plan))
+    arrays = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(operands or {})}
+    results = plan.call(body, arrays, config.interpret, traffic.cost_estimate(plan))
     final_state = caller_state(results["final_state"], geometry) if output_final_state else None
     return caller_output(results["o"], geometry), final_state
 

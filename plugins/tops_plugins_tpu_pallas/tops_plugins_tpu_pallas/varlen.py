@@ -266,7 +266,7 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     o, final_state = fused.launch(
         _kernel, functools.partial(plans, num_seqs=num_seqs), q, k, v, g=g, g_gamma=g_gamma, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, config=config,
-        scalars=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size),
+        operands=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size),
     )
     if output_final_state:
         # The kernel writes the final state of every sequence that covers a token; an empty one ends where it starts.
