@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, traffic
 from tops_plugins_tpu_pallas.chunkwise import (
-    advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
+    Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
     constant_gates, finish_sequence, gate_computations, gates_work, start_sequence, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
@@ -82,18 +82,24 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
     gated = gate_dtype is not None
     work = (chunk_output_work(geometry) + advance_state_work(geometry)) * chunks_of_the_grid(geometry) + gates_work(geometry, gated) * gate_computations(geometry, gated)
-    return (LaunchPlan(
-        name="simple_gla_fused",
+    return (grid_plan("simple_gla_fused", geometry, (blocks.decay(geometry),), inputs, outputs, work, chunk_body_vmem(geometry)),)
+
+
+def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Work, body_vmem: int, scratch=None) -> LaunchPlan:
+    """A forward's plan on the fused grid: (batch, head, value block) parallel, time sequential, the running
+    state in VMEM scratch (``scratch``: the whole scratch, when a kernel needs more than that)."""
+    return LaunchPlan(
+        name=name,
         grid=blocks.grid(geometry),
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=(blocks.decay(geometry),),
+        scalars=tuple(scalars),
         inputs=tuple(inputs),
         outputs=tuple(outputs),
-        scratch=(blocks.running_state(geometry),),
-        body_vmem=chunk_body_vmem(geometry),
+        scratch=(blocks.running_state(geometry),) if scratch is None else tuple(scratch),
+        body_vmem=body_vmem,
         flops=work.flops,
         transcendentals=work.transcendentals,
-    ),)
+    )
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):

@@ -98,18 +98,7 @@ def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_
     gated = gate_dtype is not None
     work = (chunk_output_work(g) + advance_state_work(g) + segment_exps) * chunks_of_the_grid(g)
     work = work + gates_work(g, gated) * gate_computations(g, gated) + extra_segment * (g.heads * g.value_tiles * (num_seqs - 1))
-    return (LaunchPlan(
-        name="simple_gla_varlen",
-        grid=blocks.grid(g),
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=(blocks.decay(g), *boundaries(g, num_seqs)),
-        inputs=tuple(inputs),
-        outputs=tuple(outputs),
-        scratch=tuple(scratch),
-        body_vmem=chunk_body_vmem(g),
-        flops=work.flops,
-        transcendentals=work.transcendentals,
-    ),)
+    return (fused.grid_plan("simple_gla_varlen", g, (blocks.decay(g), *boundaries(g, num_seqs)), inputs, outputs, work, chunk_body_vmem(g), scratch),)
 
 
 def fitted_plans(geometry: Geometry, dtype, num_seqs: int, **inputs) -> tuple[LaunchPlan]:

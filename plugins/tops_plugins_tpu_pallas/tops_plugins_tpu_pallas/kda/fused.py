@@ -85,18 +85,7 @@ def plans(
     if output_final_state:
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
     work = chunk_work(geometry, use_qk_l2norm) * chunks_of_the_grid(geometry)
-    return (LaunchPlan(
-        name="kda_fused",
-        grid=blocks.grid(geometry),
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=(),
-        inputs=tuple(inputs),
-        outputs=tuple(outputs),
-        scratch=(blocks.running_state(geometry),),
-        body_vmem=chunk_body_vmem(geometry),
-        flops=work.flops,
-        transcendentals=work.transcendentals,
-    ),)
+    return (fused.grid_plan("kda_fused", geometry, (), inputs, outputs, work, chunk_body_vmem(geometry)),)
 
 
 def fitted_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
