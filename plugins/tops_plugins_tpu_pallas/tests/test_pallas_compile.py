@@ -287,8 +287,10 @@ def test_kda_forward_compiles_to_the_mosaic_kernel(worker, call):
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 
 
-# xla.chunk's KDA backward takes tens of seconds to compile for TPU: the default run compiles one gradient.
-@pytest.mark.parametrize("call", [KDA_GRADIENTS[1]] + [pytest.param(c, marks=pytest.mark.slow) for c in KDA_GRADIENTS[:1] + KDA_GRADIENTS[2:]], ids=_kda_label)
+# xla.chunk's KDA backward takes tens of seconds to compile for TPU: only the slow run compiles the gradients
+# (the default run checks the pairing through explain, test_pallas_kda.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("call", KDA_GRADIENTS, ids=_kda_label)
 def test_kda_gradient_compiles_the_kernel_and_xla_chunks_backward(worker, call):
     # Forward-only: the dispatcher pairs it with xla.chunk's KDA backward, in the same TPU program.
     facts = compile_call(worker, _kda_call(call), gradient=True)

@@ -2,7 +2,7 @@
 
 Per key ``d``, ``b[i, d] = g[1, d] + ... + g[i, d]`` is token ``i``'s cumulative log decay inside
 the chunk. With ``q`` normalised when asked and times ``scale``, and ``S`` the float32 state
-entering the chunk (``K x value tile``), the delta rule's writes ``delta`` solve a unit
+entering the chunk (``K x value block``), the delta rule's writes ``delta`` solve a unit
 lower-triangular system (the derivation is xla.chunk's, in the xla plugin)::
 
     Akk[i, j] = sum_d k[i, d] k[j, d] exp(b[i, d] - b[j, d])              (j <  i)
@@ -136,7 +136,7 @@ def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands)
 
 
 def chunk_step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool):
-    """``(o, S_out)`` of one chunk: ``o`` float32 ``(C, value tile)``, the state float32 ``(K_pad, value tile)``.
+    """``(o, S_out)`` of one chunk: ``o`` float32 ``(C, value block)``, the state float32 ``(K_pad, value block)``.
 
     ``q``, ``k``, ``v`` in the input dtype, ``g`` ``(C, K_pad)`` and ``beta`` ``(C, 1)`` float32,
     every row past the end of the sequence already zero (no decay, no write).
