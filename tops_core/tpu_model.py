@@ -29,7 +29,7 @@ its kernels modelled the same way), against the backward's floor, which reads ``
 ``do`` and writes ``dq``, ``dk``, ``dv`` once (any other gradient, and recomputing the forward's
 states, is above it).
 
-The floor time reads ``q``, ``k``, ``v`` and writes ``o`` once at HBM bandwidth. The per-generation
+The floor time reads ``q``, ``k``, ``v`` (kda: and ``g``, ``beta``) and writes ``o`` once at HBM bandwidth. The per-generation
 constants (bandwidth, peak, clock, MXUs, VLIW slots) and their sources are in
 ``tpu_generations``. Not modelled: stalls (a DMA that is late, an MXU result not ready when
 popped), the pipeline's first and last steps beyond their bundles, and anything XLA overlaps across
@@ -53,6 +53,7 @@ from tops_core.conformance import data
 from tops_core.conformance.cases import Case
 from tops_core.conformance.checks import REFERENCE
 from tops_core.ops import op
+from tops_core.ops.base import state_dtype
 from tops_core.tpu_generations import GENERATIONS, TpuGeneration
 
 LIMITS = ("HBM", "issue", "MXU")
@@ -139,9 +140,17 @@ class TpuModel:
 
     @property
     def floor_bytes(self) -> int:
-        """Read q, k, v and write o once: ``B*T*H*(2K + 2V)`` elements."""
+        """Read q, k, v and write o once: ``B*T*H*(2K + 2V)`` elements; kda also reads g and beta (``K + 1`` gate-dtype elements)."""
         case = self.workload
-        return self.tokens * (2 * case.key_dim + 2 * case.value_dim) * jnp.dtype(case.dtype).itemsize
+        floor = self.tokens * (2 * case.key_dim + 2 * case.value_dim) * jnp.dtype(case.dtype).itemsize
+        if case.op == "kda":
+            floor += self.tokens * (case.key_dim + 1) * state_dtype(case.dtype).itemsize
+        return floor
+
+    @property
+    def floor_reads(self) -> str:
+        """What the floor reads, for the section's text."""
+        return "q, k, v, g, beta" if self.workload.op == "kda" else "q, k, v"
 
     @property
     def cores(self) -> int:
@@ -351,7 +360,7 @@ def format_model(model: TpuModel) -> str:
             lines += [*_table(backwards), ""]
     per_core = " per TensorCore" if model.share < 1 else ""
     lines += [
-        f"Floor (read q, k, v and write o once): {floor / tokens:.0f} B/token, {_time(model.floor_seconds)} at "
+        f"Floor (read {model.floor_reads} and write o once): {floor / tokens:.0f} B/token, {_time(model.floor_seconds)} at "
         f"{model.bandwidth / 1e9:.0f} GB/s{per_core}; (x) is against it.",
         f"Per kernel: HBM = its declared bytes / bandwidth; issue = the cycles its scheduled VLIW bundles issue / "
         f"{tpu.clock_hz / 1e9:.2f} GHz; MXU = the rows its pushes stream x {tpu.mxu_row_flops()} flops ({tpu.mxu}x{tpu.mxu} MXU) / "

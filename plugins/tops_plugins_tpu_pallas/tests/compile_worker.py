@@ -5,8 +5,8 @@ environment, so libtpu's start-up stays out of the test process. It reads one JS
 line on stdin and answers each with one JSON line on stdout: the facts of the compiled program
 (``tops_core.compile_only.ProgramFacts``), or the error.
 
-Requests: ``{"call": {...}}`` compiles the forward of one call (packed with traced
-``cu_seqlens`` when it names ``num_seqs``), or with ``"gradient": true`` the
+Requests: ``{"call": {...}}`` compiles the forward of one call (simple_gla, packed with traced
+``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"``), or with ``"gradient": true`` the
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
 text of ``tops bench``'s modelled TPU section.
@@ -26,6 +26,7 @@ from tops_core import compile_only, tpu_model
 from tops_core.bench import workload
 
 sg = tops_core.op("simple_gla")
+kda = tops_core.op("kda")
 
 
 def _arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
@@ -45,7 +46,27 @@ def _arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
     return arrays
 
 
+def _kda_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
+    B, T, H, K, V = (call[name] for name in ("B", "T", "H", "K", "V"))
+    dtype = jnp.dtype(call["dtype"])
+    arrays = {
+        "q": jax.ShapeDtypeStruct((B, T, H, K), dtype), "k": jax.ShapeDtypeStruct((B, T, H, K), dtype),
+        "v": jax.ShapeDtypeStruct((B, T, H, V), dtype), "g": jax.ShapeDtypeStruct((B, T, H, K), jnp.float32),
+        "beta": jax.ShapeDtypeStruct((B, T, H), jnp.float32),
+    }
+    if call["initial_state"]:
+        arrays["initial_state"] = jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)
+    return arrays
+
+
 def _forward(call: dict):
+    if call.get("op") == "kda":
+        def forward(arrays):
+            return kda.forward(**arrays, output_final_state=call["final_state"], use_qk_l2norm=call["use_qk_l2norm"],
+                               implementation=f"tpu_pallas.{call['kernel']}")
+
+        return forward
+
     def forward(arrays):
         return sg.forward(**arrays, output_final_state=call["final_state"], implementation=f"tpu_pallas.{call['kernel']}")
 
@@ -65,7 +86,8 @@ def _loss(call: dict):
 
 def compile_call(call: dict) -> compile_only.ProgramFacts:
     function = jax.value_and_grad(_loss(call), allow_int=True) if call.get("gradient") else _forward(call)  # cu_seqlens: int
-    return compile_only.ProgramFacts.of(compile_only.compile_for(call["generation"], function, _arrays(call)))
+    arrays = _kda_arrays(call) if call.get("op") == "kda" else _arrays(call)
+    return compile_only.ProgramFacts.of(compile_only.compile_for(call["generation"], function, arrays))
 
 
 def compile_layer(call: dict) -> compile_only.ProgramFacts:

@@ -121,3 +121,49 @@ def alibi_layers():
         return np.concatenate([alibi_g_gamma(heads_per_layer, layer, layers) for layer in range(layers)])
 
     return decays
+
+
+@pytest.fixture(scope="session")
+def make_kda_inputs():
+    """``make(B, T, H, K, V, dtype, gate=None, initial_state=True, normalised=True, seed=0)`` -> kda's inputs.
+
+    docs/ops.md's kda test data: q, k L2-normalised (unit-normal when ``normalised`` is false),
+    ``g = log_sigmoid(normal) / 16`` (or the constant log decay ``gate``), ``beta = sigmoid(normal)``;
+    q, k, v in ``dtype``, the rest float32.
+    """
+
+    def make(B, T, H, K, V, dtype, *, gate=None, initial_state=True, normalised=True, seed=0):
+        rng = np.random.default_rng(seed)
+        q, k = rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, K))
+        if normalised:
+            q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+        g = np.full((B, T, H, K), gate) if gate is not None else -np.logaddexp(0.0, -rng.standard_normal((B, T, H, K))) / 16
+        inputs = dict(
+            q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(rng.standard_normal((B, T, H, V)), dtype),
+            g=jnp.asarray(g, jnp.float32), beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((B, T, H)))), jnp.float32),
+        )
+        if initial_state:
+            inputs["initial_state"] = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
+        return inputs
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def kda_reference():
+    """``reference(inputs, use_qk_l2norm)`` -> float64 ``(o, final_state)`` of kda from ``ref.recurrent`` (x64 as in ``reference``)."""
+    pytest.importorskip("tops_plugins_ref")
+
+    def run(inputs, use_qk_l2norm=False):
+        previous = jax.config.jax_enable_x64
+        jax.config.update("jax_enable_x64", True)
+        try:
+            args = {n: jnp.asarray(np.asarray(x, np.float64)) for n, x in inputs.items()}
+            o, final_state = tops_core.op("kda").forward(
+                **args, output_final_state=True, use_qk_l2norm=use_qk_l2norm, implementation="ref.recurrent"
+            )
+            return np.asarray(o), np.asarray(final_state)
+        finally:
+            jax.config.update("jax_enable_x64", previous)
+
+    return run

@@ -237,3 +237,72 @@ def test_varlen_gradient_compiles_to_its_own_backward(worker, call):
     assert facts["kernels"] == 1 + 2
     assert facts["implementations"] == ["tpu_pallas.varlen.backward", "tpu_pallas.varlen.forward"]
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
+
+
+# -- kda: tpu_pallas.fused -------------------------------------------------------------------------
+
+KDA_FACTORS = {
+    "generation": ("v4", "v5e", "v5p", "v6e"),
+    "T": (1, 65, 1000),
+    "K": (32, 128, 200),
+    "V": (100, 128, 256),
+    "dtype": ("bfloat16", "float32"),
+    "initial_state": (False, True),
+    "final_state": (False, True),
+    "use_qk_l2norm": (False, True),
+}
+KDA_DESIGN = covering_design(KDA_FACTORS)
+# One gradient per generation; together they take every value of every factor.
+KDA_GRADIENTS = (
+    dict(generation="v4", T=1000, K=200, V=256, dtype="bfloat16", initial_state=True, final_state=True, use_qk_l2norm=True),
+    dict(generation="v5e", T=65, K=128, V=100, dtype="float32", initial_state=False, final_state=False, use_qk_l2norm=False),
+    dict(generation="v5p", T=1, K=32, V=128, dtype="bfloat16", initial_state=True, final_state=False, use_qk_l2norm=True),
+    dict(generation="v6e", T=1000, K=128, V=128, dtype="float32", initial_state=False, final_state=True, use_qk_l2norm=False),
+)
+
+
+def _kda_call(call: dict) -> dict:
+    return {**call, "op": "kda", "kernel": "fused"}
+
+
+def _kda_label(call: dict) -> str:
+    features = [name for name in ("initial_state", "final_state", "use_qk_l2norm") if call[name]]
+    return f"kda-{call['generation']}-T{call['T']}-K{call['K']}-V{call['V']}-{call['dtype']}-{'+'.join(features) or 'plain'}"
+
+
+def test_the_kda_design_covers_every_pair_and_the_gradients_every_value():
+    names = list(KDA_FACTORS)
+    for a, b in itertools.combinations(names, 2):
+        assert {(row[a], row[b]) for row in KDA_DESIGN} == set(itertools.product(KDA_FACTORS[a], KDA_FACTORS[b])), (a, b)
+    for name, values in KDA_FACTORS.items():
+        assert {row[name] for row in KDA_GRADIENTS} == set(values), name
+    assert len(KDA_DESIGN) <= 14
+
+
+@pytest.mark.parametrize("call", KDA_DESIGN, ids=_kda_label)
+def test_kda_forward_compiles_to_the_mosaic_kernel(worker, call):
+    facts = compile_call(worker, _kda_call(call))
+    assert facts["kernels"] == 1
+    assert facts["implementations"] == ["tpu_pallas.fused.forward"]
+    assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
+
+
+# xla.chunk's KDA backward takes tens of seconds to compile for TPU: only the slow run compiles the gradients
+# (the default run checks the pairing through explain, test_pallas_kda.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("call", KDA_GRADIENTS, ids=_kda_label)
+def test_kda_gradient_compiles_the_kernel_and_xla_chunks_backward(worker, call):
+    # Forward-only: the dispatcher pairs it with xla.chunk's KDA backward, in the same TPU program.
+    facts = compile_call(worker, _kda_call(call), gradient=True)
+    assert facts["kernels"] == 1
+    assert facts["implementations"] == ["tpu_pallas.fused.forward", "xla.chunk.backward"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", KDA_FACTORS["generation"])
+def test_kda_forward_compiles_over_the_full_sweep(worker, generation):
+    cycle = itertools.cycle(itertools.product((False, True), repeat=3))
+    for T, K, V, dtype in itertools.product(KDA_FACTORS["T"], KDA_FACTORS["K"], KDA_FACTORS["V"], KDA_FACTORS["dtype"]):
+        initial_state, final_state, use_qk_l2norm = next(cycle)
+        call = dict(generation=generation, T=T, K=K, V=V, dtype=dtype, initial_state=initial_state, final_state=final_state, use_qk_l2norm=use_qk_l2norm)
+        assert compile_call(worker, _kda_call(call))["kernels"] == 1, _kda_label(call)

@@ -1,4 +1,4 @@
-"""The kernels, forward and backward, under Pallas' faithful TPU interpreter, against the float64 reference (slow).
+"""The kernels, forward and backward (kda's fused: forward), under Pallas' faithful TPU interpreter, against the float64 reference (slow).
 
 ``pltpu.InterpretParams`` simulates what the fast interpreter hides: uninitialised VMEM and
 outputs full of NaN, two cores sharing the parallel grid axes, the order of parallel grid points
@@ -200,3 +200,35 @@ def test_faithful_interpreter_gradients_match_reference_packed(case, race_report
     for name, want in reference_gradients({**ref_inputs, "cu_seqlens": cu_seqlens}, do, dht).items():
         measurement = measure(f"d{name}", grads[name], want, tolerance(jnp.dtype(dtype).name, gradient=True))
         assert measurement.passed, measurement.describe()
+
+
+# kda's fused kernel (forward only): B, T, H, K, V, dtype, make_kda_inputs options, use_qk_l2norm,
+# config. Every case is ragged and has several (batch, head, value block) points, so the two
+# simulated cores share them in a random order: a state carried over from another grid point would show.
+KDA_CASES = {
+    "in-place-f32-h0-two-chunks-per-step-ragged": ((2, 250, 2, 128, 128), jnp.float32, {}, False, dict(chunk_size=64, num_steps=2)),
+    "lane-padded-bf16-l2norm-two-value-tiles-ragged": ((1, 100, 2, 100, 200), jnp.bfloat16, dict(normalised=False), True, dict(full_values=False, num_steps=1)),
+    "f32-g=-10-C128-ragged": ((2, 200, 1, 64, 64), jnp.float32, dict(gate=-10.0), False, dict(chunk_size=128, num_steps=4)),
+    "default-config-bf16-h0-ragged": ((1, 300, 2, 128, 128), jnp.bfloat16, {}, False, {}),
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case", list(KDA_CASES))
+def test_kda_faithful_interpreter_matches_reference(case, seed, race_reports, make_kda_inputs, kda_reference, assert_matches):
+    shape, dtype, given, use_qk_l2norm, config = KDA_CASES[case]
+    inputs = make_kda_inputs(*shape, dtype, seed=seed, **given)
+
+    def call(inputs):
+        with tops_core.use(interpret=True, strict=True):
+            return tops_core.op("kda").forward(
+                **inputs, output_final_state=True, use_qk_l2norm=use_qk_l2norm,
+                implementation=("tpu_pallas.fused", {**config, "interpret": faithful(seed)}),
+            )
+
+    o, final_state = jax.block_until_ready(jax.jit(call)(inputs))
+    assert len(race_reports) == 1
+    assert not any(report.races_found for report in race_reports)
+    o_ref, final_ref = kda_reference(inputs, use_qk_l2norm)
+    assert_matches("o", o, o_ref, dtype)
+    assert_matches("final_state", final_state, final_ref, dtype)

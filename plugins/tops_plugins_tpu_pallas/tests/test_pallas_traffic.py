@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 import tops_core
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, traffic, varlen
+from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, kda, traffic, varlen
 from tops_plugins_tpu_pallas.launch import Blocked, DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -236,3 +236,19 @@ def test_varlen_backward_moves_what_the_fused_backward_moves_whatever_the_number
         backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H,
     )
     assert stateful.kernel_bytes - packed.kernel_bytes == (1 + 2 + 1 + 1) * num_seqs * H * 128 * 128 * 4
+
+
+@pytest.mark.parametrize("chunk_size", [64, 128])
+def test_kda_fused_is_within_five_percent_of_the_floor_at_the_benchmark_shape(chunk_size):
+    # bf16 q, k, v and float32 g, beta: the floor reads q, k, v, g, beta and writes o once,
+    # 3 * 128 * 2 + 128 * 4 + 4 + 128 * 2 = 1540 B per token and head. The kernel reads every
+    # operand once, but beta's full-width (rows, H) block once per head: 4 * H bytes, not 4.
+    config = kda.fused.KdaFusedConfig(chunk_size=chunk_size)
+    (plan,) = kda.fused.fitted_plans(kda.fused.geometry_of(*BENCHMARK, config), jnp.bfloat16, use_qk_l2norm=True)
+    assert plan.grid == (8, 16, 1, 4096 // (8 * chunk_size))  # all of V per block, 8 chunks per step: VMEM is not short
+    f = traffic.figures([plan], TOKENS)
+    floor = 3 * 128 * 2 + 128 * 4 + 4 + 128 * 2
+    assert f.kernel_bytes == TOKENS * (floor - 4 + 4 * 16)
+    assert f.relayout_bytes == 0
+    assert f.end_to_end_per_token <= 1.05 * floor
+    assert f.peak_vmem <= traffic.VMEM_BUDGET

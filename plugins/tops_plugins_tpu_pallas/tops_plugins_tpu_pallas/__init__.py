@@ -1,15 +1,17 @@
 """Pallas TPU kernels for the tops ops: ``tpu_pallas.fused``, ``tpu_pallas.chunk`` and, for packed
-sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla).
+sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla); ``tpu_pallas.fused`` for kda (``kda/``).
 
-Each has its own backward (``backward_fused``, ``backward_split``, ``backward_varlen``). All run
-natively on TPU and, with interpret mode on, in Pallas' TPU interpreter anywhere else.
+Each simple_gla kernel has its own backward (``backward_fused``, ``backward_split``,
+``backward_varlen``); kda's is forward-only, and the dispatcher pairs it with another
+implementation's backward. All run natively on TPU and, with interpret mode on, in Pallas' TPU
+interpreter anywhere else.
 """
 
 
 import jax
 import tops_core
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, traffic, varlen
+from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, kda, traffic, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 
 TOPS_CORE_API_VERSION = 1
@@ -161,9 +163,30 @@ VARLEN = tops_core.Implementation(
 )
 
 
+KDA_FUSED_CONFIG = kda.fused.KdaFusedConfig()
+
+KDA_FUSED = tops_core.Implementation(
+    op="kda",
+    name="fused",
+    forward=kda.fused.forward,
+    capabilities=tops_core.Capabilities(
+        platforms={"tpu"},
+        interpretable=True,
+        dtypes={"bfloat16", "float32"},
+        # No cu_seqlens yet: the matcher rejects packed calls with that reason.
+        features={"initial_state", "output_final_state", "use_qk_l2norm"},
+        predicate=_fits_vmem(KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.fitted_plans)),
+    ),
+    priority={"tpu": 200},
+    config=KDA_FUSED_CONFIG,
+    description="one pallas_call: state in VMEM along a sequential time axis, exact per-chunk inverse; forward only",
+)
+
+
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register the simple_gla kernels, each with its own backward."""
+    """Register the simple_gla kernels, each with its own backward, and kda's forward."""
     register(FUSED)
     register(CHUNK)
     register(VARLEN)
+    register(KDA_FUSED)

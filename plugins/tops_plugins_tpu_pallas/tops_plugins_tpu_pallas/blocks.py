@@ -66,10 +66,15 @@ def value_rows(name: str, geometry: Geometry, dtype) -> Blocked:
     )
 
 
-def gates(geometry: Geometry, dtype) -> Blocked:
-    """Per-token ``g`` ``[B, T, H]``: rows of one step, every head (the kernel picks its column)."""
+def per_head(name: str, geometry: Geometry, dtype) -> Blocked:
+    """One number per token and head ``[B, T, H]``: rows of one step, every head (the kernel picks its column)."""
     g = geometry
-    return Blocked("g", (g.batch, g.seq_len, g.heads), dtype, (None, g.rows_per_step, g.heads), _all_columns)
+    return Blocked(name, (g.batch, g.seq_len, g.heads), dtype, (None, g.rows_per_step, g.heads), _all_columns)
+
+
+def gates(geometry: Geometry, dtype) -> Blocked:
+    """simple_gla's per-token ``g`` ``[B, T, H]``."""
+    return per_head("g", geometry, dtype)
 
 
 def state(name: str, geometry: Geometry, dtype) -> Blocked:

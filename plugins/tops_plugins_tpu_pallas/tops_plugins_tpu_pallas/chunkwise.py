@@ -285,16 +285,18 @@ class Chunk:
             return constant
         return ChunkGates.of(self.log_decays(refs, head) if log is None else log)
 
+    def head_column(self, ref, head: jax.Array) -> jax.Array:
+        """Head ``head``'s column of an all-heads block (``blocks.per_head``) as float32 ``(C, 1)``, rows past the end zero."""
+        every_head = ref[self.rows, :]
+        take = lax.broadcasted_iota(jnp.int32, every_head.shape, 1) == head
+        if self.valid_rows is not None:
+            take = take & self._row_is_real()
+        # One selected term per row, so the lane sum is exact.
+        return jnp.sum(jnp.where(take, every_head, jnp.zeros((), every_head.dtype)).astype(_F32), axis=1, keepdims=True)
+
     def log_decays(self, refs: dict, head: jax.Array) -> LogDecays:
         """The chunk's cumulative log decays from a kernel's refs: ``decay`` in SMEM and, when given, the all-heads ``g`` block."""
-        g = None
-        if "g" in refs:
-            every_head = refs["g"][self.rows, :]
-            take = lax.broadcasted_iota(jnp.int32, every_head.shape, 1) == head
-            if self.valid_rows is not None:
-                take = take & self._row_is_real()
-            # One selected term per row, so the lane sum is exact.
-            g = jnp.sum(jnp.where(take, every_head, jnp.zeros((), every_head.dtype)).astype(_F32), axis=1, keepdims=True)
+        g = self.head_column(refs["g"], head) if "g" in refs else None
         return LogDecays.compute(refs["decay"][head], g, self.valid_rows, self.rows.size)
 
 

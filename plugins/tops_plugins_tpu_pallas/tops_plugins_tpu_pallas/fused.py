@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, traffic
 from tops_plugins_tpu_pallas.chunkwise import (
-    advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
+    Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
     constant_gates, finish_sequence, gate_computations, gates_work, start_sequence, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
@@ -82,18 +82,24 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
     gated = gate_dtype is not None
     work = (chunk_output_work(geometry) + advance_state_work(geometry)) * chunks_of_the_grid(geometry) + gates_work(geometry, gated) * gate_computations(geometry, gated)
-    return (LaunchPlan(
-        name="simple_gla_fused",
+    return (grid_plan("simple_gla_fused", geometry, (blocks.decay(geometry),), inputs, outputs, work, chunk_body_vmem(geometry)),)
+
+
+def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Work, body_vmem: int, scratch=None) -> LaunchPlan:
+    """A forward's plan on the fused grid: (batch, head, value block) parallel, time sequential, the running
+    state in VMEM scratch (``scratch``: the whole scratch, when a kernel needs more than that)."""
+    return LaunchPlan(
+        name=name,
         grid=blocks.grid(geometry),
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=(blocks.decay(geometry),),
+        scalars=tuple(scalars),
         inputs=tuple(inputs),
         outputs=tuple(outputs),
-        scratch=(blocks.running_state(geometry),),
-        body_vmem=chunk_body_vmem(geometry),
+        scratch=(blocks.running_state(geometry),) if scratch is None else tuple(scratch),
+        body_vmem=body_vmem,
         flops=work.flops,
         transcendentals=work.transcendentals,
-    ),)
+    )
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
@@ -112,12 +118,14 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     finish_sequence(refs, step, geometry)
 
 
-def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config: FusedConfig, scalars=None):
+def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config: FusedConfig, operands=None):
     """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
 
     ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (``plans``'s
-    signature) describes, at the geometry that fits VMEM; ``scalars`` are operands beyond the
-    layout's (``kernel_operands``). Returns ``o`` and, when asked for, ``final_state`` as the
+    signature) describes, at the geometry that fits VMEM; ``operands`` are arrays beyond the
+    layout's (``kernel_operands``), or in place of one of them of the same name (kda's ``g``, laid
+    out as ``k``). ``config``: ``FusedConfig`` or any config with its ``chunk_size``, ``num_steps``,
+    ``full_values`` and ``interpret``. Returns ``o`` and, when asked for, ``final_state`` as the
     caller lays them out.
     """
     B, T, H, K = q.shape
@@ -130,8 +138,8 @@ def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, ou
     (plan,) = build_plans(geometry, q.dtype, **inputs)
     traffic.check_vmem(plan)
     body = functools.partial(kernel, plan=plan, geometry=geometry, scale=scale)
-    operands = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(scalars or {})}
-    results = plan.call(body, operands, config.interpret, traffic.cost_estimate(plan))
+    arrays = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(operands or {})}
+    results = plan.call(body, arrays, config.interpret, traffic.cost_estimate(plan))
     final_state = caller_state(results["final_state"], geometry) if output_final_state else None
     return caller_output(results["o"], geometry), final_state
 

@@ -1,4 +1,4 @@
-"""Print the traffic and VMEM figures of both kernels, forward and backward, for the benchmark shape.
+"""Print the traffic and VMEM figures of the simple_gla kernels, forward and backward, and of kda's forward, for the benchmark shape.
 
     python -m tops_plugins_tpu_pallas.traffic_report
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, varlen
+from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, kda, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.traffic import VMEM_BUDGET, figures
 
@@ -42,6 +42,7 @@ def main() -> None:
                     f"{f.end_to_end_per_token / floor:>9.3f}x{f.peak_vmem / 2**20:>10.2f} MiB"
                 )
     _packed()
+    _kda()
     print("\nrelayout: the lane padding copies of q, k, v and the slice of o when K or V is not a multiple of 128 (layout.py)")
     print(
         f"peak VMEM: double-buffered blocks and scratch in whole tiles, plus an estimate of the values the "
@@ -72,6 +73,25 @@ def backward_report() -> None:
                 f"{label:<58}{seq_len:>7}{f.kernel_per_token:>9.1f}{f.kernel_per_token / floor:>9.3f}x"
                 f"{f.kernel_per_token / (floor + recomputation):>17.3f}x{f.peak_vmem / 2**20:>10.2f} MiB"
             )
+
+
+def _kda() -> None:
+    """kda's fused forward at K = V = 128: bf16 q, k, v and float32 g, beta; its floor also reads g and beta."""
+    head_dim = 128
+    floor = 3 * head_dim * 2 + head_dim * 4 + 4 + head_dim * 2
+    print(f"\nkda forward, B={B} T={T} H={H} K=V={head_dim}, bfloat16 q, k, v, float32 g and beta, use_qk_l2norm")
+    print(f"floor (read q, k, v, g, beta, write o) {floor} B/token")
+    print(f"{'implementation':<32}{'kernel':>9}{'relayout':>10}{'end to end':>12}{'vs floor':>10}{'peak VMEM':>14}{'GFLOP':>8}")
+    for chunk_size in (64, 128):
+        config = kda.fused.KdaFusedConfig(chunk_size=chunk_size)
+        plans = kda.fused.fitted_plans(kda.fused.geometry_of(B, T, H, head_dim, head_dim, config), jnp.bfloat16, use_qk_l2norm=True)
+        f = figures(plans, B * T * H)
+        default = " (default)" if config == kda.fused.KdaFusedConfig() else ""
+        label = f"tpu_pallas.fused C={chunk_size}{default}"
+        print(
+            f"{label:<32}{f.kernel_per_token:>9.1f}{f.relayout_per_token:>10.1f}{f.end_to_end_per_token:>12.1f}"
+            f"{f.end_to_end_per_token / floor:>9.3f}x{f.peak_vmem / 2**20:>10.2f} MiB{sum(p.flops for p in plans) / 1e9:>8.0f}"
+        )
 
 
 def _packed() -> None:

@@ -98,18 +98,7 @@ def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_
     gated = gate_dtype is not None
     work = (chunk_output_work(g) + advance_state_work(g) + segment_exps) * chunks_of_the_grid(g)
     work = work + gates_work(g, gated) * gate_computations(g, gated) + extra_segment * (g.heads * g.value_tiles * (num_seqs - 1))
-    return (LaunchPlan(
-        name="simple_gla_varlen",
-        grid=blocks.grid(g),
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=(blocks.decay(g), *boundaries(g, num_seqs)),
-        inputs=tuple(inputs),
-        outputs=tuple(outputs),
-        scratch=tuple(scratch),
-        body_vmem=chunk_body_vmem(g),
-        flops=work.flops,
-        transcendentals=work.transcendentals,
-    ),)
+    return (fused.grid_plan("simple_gla_varlen", g, (blocks.decay(g), *boundaries(g, num_seqs)), inputs, outputs, work, chunk_body_vmem(g), scratch),)
 
 
 def fitted_plans(geometry: Geometry, dtype, num_seqs: int, **inputs) -> tuple[LaunchPlan]:
@@ -266,7 +255,7 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     o, final_state = fused.launch(
         _kernel, functools.partial(plans, num_seqs=num_seqs), q, k, v, g=g, g_gamma=g_gamma, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, config=config,
-        scalars=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size),
+        operands=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size),
     )
     if output_final_state:
         # The kernel writes the final state of every sequence that covers a token; an empty one ends where it starts.
