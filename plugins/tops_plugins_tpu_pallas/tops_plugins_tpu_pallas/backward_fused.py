@@ -110,6 +110,9 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     for chunk in reversed(chunks):
         gates = chunk.gates(refs, head, constant)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
+        # dS from chunk to chunk is the longest dependency chain: traced first, the rest of the chunk
+        # is scheduled alongside it (traced last, the same instructions issued 10% more cycles on v5e).
+        dentering = gradients.state_gradient_entering(gates, q, do, dstate, scale)
         attention = gradients.attention(gates.decays, q, k)
         refs["dv"][chunk.rows, :] = gradients.value_gradient(gates, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
         dq, dk, da = gradients.query_key_gradients(gates, attention, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs)
@@ -117,7 +120,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
         refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)
         if da is not None:
             refs["da"][chunk.index : chunk.index + 1, :] = da
-        dstate = gradients.state_gradient_entering(gates, q, do, dstate, scale)
+        dstate = dentering
     refs["dstate"][...] = dstate
 
     gradients.finish_state_gradient(refs, step, geometry)

@@ -223,7 +223,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
         attention = gradients.attention(decays, q, k)
         dv = gradients.attention_value_gradient(attention, do, scale) + values
         dq, dk, da = gradients.query_key_gradients_of(
-            decays, attention, q, k, v, do, reads, writes, across if with_decay else None, scale, (piece_start, piece_end),
+            decays, attention, gradients.output_by_value(do, v), q, k, reads, writes, across if with_decay else None, scale, (piece_start, piece_end),
         )
         refs["dv"][chunk.rows, :] = dv.astype(refs["dv"].dtype)
         refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
