@@ -23,6 +23,9 @@ from tops_core.policy import ForceRequest
 
 Array = jax.Array
 
+L2NORM_EPSILON = 1e-6
+"""``use_qk_l2norm``'s epsilon, flash-linear-attention's: ``x / sqrt(sum over K of x^2 + L2NORM_EPSILON)``."""
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -29,11 +29,11 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from tops_core.ops.kda import L2NORM_EPSILON
 
 from tops_plugins_ref.host import sweep
 from tops_plugins_ref.host.sequences import Sequences
 
-L2NORM_EPSILON = 1e-6
 
 
 def forward(inputs: dict, *, scale: float, output_final_state: bool, use_qk_l2norm: bool) -> dict:

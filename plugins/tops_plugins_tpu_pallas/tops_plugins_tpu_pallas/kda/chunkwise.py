@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tops_core.ops.kda import L2NORM_EPSILON
 from tops_plugins_tpu_pallas.chunkwise import (
     _COLUMNS_BY_COLUMNS, _ROWS_BY_ROWS, Work, _row_and_column_iotas, matmul, mxu_operand_dtype,
 )
@@ -48,8 +49,6 @@ from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
 
-L2NORM_EPSILON = 1e-6
-"""flash-linear-attention's (docs/ops.md "kda"): ``x / sqrt(sum(x^2) + 1e-6)``."""
 
 
 def level_sizes(chunk_size: int) -> tuple[int, ...]:

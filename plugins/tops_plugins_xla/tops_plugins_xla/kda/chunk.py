@@ -40,14 +40,13 @@ import jax.numpy as jnp
 
 from tops_core import KDAGrads
 from tops_core.ops.base import state_dtype
+from tops_core.ops.kda import L2NORM_EPSILON
 from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
 from tops_plugins_xla.kda import intra
 from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
 
 Array = jax.Array
 
-L2NORM_EPSILON = 1e-6
-"""flash-linear-attention's: ``x / sqrt(sum(x^2) + 1e-6)``."""
 
 
 def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config):
