@@ -167,3 +167,9 @@ def test_checkpointing_changes_no_bit_of_the_gradients(lengths):
     for got_grad, want_grad in zip(got[0], want[0]):
         np.testing.assert_array_equal(sequences.unpad(got_grad), sequences.unpad(want_grad))
     np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_the_host_epsilon_is_the_op_contracts():
+    from tops_core.ops.kda import L2NORM_EPSILON
+
+    assert host_kda.L2NORM_EPSILON == L2NORM_EPSILON

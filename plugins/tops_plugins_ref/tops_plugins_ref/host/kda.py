@@ -29,11 +29,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from tops_core.ops.kda import L2NORM_EPSILON
 
 from tops_plugins_ref.host import sweep
 from tops_plugins_ref.host.sequences import Sequences
 
+L2NORM_EPSILON = 1e-6
+"""The op contract's ``tops_core.ops.kda.L2NORM_EPSILON``, written out: the host package imports nothing of JAX (a test checks they agree)."""
 
 
 def forward(inputs: dict, *, scale: float, output_final_state: bool, use_qk_l2norm: bool) -> dict:
