@@ -38,6 +38,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: the conformance kit's wider breadth (more head dims, aligned and one-token T)")
     config.stash[_RESULTS] = []
     config.stash[_SKIPPED] = {}
 
@@ -68,8 +69,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 params.append(pytest.param((impl, None), marks=pytest.mark.skip(reason=reason)))
                 ids.append(f"{impl.op}:{impl.name}")
                 continue
+            # The reference against itself checks only its contract (its accuracy is tested against
+            # independent formulas in its own plugin): its base case by default, the rest with -m slow.
+            itself = kind == "supported" and impl.name == metafunc.config.getoption("tops_reference")
             for case in getattr(grid(impl), kind):
-                params.append((impl, case))
+                slow = case.slow or (itself and case.name != "base")
+                params.append(pytest.param((impl, case), marks=pytest.mark.slow) if slow else (impl, case))
                 ids.append(f"{impl.op}:{impl.name}:{case.name}")
         metafunc.parametrize(fixture, params, ids=ids)
 

@@ -133,7 +133,7 @@ def extreme_gates(kind, shape, rng):
     return np.where(rng.uniform(size=shape) < 0.05, -30.0, g)
 
 
-@pytest.mark.parametrize("kind", ["-10 everywhere", "uniform in [-10, 0]", "-10 or 0 per key"])
+@pytest.mark.parametrize("kind", ["-10 everywhere", pytest.param("uniform in [-10, 0]", marks=pytest.mark.slow), "-10 or 0 per key"])
 def test_extreme_decays_stay_finite_and_accurate(kind):
     """g as low as -10 per token and key, -640 across a chunk of 64: no Inf or NaN anywhere, and
     float32 results within tolerance of the reference, forward and every gradient."""
@@ -189,6 +189,7 @@ def test_traced_cu_seqlens_under_jit_forward_and_gradients():
 # -- the chunk size ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_chunk_size_changes_the_chunking_not_the_result():
     inputs = fla_inputs(B=1, T=100, H=1, seed=3)
     do = np.random.default_rng(4).standard_normal(inputs["v"].shape)
