@@ -113,7 +113,8 @@ def grid(impl: Implementation) -> Grid:
     if "g_gamma" in base_features and (accepted_ndims is None or 0 in accepted_ndims):
         supported.append(dataclasses.replace(base, name="g_gamma-scalar", ndims=(("g_gamma", 0),)))
     for toggle in sorted((toggles & base_features) - caps.requires):
-        supported.append(base.with_features(f"without-{toggle}", base_features - {toggle}))
+        # Without the final state only drops an output the base case checks: slow.
+        supported.append(base.with_features(f"without-{toggle}", base_features - {toggle}, slow=toggle == "output_final_state"))
     # The default run keeps the first other head dims (off the 128-lane tile) and the ragged T that
     # crosses a chunk; the rest of the breadth runs with -m slow.
     for index, key_dim in enumerate(key_dims[1:]):

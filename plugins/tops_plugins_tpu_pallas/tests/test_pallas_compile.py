@@ -279,7 +279,17 @@ def test_the_kda_design_covers_every_pair_and_the_gradients_every_value():
     assert len(KDA_DESIGN) <= 14
 
 
-@pytest.mark.parametrize("call", KDA_DESIGN, ids=_kda_label)
+def _kda_default_calls() -> list:
+    """The design's first call on each generation by default; the rest of the pairwise design with -m slow."""
+    seen = set()
+    calls = []
+    for call in KDA_DESIGN:
+        calls.append(call if call["generation"] not in seen else pytest.param(call, marks=pytest.mark.slow))
+        seen.add(call["generation"])
+    return calls
+
+
+@pytest.mark.parametrize("call", _kda_default_calls(), ids=_kda_label)
 def test_kda_forward_compiles_to_the_mosaic_kernel(worker, call):
     facts = compile_call(worker, _kda_call(call))
     assert facts["kernels"] == 1
