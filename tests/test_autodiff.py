@@ -133,6 +133,25 @@ def test_selection_and_implementation_body_run_once_per_call_spec_under_jit(regi
     assert traces == [q.shape, q[:, :6].shape]
 
 
+def test_an_eager_explicit_backward_is_traced_once_per_call_spec(registry, args):
+    traces = []
+
+    def traced_backward(*a, **kw):
+        traces.append(a[0].shape)
+        return fakes.vjp_backward(*a, **kw)
+
+    fakes.register(backward=traced_backward)
+    q, k, v, g, g_gamma, h0 = args
+    do = jnp.ones_like(v)
+    first = sg.backward(q, k, v, do, g_gamma=g_gamma)
+    for _ in range(3):
+        again = sg.backward(q, k, v, do * 2, g_gamma=g_gamma)
+    assert traces == [q.shape]
+    np.testing.assert_allclose(np.asarray(again.dv), 2 * np.asarray(first.dv), rtol=1e-6)
+    sg.backward(q[:, :6], k[:, :6], v[:, :6], do[:, :6], g_gamma=g_gamma)
+    assert traces == [q.shape, q[:, :6].shape]
+
+
 def test_integer_boundaries_get_no_cotangent(registry):
     fakes.register(features=fakes.FEATURES | {"cu_seqlens"},
                    forward=lambda q, k, v, **kw: ((v * jnp.sum(q)).astype(v.dtype), None),

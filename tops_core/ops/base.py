@@ -275,12 +275,18 @@ class OpContract:
 
     # -- execution -------------------------------------------------------------------------
 
-    def _forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
-        static = _Static(
+    def _static(self, prepared: Prepared, policy: Policy) -> _Static:
+        return _Static(
             self, prepared.options, prepared.spec, policy, self.split(prepared), default_registry().generation,
             prepared.checks_cu_seqlens, prepared.platform_known,
         )
-        return _compiled(static, dict(prepared.arrays))
+
+    def _forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
+        return _compiled(self._static(prepared, policy), dict(prepared.arrays))
+
+    def _backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any) -> Any:
+        """The explicit VJP, compiled once per static half of the call as ``forward`` is."""
+        return _compiled_backward(self._static(prepared, policy), dict(prepared.arrays), do, dht)
 
     def _run_forward(self, prepared: Prepared, policy: Policy, split: Split | None) -> tuple[Any, Any]:
         return _with_trusted_cu_seqlens(prepared, lambda trusted: self._partitioned("forward", trusted, policy, (), split))
@@ -482,7 +488,14 @@ def _differentiable_bwd(static: _Static, arrays: dict[str, Any], cotangents: tup
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
+
+def _explicit_backward(static: _Static, arrays: dict[str, Any], do: Any, dht: Any) -> Any:
+    return static.contract._run_backward(static.prepared(arrays), static.policy, do, dht, static.split)
+
 # Eager calls of a custom_vjp function re-trace it every time (about a millisecond); under jit
 # they cost one cached dispatch. Inside an outer jit/grad/vmap the inner jit is simply inlined.
 # The registry generation is part of the static key, so a new registration re-traces.
 _compiled = jax.jit(_differentiable, static_argnums=0)
+# The explicit backward likewise: uncompiled, an eager call traced and compiled its program afresh
+# every time (seconds per call for kda on CPU).
+_compiled_backward = jax.jit(_explicit_backward, static_argnums=0)

@@ -129,7 +129,7 @@ class KDA(OpContract):
         policy = self.policy(implementation)
         prepared = self.prepare(q, k, v, g, beta, scale, initial_state, dht is not None, cu_seqlens, use_qk_l2norm, policy.interpret)
         do, dht = self.check_cotangents(prepared, do, dht)
-        return self._run_backward(prepared, policy, do, dht, self.split(prepared))
+        return self._backward(prepared, policy, do, dht)
 
     def explain(
         self,

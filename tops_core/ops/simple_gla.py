@@ -127,7 +127,7 @@ class SimpleGLA(OpContract):
         policy = self.policy(implementation)
         prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, dht is not None, cu_seqlens, policy.interpret)
         do, dht = self.check_cotangents(prepared, do, dht)
-        return self._run_backward(prepared, policy, do, dht, self.split(prepared))
+        return self._backward(prepared, policy, do, dht)
 
     def explain(
         self,
