@@ -192,3 +192,34 @@ def test_per_platform_under_vmap_and_grad_differentiates_the_branch_that_can_be(
     gradient = lambda x: jax.grad(lambda x: jnp.sum(select(x)))(x)  # noqa: E731
     with pytest.raises(NotImplementedError, match="lowering for tpu: JAX cannot differentiate this platform's branch"):
         lowered(gradient, x, platforms=("tpu",))
+
+
+def _mesh_of(device_kind: str, platform: str = "tpu") -> jax.sharding.AbstractMesh:
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(device_kind, 1, platform))
+
+
+@pytest.mark.parametrize(("device_kind", "chip"), [("TPU v6 lite", "v6e"), ("TPU v5 lite", "v5e"), ("TPU v5", "v5p"), ("TPU v4", "v4"), ("TPU v99", None)])
+def test_the_tpu_generation_a_call_is_lowered_for_reaches_its_call_spec(registry, device_kind, chip):
+    # The TPU implementation's predicate sees the spec of its platform: the chip of the mesh in
+    # context (as on a TPU host, or under compile_only.lower_for), which kernels size VMEM by.
+    seen = []
+
+    def predicate(spec):
+        """records the spec"""
+        seen.append(spec.chip)
+
+    fakes.register("on_cpu", forward=sine, platforms={"cpu"}, priority={"cpu": 10})
+    fakes.register("on_tpu", forward=cosine, backward=None, platforms={"tpu"}, priority={"tpu": 10}, predicate=predicate)
+    q, k, v = fakes.inputs()[:3]
+    with jax.sharding.use_abstract_mesh(_mesh_of(device_kind)):
+        assert tops_core.target_chip() == chip
+        lowered(output(), q, k, v, platforms=("tpu",))
+    assert seen and set(seen) == {chip}
+    assert tops_core.target_chip() is None  # this machine: no TPU
+
+
+def test_a_call_spec_names_only_a_known_tpu_generation():
+    spec = dict(op="simple_gla", platform="tpu", dtype="float32", batch=1, seq_len=8, heads=2, key_dim=8, value_dim=8, num_seqs=1)
+    assert "on tpu (v6e)" in tops_core.CallSpec(**spec, chip="v6e").describe()
+    with pytest.raises(ValueError, match="chip"):
+        tops_core.CallSpec(**spec, chip="v9")

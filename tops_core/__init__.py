@@ -12,7 +12,7 @@ from tops_core.hookspecs import hookimpl
 from tops_core.implementation import Implementation
 from tops_core import parallel
 from tops_core.ops import op
-from tops_core.ops.base import ContractError, Explanation
+from tops_core.ops.base import ContractError, Explanation, target_chip
 from tops_core.ops.kda import KDAGrads
 from tops_core.ops.simple_gla import SimpleGLAGrads
 from tops_core.ops.validation import LayoutWarning
@@ -39,7 +39,7 @@ def unregister_plugin(name: str) -> None:
 __all__ = [
     "API_VERSION", "CallSpec", "Capabilities", "ContractError", "Decision", "DimRule", "Explanation",
     "Implementation", "KDAGrads", "LayoutWarning", "NoImplementationError", "PluginError", "SimpleGLAGrads",
-    "default_registry", "hookimpl", "op", "parallel", "register", "register_plugin", "unregister_plugin", "use",
+    "default_registry", "hookimpl", "op", "parallel", "register", "register_plugin", "target_chip", "unregister_plugin", "use",
 ]
 
 if environment.flag("TOPS_STRICT_PLUGINS"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tops_core.tpu_generations import GENERATIONS
+
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
@@ -14,7 +16,9 @@ class CallSpec:
     ``features`` names the optional inputs that are present and the boolean options that are on
     (for simple_gla: ``g``, ``g_gamma``, ``initial_state``, ``cu_seqlens``,
     ``output_final_state``). ``ndims`` records the rank of inputs whose rank may vary
-    (``g_gamma`` may be a scalar or ``[H]``).
+    (``g_gamma`` may be a scalar or ``[H]``). ``chip``: the TPU generation (a key of
+    ``tops_core.tpu_generations.GENERATIONS``) the call is lowered for when it is lowered for a TPU
+    and the generation is known, else None; what platform ``tpu``'s decision may size kernels by.
     """
 
     op: str
@@ -29,10 +33,13 @@ class CallSpec:
     features: frozenset[str] = frozenset()
     ndims: tuple[tuple[str, int], ...] = ()
     interpret: bool = False
+    chip: str | None = None
 
     def __post_init__(self):
         if self.platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
+        if self.chip is not None and self.chip not in GENERATIONS:
+            raise ValueError(f"chip must be None or one of {sorted(GENERATIONS)}, got {self.chip!r}")
         object.__setattr__(self, "features", frozenset(self.features))
         object.__setattr__(self, "ndims", tuple(sorted(dict(self.ndims).items())))
 
@@ -43,7 +50,7 @@ class CallSpec:
         shape = f"B={self.batch} T={self.seq_len} H={self.heads} K={self.key_dim} V={self.value_dim}"
         if "cu_seqlens" in self.features:
             shape += f" N={self.num_seqs}"
-        parts = [f"{shape} {self.dtype} on {self.platform}"]
+        parts = [f"{shape} {self.dtype} on {self.platform}" + (f" ({self.chip})" if self.chip and self.platform == "tpu" else "")]
         if self.interpret:
             parts.append("interpret mode")
         features = []

@@ -172,9 +172,12 @@ def _spec_from_args(contract, args: argparse.Namespace) -> CallSpec:
     if "cu_seqlens" in features and B != 1:
         raise UsageError(f"cu_seqlens packs the sequences along T and requires B == 1, got --shape {args.shape}")
     num_seqs = (args.num_seqs or 1) if "cu_seqlens" in features else B
+    if args.chip and args.platform != "tpu":
+        raise UsageError(f"--chip names the TPU generation a call is lowered for; it needs --platform tpu, not {args.platform}")
     return CallSpec(
         op=contract.name, platform=args.platform, dtype=args.dtype or _default_dtype(args.platform), batch=B, seq_len=T,
         heads=H, key_dim=K, value_dim=V, num_seqs=num_seqs, features=frozenset(features), ndims=tuple(ndims.items()),
+        chip=args.chip,
     )
 
 
@@ -307,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     _call_arguments(explain, default_op=None)
     explain.add_argument("--ndim", action="append", default=[], metavar="NAME=RANK", help="rank of an input of variable rank (g_gamma: 0 or 1)")
     explain.add_argument("--platform", default=platform_of([]), choices=PLATFORMS, help="default: this machine's (%(default)s)")
+    explain.add_argument("--chip", choices=sorted(GENERATIONS), help="with --platform tpu: the TPU generation the call is lowered for (kernels size VMEM for it; default: unknown)")
     explain.add_argument("--interpret", action="store_true", help="interpret mode: accept TPU kernels off TPU")
     explain.add_argument("--force", metavar="IMPL", help="force an implementation, e.g. xla.chunk")
     explain.add_argument("--deny", action="append", default=[], metavar="PATTERN", help="never select these implementations")

@@ -83,10 +83,16 @@ def device(generation: str) -> jax.Device:
 
 
 def lower_for(generation: str, function: Callable, *args: Any) -> jax.stages.Lowered:
-    """``jax.jit(function)`` lowered for a ``generation`` TPU; ``args`` are arrays or ``ShapeDtypeStruct``s (pytrees)."""
-    placement = jax.sharding.SingleDeviceSharding(device(generation))
+    """``jax.jit(function)`` lowered for a ``generation`` TPU; ``args`` are arrays or ``ShapeDtypeStruct``s (pytrees).
+
+    The chip is JAX's default device while tracing, as on a TPU host, so the ops know the
+    generation they are lowered for (``tops_core.target_chip``) and size their kernels for it.
+    """
+    chip = device(generation)
+    placement = jax.sharding.SingleDeviceSharding(chip)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement), args)
-    return jax.jit(function).lower(*abstract)
+    with jax.default_device(chip):
+        return jax.jit(function).lower(*abstract)
 
 
 def compile_for(generation: str, function: Callable, *args: Any) -> jax.stages.Compiled:

@@ -22,7 +22,14 @@ v5p chip together), except what is per TensorCore (VMEM, MXUs, the VLIW bundle).
   (v5e), 1.75 GHz (v5p). v6e's is not published: its two 256-wide MXUs reach 918 TFLOP/s at
   1.75 GHz taking two rows a cycle, or at 3.5 GHz taking one. We take 1.75 GHz, the conservative
   reading: at 3.5 GHz every issue-bound v6e time in the model halves.
-- The compile-only topology: the names ``jax.experimental.topologies.get_topology_desc`` accepts.
+- The compile-only topology: the names ``jax.experimental.topologies.get_topology_desc`` accepts;
+  the device kinds: what those devices (and JAX's ``device_kind`` on the real chips) report.
+- The VMEM budget (what the Pallas kernels plan their blocks for, asking Mosaic for it with
+  ``vmem_limit_bytes``): three quarters of the VMEM where there is room beyond the default
+  scoped limit, leaving a quarter for Mosaic's own scratch; all of v4's 16 MiB (its default
+  limit, which the kernels always planned for). Measured with the compile-only chips (libtpu
+  0.0.52): a kernel may allocate up to the whole VMEM when it asks for it (128 MiB on v5e and
+  v6e, 64 MiB on v5p), and no more than 16 MiB on v4 whatever it asks.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class TpuGeneration:
     mxus: int  # per TensorCore
     clock_hz: float
     scoped_vmem_bytes: int  # what a kernel may use without vmem_limit_bytes
+    vmem_budget_bytes: int  # what the Pallas kernels plan for on this chip, asking for it with vmem_limit_bytes
+    device_kinds: tuple[str, ...]  # jax.Device.device_kind of its chips
     vliw_slots: tuple[tuple[str, int], ...]  # instructions of each kind one bundle (cycle) issues, per TensorCore
 
     @property
@@ -71,19 +80,38 @@ GENERATIONS: dict[str, TpuGeneration] = {
     for g in (
         TpuGeneration(
             "v4", "v4:2x2x1", 1200e9, 275e12, tensorcores=2, vmem_bytes=16 * 2**20, mxu=128, mxus=4, clock_hz=1.05e9,
-            scoped_vmem_bytes=16 * 2**20, vliw_slots=_slots(vector_alu=2, loads=1, stores=1, xlu=2, matmul=4),
+            scoped_vmem_bytes=16 * 2**20, vmem_budget_bytes=16 * 2**20, device_kinds=("TPU v4",),
+            vliw_slots=_slots(vector_alu=2, loads=1, stores=1, xlu=2, matmul=4),
         ),
         TpuGeneration(
             "v5e", "v5e:1x1", 819e9, 197e12, tensorcores=1, vmem_bytes=128 * 2**20, mxu=128, mxus=4, clock_hz=1.5e9,
-            scoped_vmem_bytes=16 * 2**20, vliw_slots=_slots(vector_alu=4, loads=3, stores=1, xlu=3, matmul=4),
+            scoped_vmem_bytes=16 * 2**20, vmem_budget_bytes=96 * 2**20, device_kinds=("TPU v5 lite", "TPU v5e"),
+            vliw_slots=_slots(vector_alu=4, loads=3, stores=1, xlu=3, matmul=4),
         ),
         TpuGeneration(
             "v5p", "v5p:2x2x1", 2765e9, 459e12, tensorcores=2, vmem_bytes=64 * 2**20, mxu=128, mxus=4, clock_hz=1.75e9,
-            scoped_vmem_bytes=16 * 2**20, vliw_slots=_slots(vector_alu=4, loads=3, stores=1, xlu=3, matmul=4),
+            scoped_vmem_bytes=16 * 2**20, vmem_budget_bytes=48 * 2**20, device_kinds=("TPU v5", "TPU v5p"),
+            vliw_slots=_slots(vector_alu=4, loads=3, stores=1, xlu=3, matmul=4),
         ),
         TpuGeneration(
             "v6e", "v6e:1x1", 1638e9, 918e12, tensorcores=1, vmem_bytes=128 * 2**20, mxu=256, mxus=2, clock_hz=1.75e9,
-            scoped_vmem_bytes=32 * 2**20, vliw_slots=_slots(vector_alu=4, loads=3, stores=2, xlu=2, matmul=2),
+            scoped_vmem_bytes=32 * 2**20, vmem_budget_bytes=96 * 2**20, device_kinds=("TPU v6 lite", "TPU v6e"),
+            vliw_slots=_slots(vector_alu=4, loads=3, stores=2, xlu=2, matmul=2),
         ),
     )
 }
+
+
+UNKNOWN_CHIP_VMEM_BUDGET = 16 * 2**20
+"""What the Pallas kernels plan for when the chip is not known: every generation's default scoped
+limit (so no ``vmem_limit_bytes`` is needed) and all of v4's VMEM, so the kernel compiles on any of them."""
+
+
+def vmem_budget(chip: str | None) -> int:
+    """The VMEM a kernel may plan for on ``chip`` (a key of ``GENERATIONS``), or on any chip when None."""
+    return UNKNOWN_CHIP_VMEM_BUDGET if chip is None else GENERATIONS[chip].vmem_budget_bytes
+
+
+def generation_of(device_kind: str) -> str | None:
+    """The generation (a key of ``GENERATIONS``) of a device of this ``device_kind``; None for another device."""
+    return next((g.name for g in GENERATIONS.values() if device_kind in g.device_kinds), None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -31,6 +31,7 @@ from tops_core.ops.validation import is_concrete
 from tops_core.partitioning import Plan, SequenceShards, Split, partitioned
 from tops_core.policy import ForceRequest, Policy, current_policy
 from tops_core.registry import default_registry
+from tops_core.tpu_generations import generation_of
 
 
 class ContractError(RuntimeError):
@@ -112,6 +113,21 @@ def host_platform() -> str:
     return _spec_platform(device.platform if isinstance(device, jax.Device) else jax.default_backend())
 
 
+def target_chip(arrays: Sequence[Any] = ()) -> str | None:
+    """The TPU generation a call is lowered for when it is lowered for a TPU, as far as it is known:
+    that of its inputs' device in an eager call, else that of the device of the mesh in context
+    (``jax.set_mesh``, ``jax.sharding.use_mesh``), else that of JAX's default device; None when that
+    device is not a TPU of a known generation (a traced call on a CPU host, lowered for a TPU later)."""
+    arrays = [x for x in arrays if isinstance(x, jax.Array)]
+    if arrays and all(is_concrete(x) for x in arrays):
+        device = next(iter(arrays[0].devices()))
+    else:
+        device = jax.sharding.get_abstract_mesh().abstract_device or jax.config.jax_default_device
+        if not isinstance(device, (jax.Device, jax.sharding.AbstractDevice)):
+            device = jax.devices()[0]
+    return generation_of(device.device_kind) if device.platform == "tpu" else None
+
+
 def platform_of(arrays: list[Any]) -> str:
     """The platform a call runs on: its inputs' device in an eager call, else JAX's default."""
     return concrete_platform(arrays) or host_platform()
@@ -184,10 +200,12 @@ class OpContract:
         q, v = arrays["q"], arrays["v"]
         B, T, H, K = q.shape
         concrete = concrete_platform(list(arrays.values()))
+        platform = concrete or platform or host_platform()
         spec = CallSpec(
-            op=self.name, platform=concrete or platform or host_platform(), dtype=spec_dtype(q),
+            op=self.name, platform=platform, dtype=spec_dtype(q),
             batch=B, seq_len=T, heads=H, key_dim=K, value_dim=v.shape[-1], num_seqs=num_seqs,
             features=frozenset(features), ndims=tuple(ndims.items()), interpret=interpret,
+            chip=target_chip(list(arrays.values())),
         )
         cu_seqlens = arrays.get("cu_seqlens")
         checks_cu_seqlens = cu_seqlens is not None and not is_concrete(cu_seqlens)
