@@ -5,7 +5,8 @@ environment, so libtpu's start-up stays out of the test process. It reads one JS
 line on stdin and answers each with one JSON line on stdout: the facts of the compiled program
 (``tops_core.compile_only.ProgramFacts``), or the error.
 
-Requests: ``{"call": {...}}`` compiles the forward of one call (simple_gla, packed with traced
+Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<kernel>`` or, given
+``"implementation"``, of that one (null: the dispatcher's choice) (simple_gla, packed with traced
 ``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"``), or with ``"gradient": true`` the
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
@@ -68,7 +69,7 @@ def _forward(call: dict):
         return forward
 
     def forward(arrays):
-        return sg.forward(**arrays, output_final_state=call["final_state"], implementation=f"tpu_pallas.{call['kernel']}")
+        return sg.forward(**arrays, output_final_state=call["final_state"], implementation=call.get("implementation", f"tpu_pallas.{call['kernel']}"))
 
     return forward
 

@@ -146,6 +146,16 @@ def test_gradient_compiles_the_kernels_forward_and_the_paired_backward(worker, c
     assert facts["implementations"] == sorted([f"tpu_pallas.{call['kernel']}.forward", f"tpu_pallas.{call['kernel']}.backward"])
 
 
+@pytest.mark.parametrize(("generation", "chosen"), [("v4", "xla.chunk"), ("v6e", "tpu_pallas.fused")])
+def test_kernels_are_sized_for_the_vmem_of_the_chip_lowered_for(worker, generation, chosen):
+    # K = V = 1024 float32: fused's plans need 26 MiB of VMEM even at one chunk per step. Lowered for
+    # v4 (16 MiB) the dispatcher passes the Pallas kernels over; for v6e they take up to 96 MiB and
+    # ask Mosaic for the chip's 128 MiB, and Mosaic compiles them.
+    call = dict(kernel="fused", generation=generation, T=256, K=1024, V=1024, dtype="float32", g=True, initial_state=False, final_state=True)
+    facts = compile_call(worker, {**call, "implementation": None}, gradient=True)
+    assert facts["implementations"] == sorted([f"{chosen}.forward", f"{chosen}.backward"])
+
+
 def test_compiled_cost_analysis_reads_back_the_kernels_estimates(worker):
     # fused, B=2, T=1000 (8 chunks of 128 at the default config, the last ragged), H=3, K=V=128 (in
     # place), bf16, g_gamma only: 2 * 3 * 8 = 48 chunk bodies, counted by hand from chunkwise.py (see test_pallas_traffic.py).

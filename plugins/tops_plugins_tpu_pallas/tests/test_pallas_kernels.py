@@ -272,6 +272,26 @@ def test_capabilities_reject_what_does_not_fit_vmem():
         assert implementation.reasons(fits, "backward") == []
 
 
+@pytest.mark.parametrize(("chip", "winner"), [("v6e", "fused"), ("v5e", "fused"), ("v5p", "chunk"), ("v4", "chunk")])
+def test_priority_rule_counts_the_tensorcores_of_the_chip_lowered_for(chip, winner):
+    # One (batch, head) fills v5e's and v6e's single TensorCore, half of v4's and v5p's two.
+    decision = sg.decide(dataclasses.replace(_spec(1, 1, 128), chip=chip))
+    assert decision.implementation.name == f"tpu_pallas.{winner}"
+    assert f"per {chip} chip" in decision.decided_by
+
+
+@pytest.mark.parametrize(("chip", "fits"), [(None, False), ("v4", False), ("v5e", True), ("v5p", True), ("v6e", True)])
+def test_capabilities_size_vmem_for_the_chip_the_call_is_lowered_for(chip, fits):
+    # K = V = 1024 float32 with g: fused's plans need 26 MiB at one chunk per step, more than an unknown
+    # chip's (or v4's) 16 MiB; v5e's and v6e's 96 MiB budget and v5p's 48 MiB hold them.
+    spec = dataclasses.replace(_spec(1, 2, 1024), key_dim=1024, dtype="float32", features=frozenset({"g", "output_final_state"}), ndims=(), chip=chip)
+    reasons = FUSED.reasons(spec, "forward")
+    if fits:
+        assert reasons == []
+    else:
+        assert len(reasons) == 1 and "VMEM" in reasons[0] and (f"of a {chip}" if chip else "of an unknown TPU") in reasons[0]
+
+
 def test_split_operands_keep_about_16_bits_in_two_bf16_passes():
     # matmul's SPLIT_BFLOAT16: a bf16 input times a float32 intermediate as two native bf16 passes (the
     # intermediate's high and low bf16 parts); about 2**-16 relative against float64, where one bf16 pass

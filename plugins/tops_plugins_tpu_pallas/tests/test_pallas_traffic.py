@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 import tops_core
+from tops_core.tpu_generations import UNKNOWN_CHIP_VMEM_BUDGET
 
 from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, kda, traffic, varlen
-from tops_plugins_tpu_pallas.launch import Blocked, DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 
@@ -79,7 +80,7 @@ def test_fused_moves_the_floor_end_to_end_at_the_benchmark_shape():
     assert f.kernel_bytes == TOKENS * 4 * 128 * 2 + 16 * 4
     assert f.relayout_bytes == 0
     assert f.end_to_end_per_token <= 1.05 * 1024
-    assert f.peak_vmem <= traffic.VMEM_BUDGET
+    assert f.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
 
 
 def test_chunk_figures_at_the_benchmark_shape():
@@ -90,7 +91,7 @@ def test_chunk_figures_at_the_benchmark_shape():
     stage2 = 3 * 128 * 2 + state_per_token + 128 * 2  # read q, k, v, chunk states; write o
     assert f.kernel_per_token == pytest.approx(stage1 + stage2, abs=0.01)
     assert f.relayout_bytes == 0
-    assert f.peak_vmem <= traffic.VMEM_BUDGET
+    assert f.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
 
 
 BACKWARD_FLOOR = 4 * 128 * 2 + 3 * 128 * 2  # read q, k, v, do and write dq, dk, dv: 1792 B/token
@@ -110,7 +111,7 @@ def test_fused_backward_figures_at_the_benchmark_shape(seq_len, chunk_size, back
     decay_gradient = 4  # float32 per token, summed into dg_gamma outside
     assert f.kernel_bytes == tokens * (BACKWARD_FLOOR + RECOMPUTED_STATES + 2 * checkpoint + decay_gradient) + 2 * 16 * 4
     assert f.relayout_bytes == 0
-    assert f.peak_vmem <= traffic.VMEM_BUDGET
+    assert f.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
     if backward_num_steps is None:  # the default segment of 1024 tokens: within 10% of the floor with recomputation
         assert f.kernel_per_token <= 1.1 * (BACKWARD_FLOOR + RECOMPUTED_STATES)
 
@@ -119,9 +120,9 @@ def test_fused_backward_segments_shrink_to_fit_vmem():
     # K = V = 512: 8 chunks of 128 per segment would need more than the budget; fewer chunks fit.
     config = fused.FusedConfig()
     geometry = backward_fused.geometry_of(1, 4096, 1, 512, 512, config)
-    assert max(traffic.vmem_bytes(plan) for plan in backward_fused.plans(geometry, jnp.bfloat16)) > traffic.VMEM_BUDGET
+    assert max(traffic.vmem_bytes(plan) for plan in backward_fused.plans(geometry, jnp.bfloat16)) > UNKNOWN_CHIP_VMEM_BUDGET
     checkpoints, gradients = backward_fused.fitted_plans(geometry, jnp.bfloat16)
-    assert max(traffic.vmem_bytes(checkpoints), traffic.vmem_bytes(gradients)) <= traffic.VMEM_BUDGET
+    assert max(traffic.vmem_bytes(checkpoints), traffic.vmem_bytes(gradients)) <= UNKNOWN_CHIP_VMEM_BUDGET
     assert gradients.grid[-1] > geometry.time_steps
 
 
@@ -133,7 +134,7 @@ def test_split_backward_figures_at_the_benchmark_shape():
     pass1 = 3 * 128 * 2 + 128 * 2 + state  # read q, k, do; write dv and dS
     pass2 = 4 * 128 * 2 + 2 * state + 2 * 128 * 2 + 4  # read q, k, v, do, states, dS; write dq, dk, the decay gradient
     assert f.kernel_per_token == pytest.approx(states + pass1 + pass2, abs=0.01)
-    assert f.peak_vmem <= traffic.VMEM_BUDGET
+    assert f.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
 
 
 def test_lane_padding_copies_are_counted_end_to_end():
@@ -210,7 +211,7 @@ def test_varlen_moves_what_fused_moves_whatever_the_number_of_sequences(num_seqs
     alone = traffic.figures(fused.fitted_plans(geometry, jnp.bfloat16), T * H)
     assert packed.kernel_bytes == alone.kernel_bytes + (num_seqs + 1) * 4 + 2 * (T // 128) * 4
     assert packed.kernel_per_token <= 1.10 * alone.kernel_per_token
-    assert packed.peak_vmem <= traffic.VMEM_BUDGET
+    assert packed.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
     # The states are the caller's data: N of them each way, as fused moves for B = N rows.
     stateful = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H)
     assert stateful.kernel_bytes - packed.kernel_bytes == 2 * num_seqs * H * 128 * 128 * 4
@@ -228,7 +229,7 @@ def test_varlen_backward_moves_what_the_fused_backward_moves_whatever_the_number
     alone = traffic.figures(backward_fused.fitted_plans(geometry, jnp.bfloat16), T * H)
     assert packed.kernel_bytes == alone.kernel_bytes + 2 * ((num_seqs + 1) * 4 + 2 * (T // 128) * 4)
     assert packed.kernel_per_token <= 1.10 * alone.kernel_per_token
-    assert packed.peak_vmem <= traffic.VMEM_BUDGET
+    assert packed.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
     # With states: initial_state read by the checkpoints (once) and the gradients kernel (at most twice:
     # where its sequence starts, and where a segment's states are recomputed), dht read and dinitial_state
     # written once; float32, N of each.
@@ -251,4 +252,4 @@ def test_kda_fused_is_within_five_percent_of_the_floor_at_the_benchmark_shape(ch
     assert f.kernel_bytes == TOKENS * (floor - 4 + 4 * 16)
     assert f.relayout_bytes == 0
     assert f.end_to_end_per_token <= 1.05 * floor
-    assert f.peak_vmem <= traffic.VMEM_BUDGET
+    assert f.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET

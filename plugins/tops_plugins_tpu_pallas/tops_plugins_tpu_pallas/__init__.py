@@ -8,11 +8,13 @@ interpreter anywhere else.
 """
 
 
+import functools
+
 import jax
 import tops_core
+from tops_core.tpu_generations import GENERATIONS
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, kda, traffic, varlen
-from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, kda, launch, varlen
 
 TOPS_CORE_API_VERSION = 1
 
@@ -20,7 +22,10 @@ ASSUMED_TENSORCORES = 2
 """TensorCores a call can spread over when no TPU is attached to ask (v4, v5p, v7x have 2 per chip)."""
 
 
-def _tensorcores() -> tuple[int, str]:
+def _tensorcores(chip: str | None) -> tuple[int, str]:
+    if chip is not None:
+        cores = GENERATIONS[chip].tensorcores
+        return cores, f"{cores} TensorCore(s) per {chip} chip"
     if jax.default_backend() == "tpu":
         cores = getattr(jax.devices()[0], "num_cores", 1)
         return cores, f"{cores} TensorCore(s) per device on this TPU"
@@ -37,7 +42,7 @@ def _prefer_fused(spec: tops_core.CallSpec) -> tuple[bool, str]:
     """
     geometry = fused.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, FUSED_CONFIG)
     units = spec.batch * spec.heads * geometry.value_tiles
-    cores, where = _tensorcores()
+    cores, where = _tensorcores(spec.chip)
     relation = ">=" if units >= cores else "<"
     return units >= cores, f"B*H*value blocks = {units} {relation} {where}"
 
@@ -63,41 +68,33 @@ CHUNK_CONFIG = chunk.ChunkConfig()
 
 
 def _fits_vmem(config, *directions):
-    """A capability predicate: reject shapes whose launch plans (default config) exceed the VMEM budget.
+    """A capability predicate: reject shapes whose launch plans (default config) exceed the VMEM budget of the chip.
 
     ``directions``: ``(geometry_of, build_plans)`` of the forward and, when the implementation has
-    its own, the backward; one implementation serves both, so both must fit. The whole padded K
-    sits in every block, so a large K is what can overflow VMEM. The spec does not carry the dtypes
-    of ``g`` and ``initial_state``; float32 (the larger) is assumed.
+    its own, the backward; one implementation serves both, so both must fit. The plans are fitted
+    as the kernels fit them (``launch.fit``: fewer chunks per step), for the budget of the call's
+    chip (``CallSpec.chip``; 16 MiB when it is not known). The whole padded K sits in every block,
+    so a large K is what can overflow VMEM. The spec does not carry the dtypes of ``g`` and
+    ``initial_state``; float32 (the larger) is assumed.
     """
 
     def predicate(spec: tops_core.CallSpec) -> str | None:
-        """blocks and scratch of the default config (forward, and backward where it has one) must fit the VMEM budget (bounds K)"""
-        needed = 0
+        """blocks and scratch of the default config (forward, and backward where it has one) must fit the chip's VMEM budget (bounds K)"""
+        target = launch.Target.of(spec.chip)
         for geometry_of, build_plans in directions:
             geometry = geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
-            plans = build_plans(
-                geometry, spec.dtype,
-                gate_dtype="float32" if "g" in spec.features else None,
-                initial_state_dtype="float32" if "initial_state" in spec.features else None,
-                output_final_state="output_final_state" in spec.features,
-            )
-            needed = max(needed, *(traffic.vmem_bytes(plan) for plan in plans))
-        if needed > traffic.VMEM_BUDGET:
-            return f"needs {needed / 2**20:.1f} MiB of VMEM for K={spec.key_dim} (budget {traffic.VMEM_BUDGET / 2**20:.0f} MiB)"
+            try:
+                launch.fit(
+                    build_plans, geometry, spec.dtype, target,
+                    gate_dtype="float32" if "g" in spec.features else None,
+                    initial_state_dtype="float32" if "initial_state" in spec.features else None,
+                    output_final_state="output_final_state" in spec.features,
+                )
+            except ValueError as error:
+                return f"K={spec.key_dim}: {error}"
         return None
 
     return predicate
-
-
-def _varlen_plans(geometry: Geometry, dtype, **inputs):
-    """varlen's plans for one sequence: its VMEM does not depend on N (boundaries in SMEM, states in HBM)."""
-    return varlen.fitted_plans(geometry, dtype, 1, **inputs)
-
-
-def _varlen_backward_plans(geometry: Geometry, dtype, **inputs):
-    """varlen's backward plans for one sequence (VMEM independent of N, as the forward's)."""
-    return backward_varlen.fitted_plans(geometry, dtype, 1, **inputs)
 
 
 def _varlen_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
@@ -123,7 +120,7 @@ FUSED = tops_core.Implementation(
     name="fused",
     forward=fused.forward,
     backward=backward_fused.backward,
-    capabilities=_capabilities(_fits_vmem(FUSED_CONFIG, (fused.geometry_of, fused.fitted_plans), (backward_fused.geometry_of, backward_fused.fitted_plans))),
+    capabilities=_capabilities(_fits_vmem(FUSED_CONFIG, (fused.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans))),
     priority=_fused_priority,
     config=FUSED_CONFIG,
     description=(
@@ -152,7 +149,13 @@ VARLEN = tops_core.Implementation(
     forward=varlen.forward,
     backward=backward_varlen.backward,
     capabilities=_capabilities(
-        _fits_vmem(varlen.VarlenConfig(), (fused.geometry_of, _varlen_plans), (backward_varlen.geometry_of, _varlen_backward_plans)), packed=True,
+        # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
+        _fits_vmem(
+            varlen.VarlenConfig(),
+            (fused.geometry_of, functools.partial(varlen.plans, num_seqs=1)),
+            (backward_varlen.geometry_of, functools.partial(backward_varlen.plans, num_seqs=1)),
+        ),
+        packed=True,
     ),
     priority=_varlen_priority,
     config=varlen.VarlenConfig(),
@@ -175,7 +178,7 @@ KDA_FUSED = tops_core.Implementation(
         dtypes={"bfloat16", "float32"},
         # No cu_seqlens yet: the matcher rejects packed calls with that reason.
         features={"initial_state", "output_final_state", "use_qk_l2norm"},
-        predicate=_fits_vmem(KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.fitted_plans)),
+        predicate=_fits_vmem(KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.plans)),
     ),
     priority={"tpu": 200},
     config=KDA_FUSED_CONFIG,

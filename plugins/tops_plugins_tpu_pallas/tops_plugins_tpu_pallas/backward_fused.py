@@ -15,7 +15,7 @@ forward walk produces it, so:
 A segment is ``FusedConfig.backward_num_steps`` chunks, by default ``SEGMENT_TOKENS`` (1024) tokens'
 worth, independent of the forward's ``num_steps``, and fewer chunks while the plans would not fit
 VMEM. VMEM is bounded for any ``T``: one segment's blocks, ``chunks_per_step`` states and ``dS``
-(``traffic.vmem_bytes`` of the plans; 16 MiB budget); HBM gains one float32 state per segment,
+(``traffic.vmem_bytes`` of the plans, within the chip's budget, ``launch.fit``); HBM gains one float32 state per segment,
 written once and read once.
 """
 
@@ -26,9 +26,9 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks, gradients, traffic
+from tops_plugins_tpu_pallas import blocks, gradients, launch
 from tops_plugins_tpu_pallas.chunkwise import advance_state, advance_state_work, constant_gates, gates_work, step_chunks
-from tops_plugins_tpu_pallas.launch import LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.plan import LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -47,9 +47,9 @@ def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
     return gradients.backward_geometry(Geometry(B, T, H, K, V, config.chunk_size, chunks))
 
 
-def fitted_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
-    """``plans`` for ``traffic.fitting_geometry`` (fewer chunks per segment while VMEM is short): what ``backward`` launches."""
-    return plans(traffic.fitting_geometry(plans, geometry, dtype, **inputs), dtype, **inputs)
+def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
+    """``plans`` at the geometry ``backward`` launches (fewer chunks per segment while ``target``'s VMEM is short)."""
+    return launch.fit(plans, geometry, dtype, target, **inputs)[1]
 
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True) -> tuple[LaunchPlan, LaunchPlan]:
@@ -131,17 +131,10 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     del cu_seqlens
     B, T, H, K = q.shape
     inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
-    geometry = traffic.fitting_geometry(plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
-    checkpoints_plan, gradients_plan = plans(geometry, q.dtype, **inputs)
-    traffic.check_vmem(checkpoints_plan)
-    traffic.check_vmem(gradients_plan)
+    target = launch.Target.lowered_for()
+    geometry, (checkpoints_plan, gradients_plan) = launch.fit(plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, target, **inputs)
     arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
-    checkpoints = checkpoints_plan.call(
-        functools.partial(gradients.checkpoints_kernel, plan=checkpoints_plan, geometry=geometry, every_chunk=False),
-        arrays, config.interpret, traffic.cost_estimate(checkpoints_plan),
-    )
-    results = gradients_plan.call(
-        functools.partial(_kernel, plan=gradients_plan, geometry=geometry, scale=scale),
-        {**arrays, **checkpoints}, config.interpret, traffic.cost_estimate(gradients_plan),
-    )
+    run = functools.partial(launch.run, target=target, interpret=config.interpret, geometry=geometry)
+    checkpoints = run(checkpoints_plan, gradients.checkpoints_kernel, arrays, every_chunk=False)
+    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

@@ -24,9 +24,9 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks, gradients, traffic
+from tops_plugins_tpu_pallas import blocks, gradients, launch
 from tops_plugins_tpu_pallas.chunkwise import constant_gates, step_chunks
-from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -137,21 +137,14 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    geometry = geometry_of(B, T, H, K, v.shape[-1], config)
-    states_plan, state_gradients_plan, query_key_plan = plans(geometry, q.dtype, **gradients.plan_inputs(q, g, g_gamma, initial_state, dht))
-    for plan in (states_plan, state_gradients_plan, query_key_plan):
-        traffic.check_vmem(plan)
+    target = launch.Target.lowered_for()
+    inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
+    geometry, (states_plan, state_gradients_plan, query_key_plan) = launch.fit(
+        plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, target, **inputs,
+    )
     arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
-    states = states_plan.call(
-        functools.partial(gradients.checkpoints_kernel, plan=states_plan, geometry=geometry, every_chunk=True),
-        arrays, config.interpret, traffic.cost_estimate(states_plan),
-    )
-    pass1 = state_gradients_plan.call(
-        functools.partial(_state_gradients_kernel, plan=state_gradients_plan, geometry=geometry, scale=scale),
-        arrays, config.interpret, traffic.cost_estimate(state_gradients_plan),
-    )
-    pass2 = query_key_plan.call(
-        functools.partial(_query_key_gradients_kernel, plan=query_key_plan, geometry=geometry, scale=scale),
-        {**arrays, **states, "dstates": pass1["dstates"]}, config.interpret, traffic.cost_estimate(query_key_plan),
-    )
+    run = functools.partial(launch.run, target=target, interpret=config.interpret, geometry=geometry)
+    states = run(states_plan, gradients.checkpoints_kernel, arrays, every_chunk=True)
+    pass1 = run(state_gradients_plan, _state_gradients_kernel, arrays, scale=scale)
+    pass2 = run(query_key_plan, _query_key_gradients_kernel, {**arrays, **states, "dstates": pass1["dstates"]}, scale=scale)
     return gradients.caller_gradients({**pass1, **pass2}, q, k, v, g, g_gamma, initial_state, geometry)

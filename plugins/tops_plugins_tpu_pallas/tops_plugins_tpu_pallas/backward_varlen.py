@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import backward_fused, blocks, gradients, traffic, varlen
+from tops_plugins_tpu_pallas import backward_fused, blocks, gradients, launch, varlen
 from tops_plugins_tpu_pallas.chunkwise import Work, advance_state, advance_state_work, constant_gates, gates_work, step_chunks
-from tops_plugins_tpu_pallas.launch import DmaSemaphores, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.plan import DmaSemaphores, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -45,10 +45,9 @@ _F32 = jnp.float32
 geometry_of = backward_fused.geometry_of  # the fused backward's segment (backward_num_steps, or 1024 tokens' worth)
 
 
-def fitted_plans(geometry: Geometry, dtype, num_seqs: int, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
-    """``plans`` at the geometry ``backward`` launches (fewer chunks per segment while VMEM is short)."""
-    build_plans = functools.partial(plans, num_seqs=num_seqs)
-    return build_plans(traffic.fitting_geometry(build_plans, geometry, dtype, **inputs), dtype, **inputs)
+def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
+    """``plans`` at the geometry ``backward`` launches (fewer chunks per segment while ``target``'s VMEM is short)."""
+    return launch.fit(functools.partial(plans, num_seqs=num_seqs), geometry, dtype, target, **inputs)[1]
 
 
 def _piece_work(geometry: Geometry) -> Work:
@@ -238,23 +237,17 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     B, T, H, K = q.shape
     num_seqs = cu_seqlens.shape[0] - 1
     inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
-    build_plans = functools.partial(plans, num_seqs=num_seqs)
-    geometry = traffic.fitting_geometry(build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
-    checkpoints_plan, gradients_plan = build_plans(geometry, q.dtype, **inputs)
-    traffic.check_vmem(checkpoints_plan)
-    traffic.check_vmem(gradients_plan)
+    target = launch.Target.lowered_for()
+    geometry, (checkpoints_plan, gradients_plan) = launch.fit(
+        functools.partial(plans, num_seqs=num_seqs), geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, target, **inputs,
+    )
     arrays = {
         **gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry),
         **varlen.boundary_operands(cu_seqlens, T, config.chunk_size),
     }
-    checkpoints = checkpoints_plan.call(
-        functools.partial(_checkpoints_kernel, plan=checkpoints_plan, geometry=geometry),
-        arrays, config.interpret, traffic.cost_estimate(checkpoints_plan),
-    )
-    results = gradients_plan.call(
-        functools.partial(_gradients_kernel, plan=gradients_plan, geometry=geometry, scale=scale),
-        {**arrays, **checkpoints}, config.interpret, traffic.cost_estimate(gradients_plan),
-    )
+    run = functools.partial(launch.run, target=target, interpret=config.interpret, geometry=geometry)
+    checkpoints = run(checkpoints_plan, _checkpoints_kernel, arrays)
+    results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale)
     grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)
     if initial_state is None:
         return grads

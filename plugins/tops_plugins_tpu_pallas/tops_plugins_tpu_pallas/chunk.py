@@ -18,13 +18,13 @@ from typing import Any
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks, traffic
+from tops_plugins_tpu_pallas import blocks, launch
 from tops_plugins_tpu_pallas.chunkwise import (
     advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
     constant_gates, finish_sequence, gate_computations, gates_work, start_sequence, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
-from tops_plugins_tpu_pallas.launch import LaunchPlan
+from tops_plugins_tpu_pallas.plan import LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, kernel_operands
 
 
@@ -111,23 +111,16 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    geometry = geometry_of(B, T, H, K, v.shape[-1], config)
-    states_plan, outputs_plan = plans(
-        geometry, q.dtype,
+    target = launch.Target.lowered_for()
+    geometry, (states_plan, outputs_plan) = launch.fit(
+        plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, target,
         gate_dtype=None if g is None else g.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
-    traffic.check_vmem(states_plan)
-    traffic.check_vmem(outputs_plan)
     operands = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)
-    stage1 = states_plan.call(
-        functools.partial(_states_kernel, plan=states_plan, geometry=geometry), operands, config.interpret,
-        traffic.cost_estimate(states_plan),
-    )
-    stage2 = outputs_plan.call(
-        functools.partial(_outputs_kernel, plan=outputs_plan, geometry=geometry, scale=scale),
-        {**operands, "chunk_states": stage1["chunk_states"]}, config.interpret, traffic.cost_estimate(outputs_plan),
-    )
+    run = functools.partial(launch.run, target=target, interpret=config.interpret, geometry=geometry)
+    stage1 = run(states_plan, _states_kernel, operands)
+    stage2 = run(outputs_plan, _outputs_kernel, {**operands, "chunk_states": stage1["chunk_states"]}, scale=scale)
     final_state = caller_state(stage1["final_state"], geometry) if output_final_state else None
     return caller_output(stage2["o"], geometry), final_state

@@ -12,26 +12,25 @@ every ``num_steps``. The intra-chunk attention is recomputed inline, never store
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks, traffic
+from tops_plugins_tpu_pallas import blocks, launch
 from tops_plugins_tpu_pallas.chunkwise import (
     Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
     constant_gates, finish_sequence, gate_computations, gates_work, start_sequence, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
-from tops_plugins_tpu_pallas.launch import LaunchPlan
+from tops_plugins_tpu_pallas.plan import LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, kernel_operands
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
     """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step, at most: fewer when
-    the step's blocks would not fit the VMEM budget (``traffic.fitting_geometry``). ``backward_num_steps``:
+    the step's blocks would not fit the VMEM budget (``launch.fit``). ``backward_num_steps``:
     chunks per segment of the backward (``backward_fused``), at most, fewer when VMEM is short; None: as
     many as make ``backward_fused.SEGMENT_TOKENS`` (1024) tokens. ``full_values``: one grid point
     per (batch, head) holding all of ``V`` (``q`` and ``k`` read once, the MXU's full width on ``V``), else
@@ -64,10 +63,9 @@ def geometry_of(B: int, T: int, H: int, K: int, V: int, config: FusedConfig) -> 
     return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values)
 
 
-def fitted_plans(geometry: Geometry, dtype, build_plans=None, **inputs) -> tuple[LaunchPlan]:
-    """``build_plans`` (default ``plans``) at the geometry ``traffic.fitting_geometry`` fits to VMEM: what ``launch`` launches."""
-    build_plans = build_plans or plans
-    return build_plans(traffic.fitting_geometry(build_plans, geometry, dtype, **inputs), dtype, **inputs)
+def fitted_plans(geometry: Geometry, dtype, build_plans=None, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
+    """``build_plans`` (default ``plans``) at the geometry that fits ``target``'s VMEM: what ``run`` launches."""
+    return launch.fit(build_plans or plans, geometry, dtype, target, **inputs)[1]
 
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
@@ -118,7 +116,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     finish_sequence(refs, step, geometry)
 
 
-def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config: FusedConfig, operands=None):
+def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config: FusedConfig, operands=None):
     """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
 
     ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (``plans``'s
@@ -134,12 +132,10 @@ def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, ou
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
-    geometry = traffic.fitting_geometry(build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, **inputs)
-    (plan,) = build_plans(geometry, q.dtype, **inputs)
-    traffic.check_vmem(plan)
-    body = functools.partial(kernel, plan=plan, geometry=geometry, scale=scale)
+    target = launch.Target.lowered_for()
+    geometry, (plan,) = launch.fit(build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, target, **inputs)
     arrays = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(operands or {})}
-    results = plan.call(body, arrays, config.interpret, traffic.cost_estimate(plan))
+    results = launch.run(plan, kernel, arrays, target=target, interpret=config.interpret, geometry=geometry, scale=scale)
     final_state = caller_state(results["final_state"], geometry) if output_final_state else None
     return caller_output(results["o"], geometry), final_state
 
@@ -147,7 +143,7 @@ def launch(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, ou
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
-    return launch(
+    return run(
         _kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, config=config,
     )

@@ -39,7 +39,7 @@ from tops_plugins_tpu_pallas.chunkwise import (
     SPLIT_BFLOAT16, ChunkGates, Work, advance_state, advance_state_work, constant_gates, gate_computations, gates_work, matmul,
     mxu_operand_dtype, start_sequence, step_chunks,
 )
-from tops_plugins_tpu_pallas.launch import Blocked, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry, _heads_flattened, caller_output, caller_state, kernel_operands, padded_state
 
 _F32 = jnp.float32

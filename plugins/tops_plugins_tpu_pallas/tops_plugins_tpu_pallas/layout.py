@@ -29,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tops_plugins_tpu_pallas.launch import Relayout
+from tops_plugins_tpu_pallas.plan import Relayout
 
 LANES = 128
 """Width of a TPU vector register: a head dimension that is not a multiple of it is padded to one."""

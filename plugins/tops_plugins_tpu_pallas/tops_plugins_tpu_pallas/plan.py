@@ -2,24 +2,19 @@
 
 A plan names every array the kernel touches (scalar-prefetch arrays in SMEM, blocked inputs and
 outputs in HBM, scratch in VMEM), with shapes, dtypes, block shapes and index maps, plus the grid
-and its dimension semantics. ``LaunchPlan.call`` builds the ``pl.pallas_call`` from it and
-``tops_plugins_tpu_pallas.traffic`` counts bytes from the very same object, so the two cannot drift.
+and its dimension semantics. ``tops_plugins_tpu_pallas.launch`` builds the ``pl.pallas_call`` from
+it and ``tops_plugins_tpu_pallas.traffic`` counts bytes from the very same object, so the two cannot drift.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from tops_core.lowering import per_platform
 
 SEMANTICS = ("parallel", "arbitrary")
 
@@ -113,7 +108,7 @@ class LaunchPlan:
 
     ``body_vmem`` estimates the VMEM the kernel body's own values need (matrices it computes and
     spills), which no operand describes. ``flops`` and ``transcendentals`` count what the kernel
-    body computes over the whole grid (``pl.CostEstimate``; the bytes come from the traffic model).
+    body computes over the whole grid (what ``launch`` tells XLA, with the bytes the traffic model counts).
     """
 
     name: str
@@ -143,60 +138,3 @@ class LaunchPlan:
         if len(refs) != len(names):
             raise ValueError(f"{self.name}: kernel got {len(refs)} refs, the plan has {len(names)}: {names}")
         return dict(zip(names, refs))
-
-    def call(
-        self, kernel: Callable[..., None], arrays: dict[str, jax.Array], interpret: Any, cost: pl.CostEstimate | None = None
-    ) -> dict[str, jax.Array]:
-        """Run ``kernel`` over this plan; ``arrays`` holds the scalars and inputs by name, the result the outputs.
-
-        ``cost`` tells XLA what the kernel costs (it cannot see inside a Mosaic kernel); it shows
-        in the compiled program's ``cost_analysis()``.
-
-        ``interpret``: None compiles with Mosaic where the program is lowered for a TPU and runs
-        Pallas' TPU interpreter anywhere else (decided at lowering, so a program lowered for a TPU
-        on a CPU host gets the compiled kernel); otherwise ``pl.pallas_call``'s ``interpret``.
-        """
-        for operand in (*self.scalars, *self.inputs):
-            x = arrays[operand.name]
-            if tuple(x.shape) != operand.shape or jnp.dtype(x.dtype) != operand.dtype:
-                raise ValueError(
-                    f"{self.name}: {operand.name} is {tuple(x.shape)} {jnp.dtype(x.dtype).name}, "
-                    f"the plan says {operand.shape} {operand.dtype.name}"
-                )
-        grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(self.scalars),
-            grid=self.grid,
-            in_specs=[_block_spec(x) for x in self.inputs],
-            out_specs=[_block_spec(x) for x in self.outputs],
-            scratch_shapes=[_scratch_shape(s) for s in self.scratch],
-        )
-        operands = [arrays[x.name] for x in (*self.scalars, *self.inputs)]
-
-        def launch(interpret: Any, operands: list[jax.Array]) -> list[jax.Array]:
-            return pl.pallas_call(
-                kernel,
-                grid_spec=grid_spec,
-                out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.outputs],
-                compiler_params=pltpu.CompilerParams(dimension_semantics=self.dimension_semantics),
-                interpret=interpret,
-                cost_estimate=cost,
-                name=self.name,
-            )(*operands)
-
-        if interpret is None:
-            results = per_platform(operands, {"tpu": functools.partial(launch, False), "default": functools.partial(launch, True)})
-        else:
-            results = launch(interpret, operands)
-        return {x.name: result for x, result in zip(self.outputs, results)}
-
-
-def _block_spec(x: Blocked | InHbm) -> pl.BlockSpec:
-    if isinstance(x, InHbm):
-        return pl.BlockSpec(memory_space=pl.ANY)
-    return pl.BlockSpec(x.block_shape, x.index_map)
-
-
-def _scratch_shape(s: Scratch | DmaSemaphores) -> Any:
-    if isinstance(s, DmaSemaphores):
-        return pltpu.SemaphoreType.DMA((s.count,))
-    return pltpu.VMEM(s.shape, s.dtype)

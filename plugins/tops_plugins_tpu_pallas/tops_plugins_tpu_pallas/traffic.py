@@ -25,12 +25,8 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas.launch import Blocked, InHbm, LaunchPlan, Scratch
-
-VMEM_BUDGET = 16 * 2**20
-"""Scoped VMEM a kernel may plan for: the default scoped limit of v4/v5e (v6e and later allow more)."""
+from tops_plugins_tpu_pallas.plan import Blocked, InHbm, LaunchPlan, Scratch
 
 _LANES = 128
 _SUBLANE_BITS = 8 * 32
@@ -115,28 +111,6 @@ def vmem_bytes(plan: LaunchPlan) -> int:
         for x in (*plan.inputs, *plan.outputs) if isinstance(x, Blocked)
     )
     return blocks + sum(_vmem_tile_bytes(s.shape, s.dtype) for s in plan.scratch if isinstance(s, Scratch)) + plan.body_vmem
-
-
-def cost_estimate(plan: LaunchPlan) -> pl.CostEstimate:
-    """What XLA is told the launch costs: the plan's flops and transcendentals, and the bytes it moves."""
-    return pl.CostEstimate(flops=plan.flops, transcendentals=plan.transcendentals, bytes_accessed=sum(kernel_traffic(plan)))
-
-
-def fitting_geometry(build_plans, geometry, dtype, **inputs):
-    """``geometry`` with fewer chunks per step while one of ``build_plans``' plans would not fit the VMEM budget (at least one chunk)."""
-    while geometry.chunks_per_step > 1 and max(vmem_bytes(plan) for plan in build_plans(geometry, dtype, **inputs)) > VMEM_BUDGET:
-        geometry = dataclasses.replace(geometry, num_steps=geometry.chunks_per_step - 1)
-    return geometry
-
-
-def check_vmem(plan: LaunchPlan) -> None:
-    """Raise ValueError when the plan needs more VMEM than ``VMEM_BUDGET``."""
-    needed = vmem_bytes(plan)
-    if needed > VMEM_BUDGET:
-        raise ValueError(
-            f"{plan.name} needs {needed / 2**20:.1f} MiB of VMEM (double-buffered blocks, scratch, body values), "
-            f"more than the {VMEM_BUDGET / 2**20:.0f} MiB budget; lower num_steps or chunk_size"
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from tops_core.tpu_generations import UNKNOWN_CHIP_VMEM_BUDGET
 
 from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, kda, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
-from tops_plugins_tpu_pallas.traffic import VMEM_BUDGET, figures
+from tops_plugins_tpu_pallas.traffic import figures
 
 B, T, H = 8, 4096, 16
 HEAD_DIMS = (128, 100)  # the benchmark's, then one that needs the lane padding copy
@@ -46,7 +47,7 @@ def main() -> None:
     print("\nrelayout: the lane padding copies of q, k, v and the slice of o when K or V is not a multiple of 128 (layout.py)")
     print(
         f"peak VMEM: double-buffered blocks and scratch in whole tiles, plus an estimate of the values the "
-        f"kernel body holds (the largest launch); budget {VMEM_BUDGET / 2**20:.0f} MiB"
+        f"kernel body holds (the largest launch); sized for an unknown chip's budget, {UNKNOWN_CHIP_VMEM_BUDGET / 2**20:.0f} MiB"
     )
 
 

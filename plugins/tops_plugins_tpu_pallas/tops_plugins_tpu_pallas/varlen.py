@@ -1,6 +1,6 @@
 """``tpu_pallas.varlen``: the simple_gla forward over packed sequences (``B == 1``, ``cu_seqlens``), in one ``pallas_call``.
 
-The fused kernel's grid, layout and launch (``fused.launch``) over the packed ``T``: ``(1, head,
+The fused kernel's grid, layout and launch (``fused.run``) over the packed ``T``: ``(1, head,
 value block, time step)``, the float32 state carried along the sequential time axis. Sequence boundaries may fall
 anywhere, so a chunk holds one or more *segments* (the pieces of the sequences it overlaps). The
 boundaries are scalars in SMEM (scalar prefetch), traced under ``jit``: one compile serves every
@@ -35,13 +35,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tops_plugins_tpu_pallas import blocks, fused
+from tops_plugins_tpu_pallas import blocks, fused, launch
 from tops_plugins_tpu_pallas.chunkwise import (
     _ROWS_BY_ROWS, LogDecays, Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
     constant_gates, gate_computations, gates_work, matmul, mxu_operand_dtype, step_chunks,
 )
 from tops_plugins_tpu_pallas.fused import FusedConfig
-from tops_plugins_tpu_pallas.launch import DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
+from tops_plugins_tpu_pallas.plan import DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -101,9 +101,9 @@ def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_
     return (fused.grid_plan("simple_gla_varlen", g, (blocks.decay(g), *boundaries(g, num_seqs)), inputs, outputs, work, chunk_body_vmem(g), scratch),)
 
 
-def fitted_plans(geometry: Geometry, dtype, num_seqs: int, **inputs) -> tuple[LaunchPlan]:
-    """``plans`` at the geometry ``forward`` launches (fewer chunks per step when VMEM is short)."""
-    return fused.fitted_plans(geometry, dtype, functools.partial(plans, num_seqs=num_seqs), **inputs)
+def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
+    """``plans`` at the geometry ``forward`` launches (fewer chunks per step while ``target``'s VMEM is short)."""
+    return fused.fitted_plans(geometry, dtype, functools.partial(plans, num_seqs=num_seqs), target=target, **inputs)
 
 
 def _at_row(column: jax.Array, rows: jax.Array, row: jax.Array) -> jax.Array:
@@ -252,7 +252,7 @@ def sequences_of_chunks(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) ->
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: VarlenConfig):
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given)."""
     num_seqs = cu_seqlens.shape[0] - 1
-    o, final_state = fused.launch(
+    o, final_state = fused.run(
         _kernel, functools.partial(plans, num_seqs=num_seqs), q, k, v, g=g, g_gamma=g_gamma, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, config=config,
         operands=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size),

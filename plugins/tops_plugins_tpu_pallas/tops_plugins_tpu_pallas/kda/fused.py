@@ -1,6 +1,6 @@
 """``tpu_pallas.fused`` for kda: the whole KDA forward in one ``pallas_call``.
 
-simple_gla's fused grid, layout and launch (``fused.launch``): grid ``(batch, head, value block,
+simple_gla's fused grid, layout and launch (``fused.run``): grid ``(batch, head, value block,
 time step)``, the first three "parallel", time "arbitrary" (sequential), each step walking
 ``chunks_per_step`` chunks unrolled (``step_chunks``) with the float32 state carried as a value
 between them. The state lives in a VMEM scratch between steps; it is loaded from
@@ -28,11 +28,11 @@ from typing import Any
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks, fused
+from tops_plugins_tpu_pallas import blocks, fused, launch
 from tops_plugins_tpu_pallas.chunkwise import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, chunk_work
-from tops_plugins_tpu_pallas.launch import LaunchPlan
+from tops_plugins_tpu_pallas.plan import LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry, _heads_flattened
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
@@ -46,7 +46,7 @@ class KdaFusedConfig:
     per token, the run sums and the pair products of its ``log2 C`` halving levels cost
     ``O(C K log C)`` flops, so chunks of 128 do about twice the matmul work of chunks of 64
     (README "kda"), for the same bytes. ``num_steps``: chunks per grid step, at most (fewer when
-    VMEM is short, ``traffic.fitting_geometry``). ``full_values``: one grid point per (batch, head)
+    VMEM is short, ``launch.fit``). ``full_values``: one grid point per (batch, head)
     holding all of ``V`` (the decays, pairs and inverse computed once, not per 128-lane value
     tile). ``interpret``: as ``FusedConfig``'s.
     """
@@ -88,9 +88,9 @@ def plans(
     return (fused.grid_plan("kda_fused", geometry, (), inputs, outputs, work, chunk_body_vmem(geometry)),)
 
 
-def fitted_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
-    """``plans`` at the geometry ``forward`` launches (fewer chunks per step when VMEM is short)."""
-    return fused.fitted_plans(geometry, dtype, plans, **inputs)
+def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
+    """``plans`` at the geometry ``forward`` launches (fewer chunks per step while ``target``'s VMEM is short)."""
+    return fused.fitted_plans(geometry, dtype, plans, target=target, **inputs)
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool):
@@ -113,7 +113,7 @@ def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_se
     """The ``Forward`` protocol of ``tops_core.ops.kda`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     padded_key_dim = geometry_of(*q.shape, v.shape[-1], config).padded_key_dim
-    return fused.launch(
+    return fused.run(
         functools.partial(_kernel, use_qk_l2norm=use_qk_l2norm),
         functools.partial(plans, beta_dtype=beta.dtype, use_qk_l2norm=use_qk_l2norm),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
