@@ -21,6 +21,7 @@ from tops_plugins_tpu_pallas import CHUNK, FUSED, chunk, chunkwise, fused, traff
 from tops_plugins_tpu_pallas.chunk import ChunkConfig
 from tops_plugins_tpu_pallas.fused import FusedConfig
 from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas.varlen import VarlenConfig
 
 KERNELS = ["fused", "chunk"]
 sg = tops_core.op("simple_gla")
@@ -69,6 +70,29 @@ def test_num_steps_do_not_change_a_bit(kernel, num_steps, chunks_per_step, num_s
     result, _ = num_steps_runs
     for got, want in zip(result(kernel, num_steps), result(kernel, 1)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("gates", [dict(g=True, g_gamma="alibi"), dict(g=False, g_gamma="alibi")], ids=["g", "g_gamma"])
+def test_the_attention_schedule_does_not_change_a_bit(gates, make_inputs):
+    # The same operations traced in another order: the kernel's results are identical, bit for bit.
+    inputs, _ = make_inputs(*NUM_STEPS_SHAPE, jnp.float32, initial_state=True, seed=2, **gates)
+    ahead = run("fused", inputs, chunk_size=64, num_steps=4, attention_first=True)
+    beside = run("fused", inputs, chunk_size=64, num_steps=4, attention_first=False)
+    for got, want in zip(ahead, beside):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("gated", "dtype", "key_dim", "chip", "ahead"),
+    [
+        (True, "float32", 128, None, True), (True, "bfloat16", 128, "v5e", True),
+        (False, "bfloat16", 256, "v6e", True), (False, "bfloat16", 128, "v6e", False), (False, "bfloat16", 256, "v5e", False),
+        (False, "bfloat16", 256, None, False), (False, "float32", 256, "v6e", False),
+    ],
+)
+def test_attention_goes_ahead_of_the_chain_where_the_model_measured_it_faster(gated, dtype, key_dim, chip, ahead):
+    assert fused.attention_first(FusedConfig(), gated, dtype, key_dim, chip) is ahead
+    assert fused.attention_first(FusedConfig(attention_first=not ahead), gated, dtype, key_dim, chip) is (not ahead)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -261,6 +285,13 @@ def test_configs_reject_invalid_fields(Config, field, value, error):
 def test_fused_config_rejects_an_invalid_backward_segment(value):
     with pytest.raises(ValueError, match="backward_num_steps"):
         FusedConfig(backward_num_steps=value)
+
+
+def test_attention_first_is_a_bool_and_not_a_varlen_field():
+    with pytest.raises(TypeError, match="attention_first"):
+        FusedConfig(attention_first="yes")
+    with pytest.raises(ValueError, match="attention_first"):
+        VarlenConfig(attention_first=True)
 
 
 def test_capabilities_reject_what_does_not_fit_vmem():

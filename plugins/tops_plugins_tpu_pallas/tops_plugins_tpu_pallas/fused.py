@@ -12,15 +12,18 @@ every ``num_steps``. The intra-chunk attention is recomputed inline, never store
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from tops_core.tpu_generations import GENERATIONS
 
 from tops_plugins_tpu_pallas import blocks, launch
 from tops_plugins_tpu_pallas.chunkwise import (
-    Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
-    constant_gates, finish_sequence, gate_computations, gates_work, start_sequence, step_chunks,
+    Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
+    constant_gates, finish_sequence, gate_computations, gates_work, intra_chunk_output, output_from_state, start_sequence,
+    step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.plan import LaunchPlan
@@ -34,7 +37,10 @@ class FusedConfig:
     chunks per segment of the backward (``backward_fused``), at most, fewer when VMEM is short; None: as
     many as make ``backward_fused.SEGMENT_TOKENS`` (1024) tokens. ``full_values``: one grid point
     per (batch, head) holding all of ``V`` (``q`` and ``k`` read once, the MXU's full width on ``V``), else
-    one per 128-lane value tile. ``interpret``: None (compile where lowered for a TPU, interpret
+    one per 128-lane value tile. ``attention_first``: trace every chunk's attention of a grid step ahead of
+    the chain through the state (True), or each chunk's attention beside its link of the chain (False);
+    None: as ``attention_first`` decides for the call. Both compute the same operations, bit for
+    bit; only the static schedule differs. ``interpret``: None (compile where lowered for a TPU, interpret
     elsewhere), True (fast interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False
     (always compile).
 
@@ -48,10 +54,13 @@ class FusedConfig:
     num_steps: int = 8
     full_values: bool = True
     backward_num_steps: int | None = None
+    attention_first: bool | None = None
     interpret: Any = None
 
     def __post_init__(self):
         check_common_fields(self)
+        if self.attention_first is not None and not isinstance(self.attention_first, bool):
+            raise TypeError(f"FusedConfig.attention_first must be None or a bool, got {self.attention_first!r}")
         steps = self.backward_num_steps
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
             raise ValueError(f"FusedConfig.backward_num_steps must be None or an int >= 1, got {steps!r}")
@@ -100,17 +109,40 @@ def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Wor
     )
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
+def attention_first(config: FusedConfig, gated: bool, dtype, key_dim: int, chip: str | None) -> bool:
+    """Whether the kernel traces a step's attention ahead of its state chain (``FusedConfig.attention_first``).
+
+    None decides by what the cost model measured (README "Modelled on TPU"; B=8 T=4096 H=16, in a
+    layer, times the HBM floor): ahead with ``g`` (v5e 1.51x -> 1.22x, v6e 2.90x -> 2.19x), where
+    each chunk's gates lengthen the chain; ahead on a 256-wide MXU (v6e) for bf16 with K >= 256
+    (1.26x -> 1.00x). Beside the chain otherwise, where ahead costs: bf16 K=128 on v6e 1.38x ->
+    1.42x, K=256 on v5e 1.00x -> 1.07x, float32 1.63x -> 1.81x (v5e) and 2.74x -> 2.89x (v6e).
+    """
+    if config.attention_first is not None:
+        return config.attention_first
+    if gated:
+        return True
+    wide_mxu = chip is not None and GENERATIONS[chip].mxu >= 256
+    return wide_mxu and jnp.dtype(dtype) == jnp.bfloat16 and key_dim >= 256
+
+
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention_first: bool):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
 
     constant = constant_gates(refs, head, geometry)
-    state = refs["state"][...]
+    chunks = []
     for chunk in step_chunks(geometry, step):
         gates = chunk.gates(refs, head, constant)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        refs["o"][chunk.rows, :] = chunk_output(q, k, v, state, gates, scale).astype(refs["o"].dtype)
+        # The attention does not depend on the state: traced ahead of the chain, the scheduler
+        # fills the chain's gaps with it; traced beside each link, with the link's own work.
+        chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates) if attention_first else None))
+    state = refs["state"][...]
+    for chunk, gates, q, k, v, intra in chunks:
+        intra = intra_chunk_output(q, k, v, gates) if intra is None else intra
+        refs["o"][chunk.rows, :] = output_from_state(intra, q, state, gates, scale).astype(refs["o"].dtype)
         state = advance_state(state, k, v, gates)
     refs["state"][...] = state
     finish_sequence(refs, step, geometry)
@@ -143,7 +175,8 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
+    first = attention_first(config, g is not None, q.dtype, q.shape[-1], launch.Target.lowered_for().chip)
     return run(
-        _kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+        functools.partial(_kernel, attention_first=first), plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, config=config,
     )

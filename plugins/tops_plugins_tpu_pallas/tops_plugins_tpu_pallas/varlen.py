@@ -50,7 +50,13 @@ _F32 = jnp.float32
 class VarlenConfig(FusedConfig):
     """The fused kernel's fields and defaults: ``chunk_size`` (64 or 128), ``num_steps`` chunks per
     grid step at most (fewer when VMEM is short), ``full_values`` (one value block of all of ``V``),
-    ``interpret`` (None: compile where lowered for a TPU, interpret elsewhere)."""
+    ``interpret`` (None: compile where lowered for a TPU, interpret elsewhere). ``attention_first`` must
+    stay None: the packed kernel has one schedule (the boundaries' state resets sit inside its chain)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.attention_first is not None:
+            raise ValueError(f"VarlenConfig.attention_first must be None (the packed kernel has one schedule), got {self.attention_first!r}")
 
 
 def sequence_states(name: str, geometry: Geometry, num_seqs: int, dtype, moves: int = 1) -> InHbm:
