@@ -54,8 +54,9 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     end = (blocks.state("final_state", geometry, jnp.float32),) if output_final_state else ()
     k, v = blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype)
     chunks, gated = chunks_of_the_grid(geometry), gate_dtype is not None
-    gating = gates_work(geometry, gated) * gate_computations(geometry, gated)
-    states_work, outputs_work = advance_state_work(geometry) * chunks + gating, chunk_output_work(geometry) * chunks + gating
+    computations = gate_computations(geometry, gated)
+    states_work = advance_state_work(geometry) * chunks + gates_work(geometry, gated, attention=False) * computations
+    outputs_work = chunk_output_work(geometry) * chunks + gates_work(geometry, gated) * computations
     states = LaunchPlan(
         name="simple_gla_chunk_states",
         grid=blocks.grid(geometry),
@@ -87,11 +88,12 @@ def _states_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
 
-    constant = constant_gates(refs, head, geometry)
+    constant = constant_gates(refs, head, geometry, attention=False)
     state = refs["state"][...]
     for chunk in step_chunks(geometry, step):
         refs["chunk_states"][chunk.index] = state
-        state = advance_state(state, chunk.read(refs["k"]), chunk.read(refs["v"]), chunk.gates(refs, head, constant))
+        gates = chunk.gates(refs, head, constant, attention=False)
+        state = advance_state(state, chunk.read(refs["k"]), chunk.read(refs["v"]), gates)
     refs["state"][...] = state
     finish_sequence(refs, step, geometry)
 

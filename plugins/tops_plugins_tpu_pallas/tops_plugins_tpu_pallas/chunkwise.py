@@ -156,23 +156,27 @@ class ChunkGates:
     them once per grid step.
     """
 
-    decays: jax.Array  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal
+    decays: jax.Array | None  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal; None without attention
     query: jax.Array  # (C, 1): exp(b_i), how the state entering the chunk decays up to row i
     key: jax.Array  # (C, 1): exp(b_C - b_j), how row j's key-value product decays to the chunk's end
     chunk: jax.Array  # (1, 1): exp(b_C), how the state decays over the whole chunk
 
     @classmethod
-    def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int) -> ChunkGates:
+    def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int, attention: bool = True) -> ChunkGates:
         """Gates of one chunk from its ``decay``, ``g`` and ``valid_rows``, as ``LogDecays.compute`` takes them."""
-        return cls.of(LogDecays.compute(decay, g, valid_rows, chunk_size))
+        return cls.of(LogDecays.compute(decay, g, valid_rows, chunk_size), attention)
 
     @classmethod
-    def of(cls, log: LogDecays) -> ChunkGates:
+    def of(cls, log: LogDecays, attention: bool = True) -> ChunkGates:
+        """The gates from ``log``; ``attention=False`` (a kernel that only advances the state) leaves out
+        the ``C x C`` decays, a ``C x C`` exp the kernel would not use."""
         chunk_size = log.column.shape[0]
         total = log.column[chunk_size - 1 :, :]
-        rows, cols = _row_and_column_iotas(chunk_size)
-        causal = rows >= cols
-        decays = jnp.where(causal, jnp.exp(jnp.where(causal, log.column - log.row, 0.0)), 0.0)
+        decays = None
+        if attention:
+            rows, cols = _row_and_column_iotas(chunk_size)
+            causal = rows >= cols
+            decays = jnp.where(causal, jnp.exp(jnp.where(causal, log.column - log.row, 0.0)), 0.0)
         return cls(decays=decays, query=jnp.exp(log.column), key=jnp.exp(total - log.column), chunk=jnp.exp(total))
 
 
@@ -219,11 +223,11 @@ class Work:
         return Work(self.flops * times, self.transcendentals * times)
 
 
-def gates_work(geometry: Geometry, gated: bool) -> Work:
+def gates_work(geometry: Geometry, gated: bool, attention: bool = True) -> Work:
     """``ChunkGates.compute`` once: with ``g``, the cumulative sum as a (C x C) @ (C x 128) matmul (``cumulative_sum``);
-    exp of the C x C decays, of the C query and C key decays and of the chunk's decay."""
+    exp of the C x C decays (with ``attention``), of the C query and C key decays and of the chunk's decay."""
     C = geometry.chunk_size
-    return Work(flops=2 * C * C * LANES if gated else 0, transcendentals=C * C + 2 * C + 1)
+    return Work(flops=2 * C * C * LANES if gated else 0, transcendentals=C * C * attention + 2 * C + 1)
 
 
 def gate_computations(geometry: Geometry, gated: bool) -> int:
@@ -286,12 +290,12 @@ class Chunk:
             return x
         return jnp.where(self._row_is_real(), x, jnp.zeros((), x.dtype))
 
-    def gates(self, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None) -> ChunkGates:
+    def gates(self, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None, attention: bool = True) -> ChunkGates:
         """The chunk's gates: ``constant`` (the step's, without ``g``) for a whole chunk; else exponentiated
-        from ``log`` (``log_decays``, computed here when not given)."""
+        from ``log`` (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``."""
         if constant is not None and self.valid_rows is None:
             return constant
-        return ChunkGates.of(self.log_decays(refs, head) if log is None else log)
+        return ChunkGates.of(self.log_decays(refs, head) if log is None else log, attention)
 
     def head_column(self, ref, head: jax.Array) -> jax.Array:
         """Head ``head``'s column of an all-heads block (``blocks.per_head``) as float32 ``(C, 1)``, rows past the end zero."""
@@ -308,11 +312,11 @@ class Chunk:
         return LogDecays.compute(refs["decay"][head], g, self.valid_rows, self.rows.size)
 
 
-def constant_gates(refs: dict, head: jax.Array, geometry: Geometry) -> ChunkGates | None:
+def constant_gates(refs: dict, head: jax.Array, geometry: Geometry, attention: bool = True) -> ChunkGates | None:
     """A whole chunk's gates when the decay is constant (no ``g``), computed once for the grid step; None with ``g``."""
     if "g" in refs:
         return None
-    return ChunkGates.compute(refs["decay"][head], None, None, geometry.chunk_size)
+    return ChunkGates.compute(refs["decay"][head], None, None, geometry.chunk_size, attention)
 
 
 def step_chunks(geometry: Geometry, step: jax.Array) -> list[Chunk]:

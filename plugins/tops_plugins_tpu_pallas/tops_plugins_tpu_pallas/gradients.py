@@ -153,7 +153,8 @@ def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dty
     """A forward walk writing the state entering every time step (every chunk with ``every_chunk``)."""
     start = (blocks.state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
     gated = gate_dtype is not None
-    work = advance_state_work(geometry) * (geometry.batch * geometry.heads * geometry.num_chunks) + gates_work(geometry, gated) * gate_computations(geometry, gated)
+    work = advance_state_work(geometry) * (geometry.batch * geometry.heads * geometry.num_chunks)
+    work = work + gates_work(geometry, gated, attention=False) * gate_computations(geometry, gated)
     return LaunchPlan(
         name="simple_gla_backward_checkpoints",
         grid=blocks.grid(geometry),
@@ -173,15 +174,15 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
 
-    constant = constant_gates(refs, head, geometry)
+    constant = constant_gates(refs, head, geometry, attention=False)
     state = refs["state"][...]
     if not every_chunk:
         refs["checkpoints"][0] = state
     for chunk in step_chunks(geometry, step):
         if every_chunk:
             refs["checkpoints"][chunk.index] = state
-        k = chunk.read(refs["k"])
-        state = advance_state(state, k, chunk.read(refs["v"]), chunk.gates(refs, head, constant), decay_gradient_operands(k.dtype))
+        k, gates = chunk.read(refs["k"]), chunk.gates(refs, head, constant, attention=False)
+        state = advance_state(state, k, chunk.read(refs["v"]), gates, decay_gradient_operands(k.dtype))
     refs["state"][...] = state
 
 
