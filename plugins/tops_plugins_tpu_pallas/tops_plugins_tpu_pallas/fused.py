@@ -45,13 +45,14 @@ class FusedConfig:
     (always compile).
 
     The defaults are what the cost model (README "Modelled on TPU") found fastest on v5e and v6e: a
-    grid step carries a fixed cost of a few hundred cycles, so a step of 1024 rows amortises it, and
-    chunks of 128 halve the MXU rows a token streams for the state (the 64-row chunk's products waste
-    most of v6e's 256-wide MXU).
+    grid step carries a fixed cost of a few hundred cycles, and a longer step gives the scheduler more
+    independent work to fill the state chain's gaps with, so steps of 4096 rows (32 chunks) beat 1024
+    and 2048; chunks of 128 halve the MXU rows a token streams for the state (the 64-row chunk's
+    products waste most of v6e's 256-wide MXU).
     """
 
     chunk_size: int = 128
-    num_steps: int = 8
+    num_steps: int = 32
     full_values: bool = True
     backward_num_steps: int | None = None
     attention_first: bool | None = None
@@ -112,8 +113,8 @@ def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Wor
 def attention_first(config: FusedConfig, gated: bool, dtype, key_dim: int, chip: str | None) -> bool:
     """Whether the kernel traces a step's attention ahead of its state chain (``FusedConfig.attention_first``).
 
-    None decides by what the cost model measured (README "Modelled on TPU"; B=8 T=4096 H=16, in a
-    layer, times the HBM floor): ahead with ``g`` (v5e 1.51x -> 1.22x, v6e 2.90x -> 2.19x), where
+    None decides by what the cost model measured (README "Modelled on TPU"; B=8 T=4096 H=16 at 8
+    chunks per step, in a layer, times the HBM floor): ahead with ``g`` (v5e 1.51x -> 1.22x, v6e 2.90x -> 2.19x), where
     each chunk's gates lengthen the chain; ahead on a 256-wide MXU (v6e) for bf16 with K >= 256
     (1.26x -> 1.00x). Beside the chain otherwise, where ahead costs: bf16 K=128 on v6e 1.38x ->
     1.42x, K=256 on v5e 1.00x -> 1.07x, float32 1.63x -> 1.81x (v5e) and 2.74x -> 2.89x (v6e).

@@ -47,11 +47,15 @@ from tops_plugins_tpu_pallas.layout import Geometry
 _F32 = jnp.float32
 
 
+@dataclasses.dataclass(frozen=True)
 class VarlenConfig(FusedConfig):
-    """The fused kernel's fields and defaults: ``chunk_size`` (64 or 128), ``num_steps`` chunks per
+    """The fused kernel's fields and defaults but ``num_steps`` (8: the packed kernel's step has not been
+    modelled at fused's 32): ``chunk_size`` (64 or 128), ``num_steps`` chunks per
     grid step at most (fewer when VMEM is short), ``full_values`` (one value block of all of ``V``),
     ``interpret`` (None: compile where lowered for a TPU, interpret elsewhere). ``attention_first`` must
     stay None: the packed kernel has one schedule (the boundaries' state resets sit inside its chain)."""
+
+    num_steps: int = 8
 
     def __post_init__(self):
         super().__post_init__()
