@@ -185,15 +185,17 @@ def chunk_output(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, gat
     return output_from_state(intra_chunk_output(q, k, v, gates), q, state, gates, scale)
 
 
-def intra_chunk_output(q: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGates) -> jax.Array:
-    """The chunk's own part of ``o`` (float32, unscaled): its causal, decayed attention over its rows; no state."""
-    operands = mxu_operand_dtype(q.dtype)
+def intra_chunk_output(q: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGates, operands=None) -> jax.Array:
+    """The chunk's own part of ``o`` (float32, unscaled): its causal, decayed attention over its rows; no state.
+    ``operands``: ``matmul``'s (None: ``mxu_operand_dtype``)."""
+    operands = mxu_operand_dtype(q.dtype) if operands is None else operands
     return matmul(matmul(q, k, operands, _ROWS_BY_ROWS) * gates.decays, v, operands)
 
 
-def output_from_state(intra: jax.Array, q: jax.Array, state: jax.Array, gates: ChunkGates, scale: float) -> jax.Array:
-    """``o`` from the chunk's ``intra_chunk_output`` and the state entering the chunk."""
-    return scale * (intra + matmul(q, state, mxu_operand_dtype(q.dtype)) * gates.query)
+def output_from_state(intra: jax.Array, q: jax.Array, state: jax.Array, gates: ChunkGates, scale: float, operands=None) -> jax.Array:
+    """``o`` from the chunk's ``intra_chunk_output`` and the state entering the chunk; ``operands`` as there."""
+    operands = mxu_operand_dtype(q.dtype) if operands is None else operands
+    return scale * (intra + matmul(q, state, operands) * gates.query)
 
 
 def advance_state(state: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGates, operands=None) -> jax.Array:

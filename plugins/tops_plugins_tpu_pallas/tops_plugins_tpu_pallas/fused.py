@@ -21,13 +21,16 @@ from tops_core.tpu_generations import GENERATIONS
 
 from tops_plugins_tpu_pallas import blocks, launch
 from tops_plugins_tpu_pallas.chunkwise import (
-    Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
-    constant_gates, finish_sequence, gate_computations, gates_work, intra_chunk_output, output_from_state, start_sequence,
-    step_chunks,
+    SPLIT_BFLOAT16, Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
+    constant_gates, finish_sequence, gate_computations, gates_work, intra_chunk_output, mxu_operand_dtype,
+    output_from_state, start_sequence, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.plan import LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, kernel_operands
+
+
+FLOAT32_PRECISIONS = ("highest", "high")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +43,10 @@ class FusedConfig:
     one per 128-lane value tile. ``attention_first``: trace every chunk's attention of a grid step ahead of
     the chain through the state (True), or each chunk's attention beside its link of the chain (False);
     None: as ``attention_first`` decides for the call. Both compute the same operations, bit for
-    bit; only the static schedule differs. ``interpret``: None (compile where lowered for a TPU, interpret
+    bit; only the static schedule differs. ``float32_precision`` (float32 inputs): ``"highest"``, six
+    bf16 MXU passes per product (float32 accuracy), or ``"high"``, three (each float32 operand as two
+    bf16 parts, all products but low x low): about half the MXU time, within the float32 tolerance
+    but with less room (README "Numerics"). ``interpret``: None (compile where lowered for a TPU, interpret
     elsewhere), True (fast interpreter), a ``pltpu.InterpretParams`` (faithful interpreter) or False
     (always compile).
 
@@ -56,12 +62,15 @@ class FusedConfig:
     full_values: bool = True
     backward_num_steps: int | None = None
     attention_first: bool | None = None
+    float32_precision: str = "highest"
     interpret: Any = None
 
     def __post_init__(self):
         check_common_fields(self)
         if self.attention_first is not None and not isinstance(self.attention_first, bool):
             raise TypeError(f"FusedConfig.attention_first must be None or a bool, got {self.attention_first!r}")
+        if self.float32_precision not in FLOAT32_PRECISIONS:
+            raise ValueError(f"FusedConfig.float32_precision must be one of {FLOAT32_PRECISIONS}, got {self.float32_precision!r}")
         steps = self.backward_num_steps
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
             raise ValueError(f"FusedConfig.backward_num_steps must be None or an int >= 1, got {steps!r}")
@@ -129,7 +138,15 @@ def attention_first(config: FusedConfig, gated: bool, dtype, key_dim: int, chip:
     return wide_mxu and jnp.dtype(dtype) == jnp.bfloat16 and key_dim >= 256
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention_first: bool):
+def operands_of(config: FusedConfig, dtype):
+    """What the forward's MXU products take their operands as (``chunkwise.matmul``): ``mxu_operand_dtype``,
+    or for float32 inputs at ``float32_precision="high"`` two bf16 parts each."""
+    if jnp.dtype(dtype) == jnp.float32 and config.float32_precision == "high":
+        return SPLIT_BFLOAT16
+    return mxu_operand_dtype(dtype)
+
+
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention_first: bool, operands):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
@@ -141,12 +158,12 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         # The attention does not depend on the state: traced ahead of the chain, the scheduler
         # fills the chain's gaps with it; traced beside each link, with the link's own work.
-        chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates) if attention_first else None))
+        chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands) if attention_first else None))
     state = refs["state"][...]
     for chunk, gates, q, k, v, intra in chunks:
-        intra = intra_chunk_output(q, k, v, gates) if intra is None else intra
-        refs["o"][chunk.rows, :] = output_from_state(intra, q, state, gates, scale).astype(refs["o"].dtype)
-        state = advance_state(state, k, v, gates)
+        intra = intra_chunk_output(q, k, v, gates, operands) if intra is None else intra
+        refs["o"][chunk.rows, :] = output_from_state(intra, q, state, gates, scale, operands).astype(refs["o"].dtype)
+        state = advance_state(state, k, v, gates, operands)
     refs["state"][...] = state
     finish_sequence(refs, step, geometry)
 
@@ -180,6 +197,6 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     del cu_seqlens
     first = attention_first(config, g is not None, q.dtype, q.shape[-1], launch.Target.lowered_for().chip)
     return run(
-        functools.partial(_kernel, attention_first=first), plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+        functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype)), plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, config=config,
     )

@@ -53,7 +53,8 @@ class VarlenConfig(FusedConfig):
     modelled at fused's 32): ``chunk_size`` (64 or 128), ``num_steps`` chunks per
     grid step at most (fewer when VMEM is short), ``full_values`` (one value block of all of ``V``),
     ``interpret`` (None: compile where lowered for a TPU, interpret elsewhere). ``attention_first`` must
-    stay None: the packed kernel has one schedule (the boundaries' state resets sit inside its chain)."""
+    stay None: the packed kernel has one schedule (the boundaries' state resets sit inside its chain);
+    ``float32_precision`` stays ``"highest"``."""
 
     num_steps: int = 8
 
@@ -61,6 +62,8 @@ class VarlenConfig(FusedConfig):
         super().__post_init__()
         if self.attention_first is not None:
             raise ValueError(f"VarlenConfig.attention_first must be None (the packed kernel has one schedule), got {self.attention_first!r}")
+        if self.float32_precision != "highest":
+            raise ValueError(f"VarlenConfig.float32_precision must be 'highest' (the packed kernel has no other yet), got {self.float32_precision!r}")
 
 
 def sequence_states(name: str, geometry: Geometry, num_seqs: int, dtype, moves: int = 1) -> InHbm:
