@@ -95,16 +95,22 @@ def _winners(explanation: Explanation | str) -> str:
     return f"{explanation.forward.implementation.name} / {backward}"
 
 
-def concrete_platform(arrays: list[Any]) -> str | None:
-    """The platform of the inputs' device when none is traced (an eager call); None otherwise.
+def _concrete_device(arrays: Sequence[Any]) -> jax.Device | None:
+    """The inputs' device when none is traced (an eager call); None otherwise.
 
     A concrete array beside traced ones is a constant of a program that runs wherever it is
-    lowered for, so it says nothing about the platform.
+    lowered for, so it says nothing about the device.
     """
     arrays = [x for x in arrays if isinstance(x, jax.Array)]
     if not arrays or not all(is_concrete(x) for x in arrays):
         return None
-    return _spec_platform(next(iter(arrays[0].devices())).platform)
+    return next(iter(arrays[0].devices()))
+
+
+def concrete_platform(arrays: list[Any]) -> str | None:
+    """The platform of the inputs' device when none is traced (an eager call); None otherwise."""
+    device = _concrete_device(arrays)
+    return None if device is None else _spec_platform(device.platform)
 
 
 def host_platform() -> str:
@@ -118,13 +124,9 @@ def target_chip(arrays: Sequence[Any] = ()) -> str | None:
     that of its inputs' device in an eager call, else that of the device of the mesh in context
     (``jax.set_mesh``, ``jax.sharding.use_mesh``), else that of JAX's default device; None when that
     device is not a TPU of a known generation (a traced call on a CPU host, lowered for a TPU later)."""
-    arrays = [x for x in arrays if isinstance(x, jax.Array)]
-    if arrays and all(is_concrete(x) for x in arrays):
-        device = next(iter(arrays[0].devices()))
-    else:
-        device = jax.sharding.get_abstract_mesh().abstract_device or jax.config.jax_default_device
-        if not isinstance(device, (jax.Device, jax.sharding.AbstractDevice)):
-            device = jax.devices()[0]
+    device = _concrete_device(arrays) or jax.sharding.get_abstract_mesh().abstract_device or jax.config.jax_default_device
+    if not isinstance(device, (jax.Device, jax.sharding.AbstractDevice)):
+        device = jax.devices()[0]
     return generation_of(device.device_kind) if device.platform == "tpu" else None
 
 
@@ -200,9 +202,8 @@ class OpContract:
         q, v = arrays["q"], arrays["v"]
         B, T, H, K = q.shape
         concrete = concrete_platform(list(arrays.values()))
-        platform = concrete or platform or host_platform()
         spec = CallSpec(
-            op=self.name, platform=platform, dtype=spec_dtype(q),
+            op=self.name, platform=concrete or platform or host_platform(), dtype=spec_dtype(q),
             batch=B, seq_len=T, heads=H, key_dim=K, value_dim=v.shape[-1], num_seqs=num_seqs,
             features=frozenset(features), ndims=tuple(ndims.items()), interpret=interpret,
             chip=target_chip(list(arrays.values())),
@@ -497,18 +498,16 @@ def _differentiable_fwd(static: _Static, arrays: dict[str, Any]):
     return static.contract._run_forward(static.prepared(arrays), static.policy, static.split), arrays
 
 
+def _explicit_backward(static: _Static, arrays: dict[str, Any], do: Any, dht: Any) -> Any:
+    return static.contract._run_backward(static.prepared(arrays), static.policy, do, dht, static.split)
+
+
 def _differentiable_bwd(static: _Static, arrays: dict[str, Any], cotangents: tuple[Any, Any]):
-    do, dht = cotangents
-    contract = static.contract
-    grads = contract._run_backward(static.prepared(arrays), static.policy, do, dht, static.split)
-    return ({name: getattr(grads, "d" + name) if name in contract.differentiable else None for name in arrays},)
+    grads = _explicit_backward(static, arrays, *cotangents)
+    return ({name: getattr(grads, "d" + name) if name in static.contract.differentiable else None for name in arrays},)
 
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
-
-
-def _explicit_backward(static: _Static, arrays: dict[str, Any], do: Any, dht: Any) -> Any:
-    return static.contract._run_backward(static.prepared(arrays), static.policy, do, dht, static.split)
 
 # Eager calls of a custom_vjp function re-trace it every time (about a millisecond); under jit
 # they cost one cached dispatch. Inside an outer jit/grad/vmap the inner jit is simply inlined.
