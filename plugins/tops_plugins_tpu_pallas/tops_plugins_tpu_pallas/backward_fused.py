@@ -131,10 +131,10 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     del cu_seqlens
     B, T, H, K = q.shape
     inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
-    target = launch.Target.lowered_for()
-    geometry, (checkpoints_plan, gradients_plan) = launch.fit(plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, target, **inputs)
+    geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
+        plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
+    )
     arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
-    run = functools.partial(launch.run, target=target, interpret=config.interpret, geometry=geometry)
     checkpoints = run(checkpoints_plan, gradients.checkpoints_kernel, arrays, every_chunk=False)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

@@ -137,13 +137,11 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    target = launch.Target.lowered_for()
     inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
-    geometry, (states_plan, state_gradients_plan, query_key_plan) = launch.fit(
-        plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, target, **inputs,
+    geometry, (states_plan, state_gradients_plan, query_key_plan), run = launch.prepare(
+        plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
     )
     arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
-    run = functools.partial(launch.run, target=target, interpret=config.interpret, geometry=geometry)
     states = run(states_plan, gradients.checkpoints_kernel, arrays, every_chunk=True)
     pass1 = run(state_gradients_plan, _state_gradients_kernel, arrays, scale=scale)
     pass2 = run(query_key_plan, _query_key_gradients_kernel, {**arrays, **states, "dstates": pass1["dstates"]}, scale=scale)

@@ -237,15 +237,13 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     B, T, H, K = q.shape
     num_seqs = cu_seqlens.shape[0] - 1
     inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
-    target = launch.Target.lowered_for()
-    geometry, (checkpoints_plan, gradients_plan) = launch.fit(
-        functools.partial(plans, num_seqs=num_seqs), geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, target, **inputs,
+    geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
+        functools.partial(plans, num_seqs=num_seqs), geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
     )
     arrays = {
         **gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry),
         **varlen.boundary_operands(cu_seqlens, T, config.chunk_size),
     }
-    run = functools.partial(launch.run, target=target, interpret=config.interpret, geometry=geometry)
     checkpoints = run(checkpoints_plan, _checkpoints_kernel, arrays)
     results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale)
     grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tops_plugins_tpu_pallas.plan import Blocked, Scalars, Scratch
-from tops_plugins_tpu_pallas.layout import LANES, Geometry
+from tops_plugins_tpu_pallas.layout import Geometry
 
 
 def grid(geometry: Geometry) -> tuple[int, int, int, int]:

@@ -12,7 +12,6 @@ per step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -113,15 +112,13 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     B, T, H, K = q.shape
-    target = launch.Target.lowered_for()
-    geometry, (states_plan, outputs_plan) = launch.fit(
-        plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, target,
+    geometry, (states_plan, outputs_plan), run = launch.prepare(
+        plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret,
         gate_dtype=None if g is None else g.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
     operands = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)
-    run = functools.partial(launch.run, target=target, interpret=config.interpret, geometry=geometry)
     stage1 = run(states_plan, _states_kernel, operands)
     stage2 = run(outputs_plan, _outputs_kernel, {**operands, "chunk_states": stage1["chunk_states"]}, scale=scale)
     final_state = caller_state(stage1["final_state"], geometry) if output_final_state else None

@@ -184,10 +184,11 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
-    target = launch.Target.lowered_for()
-    geometry, (plan,) = launch.fit(build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, target, **inputs)
+    geometry, (plan,), run_plan = launch.prepare(
+        build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
+    )
     arrays = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(operands or {})}
-    results = launch.run(plan, kernel, arrays, target=target, interpret=config.interpret, geometry=geometry, scale=scale)
+    results = run_plan(plan, kernel, arrays, scale=scale)
     final_state = caller_state(results["final_state"], geometry) if output_final_state else None
     return caller_output(results["o"], geometry), final_state
 
@@ -196,7 +197,8 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     first = attention_first(config, g is not None, q.dtype, q.shape[-1], launch.Target.lowered_for().chip)
+    kernel = functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype))
     return run(
-        functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype)), plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+        kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, config=config,
     )

@@ -68,8 +68,9 @@ def fit(build_plans: Callable[..., tuple[LaunchPlan, ...]], geometry, dtype, tar
         plans = build_plans(geometry, dtype, **inputs)
     needed = needed_vmem(plans)
     if needed > target.budget:
+        largest = max(plans, key=traffic.vmem_bytes)
         raise ValueError(
-            f"{plans[0].name} needs {needed / 2**20:.1f} MiB of VMEM (double-buffered blocks, scratch, body values) "
+            f"{largest.name} needs {needed / 2**20:.1f} MiB of VMEM (double-buffered blocks, scratch, body values) "
             f"at one chunk per step, more than the {target.describe()}"
         )
     return geometry, plans
@@ -78,6 +79,14 @@ def fit(build_plans: Callable[..., tuple[LaunchPlan, ...]], geometry, dtype, tar
 def needed_vmem(plans: tuple[LaunchPlan, ...]) -> int:
     """The VMEM of the largest of ``plans`` (they run one after another)."""
     return max(traffic.vmem_bytes(plan) for plan in plans)
+
+
+def prepare(build_plans: Callable[..., tuple[LaunchPlan, ...]], geometry, dtype, interpret: Any, **inputs):
+    """A call's launches, as the program being traced needs them: ``(geometry, plans, run)``, the geometry and
+    plans ``fit`` to the chip it is lowered for, and ``run`` with that target, ``interpret`` and the geometry bound."""
+    target = Target.lowered_for()
+    geometry, plans = fit(build_plans, geometry, dtype, target, **inputs)
+    return geometry, plans, functools.partial(run, target=target, interpret=interpret, geometry=geometry)
 
 
 def run(plan: LaunchPlan, kernel: Callable[..., None], arrays: dict[str, jax.Array], *, target: Target, interpret: Any, **static) -> dict[str, jax.Array]:
