@@ -188,8 +188,18 @@ def chunk_output(q: jax.Array, k: jax.Array, v: jax.Array, state: jax.Array, gat
 def intra_chunk_output(q: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGates, operands=None) -> jax.Array:
     """The chunk's own part of ``o`` (float32, unscaled): its causal, decayed attention over its rows; no state.
     ``operands``: ``matmul``'s (None: ``mxu_operand_dtype``)."""
+    return attend(decayed_scores(q, k, gates, operands), v, operands)
+
+
+def decayed_scores(q: jax.Array, k: jax.Array, gates: ChunkGates, operands=None) -> jax.Array:
+    """The chunk's causal attention weights ``(q k^T) * decays`` (float32 ``(C, C)``), the first half of ``intra_chunk_output``."""
     operands = mxu_operand_dtype(q.dtype) if operands is None else operands
-    return matmul(matmul(q, k, operands, _ROWS_BY_ROWS) * gates.decays, v, operands)
+    return matmul(q, k, operands, _ROWS_BY_ROWS) * gates.decays
+
+
+def attend(scores: jax.Array, v: jax.Array, operands=None) -> jax.Array:
+    """``decayed_scores`` against the chunk's values, the second half of ``intra_chunk_output``."""
+    return matmul(scores, v, mxu_operand_dtype(v.dtype) if operands is None else operands)
 
 
 def output_from_state(intra: jax.Array, q: jax.Array, state: jax.Array, gates: ChunkGates, scale: float, operands=None) -> jax.Array:

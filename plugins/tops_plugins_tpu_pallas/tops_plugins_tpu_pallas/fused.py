@@ -21,8 +21,8 @@ from tops_core.tpu_generations import GENERATIONS
 
 from tops_plugins_tpu_pallas import blocks, launch
 from tops_plugins_tpu_pallas.chunkwise import (
-    SPLIT_BFLOAT16, Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
-    constant_gates, finish_sequence, gate_computations, gates_work, intra_chunk_output, mxu_operand_dtype,
+    SPLIT_BFLOAT16, Work, advance_state, advance_state_work, attend, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
+    constant_gates, decayed_scores, finish_sequence, gate_computations, gates_work, intra_chunk_output, mxu_operand_dtype,
     output_from_state, start_sequence, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
@@ -41,8 +41,8 @@ class FusedConfig:
     many as make ``backward_fused.SEGMENT_TOKENS`` (1024) tokens. ``full_values``: one grid point
     per (batch, head) holding all of ``V`` (``q`` and ``k`` read once, the MXU's full width on ``V``), else
     one per 128-lane value tile. ``attention_first``: trace every chunk's attention of a grid step ahead of
-    the chain through the state (True), or each chunk's attention beside its link of the chain (False);
-    None: as ``attention_first`` decides for the call. Both compute the same operations, bit for
+    the chain through the state (True), or each chunk's attention beside its link of the chain, the
+    next chunk's scores one link early (False); None: as ``attention_first`` decides for the call. Both compute the same operations, bit for
     bit; only the static schedule differs. ``float32_precision`` (float32 inputs): ``"highest"``, six
     bf16 MXU passes per product (float32 accuracy), or ``"high"``, three (each float32 operand as two
     bf16 parts, all products but low x low): about half the MXU time, within the float32 tolerance
@@ -119,21 +119,19 @@ def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Wor
     )
 
 
-def attention_first(config: FusedConfig, gated: bool, dtype, key_dim: int, chip: str | None) -> bool:
+def attention_first(config: FusedConfig, dtype, key_dim: int, chip: str | None) -> bool:
     """Whether the kernel traces a step's attention ahead of its state chain (``FusedConfig.attention_first``).
 
-    None decides by what the cost model measured (README "Modelled on TPU"; B=8 T=4096 H=16 at 8
-    chunks per step, in a layer, times the HBM floor): ahead with ``g`` (v5e 1.51x -> 1.22x, v6e 2.90x -> 2.19x), where
-    each chunk's gates lengthen the chain; ahead on a 256-wide MXU (v6e) for bf16 with K >= 256
-    (1.26x -> 1.00x). Beside the chain otherwise, where ahead costs: bf16 K=128 on v6e 1.38x ->
-    1.42x, K=256 on v5e 1.00x -> 1.07x, float32 1.63x -> 1.81x (v5e) and 2.74x -> 2.89x (v6e).
-    Re-measured at the default 32 chunks per step, the same: beside 1.28x and ahead 1.37x for bf16
-    K=128 on v6e, 1.64x and 1.81x for float32 on v5e.
+    None decides by the compiled schedule (cycles one TensorCore issues for a grid step of 32
+    chunks of 128, K=V=128 unless said, ahead -> beside, with the next chunk's scores one link
+    early): ahead only on a 256-wide MXU (v6e) for bf16 with K >= 256, where beside doubles the
+    step (g_gamma 5567 -> 10781, g 10589 -> 15121). Beside everywhere else: bf16 g on v6e 9605 ->
+    9623 (a tie) and on v5e 9646 -> 9552; float32 g 26709 -> 24349 (v6e) and 29275 -> 28372 (v5e);
+    float32 at ``"high"`` g_gamma on v6e 14769 -> 10337. (Before the next scores went early,
+    ahead was also the rule with ``g``.)
     """
     if config.attention_first is not None:
         return config.attention_first
-    if gated:
-        return True
     wide_mxu = chip is not None and GENERATIONS[chip].mxu >= 256
     return wide_mxu and jnp.dtype(dtype) == jnp.bfloat16 and key_dim >= 256
 
@@ -156,12 +154,22 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     for chunk in step_chunks(geometry, step):
         gates = chunk.gates(refs, head, constant)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        # The attention does not depend on the state: traced ahead of the chain, the scheduler
-        # fills the chain's gaps with it; traced beside each link, with the link's own work.
         chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands) if attention_first else None))
+    # The attention does not depend on the state. Traced ahead of the chain through the state, the
+    # scheduler fills the chain's gaps with it; else beside each link, with the next chunk's scores
+    # one link early, so the MXU computes them while this link's products drain.
+    def scores_of(index):
+        if index == len(chunks):
+            return None
+        _, gates, q, k, _, _ = chunks[index]
+        return decayed_scores(q, k, gates, operands)
+
     state = refs["state"][...]
-    for chunk, gates, q, k, v, intra in chunks:
-        intra = intra_chunk_output(q, k, v, gates, operands) if intra is None else intra
+    scores = None if attention_first else scores_of(0)
+    for index, (chunk, gates, q, k, v, intra) in enumerate(chunks):
+        if intra is None:
+            current, scores = scores, scores_of(index + 1)
+            intra = attend(current, v, operands)
         refs["o"][chunk.rows, :] = output_from_state(intra, q, state, gates, scale, operands).astype(refs["o"].dtype)
         state = advance_state(state, k, v, gates, operands)
     refs["state"][...] = state
@@ -196,7 +204,7 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
-    first = attention_first(config, g is not None, q.dtype, q.shape[-1], launch.Target.lowered_for().chip)
+    first = attention_first(config, q.dtype, q.shape[-1], launch.Target.lowered_for().chip)
     kernel = functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype))
     return run(
         kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
