@@ -21,7 +21,9 @@ v5p chip together), except what is per TensorCore (VMEM, MXUs, the VLIW bundle).
   per cycle on the 128-wide MXUs: 1.05 GHz (v4, the clock Google's TPU v4 paper gives), 1.5 GHz
   (v5e), 1.75 GHz (v5p). v6e's is not published: its two 256-wide MXUs reach 918 TFLOP/s at
   1.75 GHz taking two rows a cycle, or at 3.5 GHz taking one. We take 1.75 GHz, the conservative
-  reading: at 3.5 GHz every issue-bound v6e time in the model halves.
+  reading: at 3.5 GHz every issue-bound v6e time in the model halves. One revision of the v6e
+  Cloud page says 4 MXUs per TensorCore, which at one row a cycle also gives 1.75 GHz; the others
+  say 2, as libtpu's bundles do.
 - The compile-only topology: the names ``jax.experimental.topologies.get_topology_desc`` accepts;
   the device kinds: what those devices (and JAX's ``device_kind`` on the real chips) report.
 - The VMEM budget (what the Pallas kernels plan their blocks for, asking Mosaic for it with
