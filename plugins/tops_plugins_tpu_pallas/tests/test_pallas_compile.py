@@ -158,7 +158,7 @@ def test_kernels_are_sized_for_the_vmem_of_the_chip_lowered_for(worker, generati
 
 def test_compiled_cost_analysis_reads_back_the_kernels_estimates(worker):
     # fused, B=2, T=1000 (8 chunks of 128 at the default config, the last ragged), H=3, K=V=128 (in
-    # place), bf16, g_gamma only: 2 * 3 * 8 = 48 chunk bodies, counted by hand from chunkwise.py (see test_pallas_traffic.py).
+    # place), bf16, g_gamma only: 2 * 3 * 8 = 48 chunk bodies, counted by hand from simple_gla/chunkwise.py (see test_pallas_traffic.py).
     call = dict(kernel="fused", generation="v6e", T=1000, K=128, V=128, dtype="bfloat16", g=False, initial_state=False, final_state=False)
     facts = compile_call(worker, call)
     C = 128

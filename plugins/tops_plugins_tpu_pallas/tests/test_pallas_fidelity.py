@@ -23,7 +23,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tops_plugins_tpu_pallas import chunkwise
+from tops_plugins_tpu_pallas import grid
 
 pytestmark = pytest.mark.slow
 
@@ -139,7 +139,7 @@ def test_race_detector_catches_a_race(race_reports):
 def test_rows_past_the_end_are_nan_unless_masked(race_reports, monkeypatch, make_inputs):
     # The ragged cases above can fail: read the rows of a ragged block past the end of the sequence
     # without the mask, and the interpreter's NaN there reaches the state and every later output.
-    monkeypatch.setattr(chunkwise.Chunk, "read", lambda chunk, ref: ref[chunk.rows, :])
+    monkeypatch.setattr(grid.Chunk, "read", lambda chunk, ref: ref[chunk.rows, :])
     inputs, _ = make_inputs(1, 100, 1, 128, 128, jnp.float32)
     try:
         o, final_state = run_faithfully("fused", inputs, dict(chunk_size=64, num_steps=1), seed=0)

@@ -17,11 +17,12 @@ import pytest
 import tops_core
 from jax.extend import core as extend_core
 
-from tops_plugins_tpu_pallas import CHUNK, FUSED, chunk, chunkwise, fused, traffic
-from tops_plugins_tpu_pallas.chunk import ChunkConfig
-from tops_plugins_tpu_pallas.fused import FusedConfig
+from tops_plugins_tpu_pallas import CHUNK, FUSED, mxu, traffic
+from tops_plugins_tpu_pallas.simple_gla import chunk, chunkwise, fused
+from tops_plugins_tpu_pallas.simple_gla.chunk import ChunkConfig
+from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
 from tops_plugins_tpu_pallas.layout import Geometry
-from tops_plugins_tpu_pallas.varlen import VarlenConfig
+from tops_plugins_tpu_pallas.simple_gla.varlen import VarlenConfig
 
 KERNELS = ["fused", "chunk"]
 sg = tops_core.op("simple_gla")
@@ -350,11 +351,11 @@ def test_split_operands_keep_about_16_bits_in_two_bf16_passes():
     want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
 
     def error(operands):
-        got = np.asarray(chunkwise.matmul(a, b, operands), np.float64)
+        got = np.asarray(mxu.matmul(a, b, operands), np.float64)
         return np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
 
-    assert error(chunkwise.SPLIT_BFLOAT16) < 2**-15 < 2**-10 < error(jnp.bfloat16)
+    assert error(mxu.SPLIT_BFLOAT16) < 2**-15 < 2**-10 < error(jnp.bfloat16)
     for operands, passes in (((a, b), 2), ((b, b), 3)):
-        dots = [e for e in jax.make_jaxpr(lambda x, y: chunkwise.matmul(x, y, chunkwise.SPLIT_BFLOAT16))(*operands).eqns if e.primitive.name == "dot_general"]
+        dots = [e for e in jax.make_jaxpr(lambda x, y: mxu.matmul(x, y, mxu.SPLIT_BFLOAT16))(*operands).eqns if e.primitive.name == "dot_general"]
         assert len(dots) == passes
         assert all(x.aval.dtype == jnp.bfloat16 for dot in dots for x in dot.invars)

@@ -11,7 +11,8 @@ import pytest
 import tops_core
 from tops_core.tpu_generations import UNKNOWN_CHIP_VMEM_BUDGET
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, kda, traffic, varlen
+from tops_plugins_tpu_pallas import grid, kda, traffic
+from tops_plugins_tpu_pallas.simple_gla import backward_fused, backward_split, backward_varlen, chunk, fused, varlen
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -207,7 +208,7 @@ def test_varlen_moves_what_fused_moves_whatever_the_number_of_sequences(num_seqs
     # plus the scalars in SMEM: the decays, N + 1 boundaries and two sequence numbers per chunk.
     # The default config of both: chunks of 128, all of V in one block.
     T, H = 8192, 16
-    geometry = fused.geometry_of(1, T, H, 128, 128, varlen.VarlenConfig())
+    geometry = grid.geometry_of(1, T, H, 128, 128, varlen.VarlenConfig())
     packed = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), T * H)
     alone = traffic.figures(fused.fitted_plans(geometry, jnp.bfloat16), T * H)
     assert packed.kernel_bytes == alone.kernel_bytes + (num_seqs + 1) * 4 + 2 * (T // 128) * 4

@@ -18,7 +18,8 @@ import pytest
 import tops_core
 from tops_core.conformance.compare import measure, tolerance
 
-from tops_plugins_tpu_pallas import VARLEN, varlen
+from tops_plugins_tpu_pallas import VARLEN
+from tops_plugins_tpu_pallas.simple_gla import varlen
 
 sg = tops_core.op("simple_gla")
 

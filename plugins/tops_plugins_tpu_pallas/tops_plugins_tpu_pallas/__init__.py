@@ -14,7 +14,8 @@ import jax
 import tops_core
 from tops_core.tpu_generations import GENERATIONS
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, kda, launch, varlen
+from tops_plugins_tpu_pallas import grid, kda, launch
+from tops_plugins_tpu_pallas.simple_gla import backward_fused, backward_split, backward_varlen, chunk, fused, varlen
 
 TOPS_CORE_API_VERSION = 1
 
@@ -40,7 +41,7 @@ def _prefer_fused(spec: tops_core.CallSpec) -> tuple[bool, str]:
     moves the fewest bytes; with fewer, a core would idle, and the two-stage kernel, whose output
     stage is parallel over time too, is worth writing and re-reading the chunk states.
     """
-    geometry = fused.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, FUSED_CONFIG)
+    geometry = grid.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, FUSED_CONFIG)
     units = spec.batch * spec.heads * geometry.value_tiles
     cores, where = _tensorcores(spec.chip)
     relation = ">=" if units >= cores else "<"
@@ -120,7 +121,7 @@ FUSED = tops_core.Implementation(
     name="fused",
     forward=fused.forward,
     backward=backward_fused.backward,
-    capabilities=_capabilities(_fits_vmem(FUSED_CONFIG, (fused.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans))),
+    capabilities=_capabilities(_fits_vmem(FUSED_CONFIG, (grid.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans))),
     priority=_fused_priority,
     config=FUSED_CONFIG,
     description=(
@@ -152,7 +153,7 @@ VARLEN = tops_core.Implementation(
         # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
         _fits_vmem(
             varlen.VarlenConfig(),
-            (fused.geometry_of, functools.partial(varlen.plans, num_seqs=1)),
+            (grid.geometry_of, functools.partial(varlen.plans, num_seqs=1)),
             (backward_varlen.geometry_of, functools.partial(backward_varlen.plans, num_seqs=1)),
         ),
         packed=True,

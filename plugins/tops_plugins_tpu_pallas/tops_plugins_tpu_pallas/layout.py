@@ -124,7 +124,7 @@ class Geometry:
         return Relayout((self.batch, self.heads, self.key_dim, self.value_dim), dtype) if self.pads_state else None
 
 
-def _heads_flattened(x: jax.Array, padded_width: int) -> jax.Array:
+def heads_flattened(x: jax.Array, padded_width: int) -> jax.Array:
     """``[B, T, H, D]`` -> ``[B, T, H * padded_width]``: a reshape, plus a lane padding copy only when ``D`` is short."""
     if x.shape[-1] != padded_width:
         x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, padded_width - x.shape[-1])))
@@ -149,9 +149,9 @@ def kernel_operands(q, k, v, g, g_gamma, initial_state, geometry: Geometry) -> d
     """The arrays both kernels read, by operand name (absent inputs left out)."""
     operands = {
         "decay": decay_per_head(g_gamma, geometry.heads),
-        "q": _heads_flattened(q, geometry.padded_key_dim),
-        "k": _heads_flattened(k, geometry.padded_key_dim),
-        "v": _heads_flattened(v, geometry.padded_value_dim),
+        "q": heads_flattened(q, geometry.padded_key_dim),
+        "k": heads_flattened(k, geometry.padded_key_dim),
+        "v": heads_flattened(v, geometry.padded_value_dim),
     }
     if g is not None:
         operands["g"] = g

@@ -8,7 +8,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from tops_core.tpu_generations import UNKNOWN_CHIP_VMEM_BUDGET
 
-from tops_plugins_tpu_pallas import backward_fused, backward_split, backward_varlen, chunk, fused, kda, varlen
+from tops_plugins_tpu_pallas import grid, kda
+from tops_plugins_tpu_pallas.simple_gla import backward_fused, backward_split, backward_varlen, chunk, fused, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.traffic import figures
 
@@ -99,7 +100,7 @@ def _packed() -> None:
     config = varlen.VarlenConfig()  # the default config of fused and varlen: chunks of 128, all of V per block
     print(f"\npacked: B=1 T={PACKED_T} H={H} K=V=128 bfloat16, g_gamma, default config (C=128); N sequences in cu_seqlens (bytes per token and head)")
     _packed_table(
-        "", fused.geometry_of(1, PACKED_T, H, 128, 128, config), fused.fitted_plans, varlen.fitted_plans,
+        "", grid.geometry_of(1, PACKED_T, H, 128, 128, config), fused.fitted_plans, varlen.fitted_plans,
         "+ states: with initial_state and the final state, N float32 states each way (the caller's data)",
     )
     _packed_table(

@@ -42,9 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from tops_core.ops.kda import L2NORM_EPSILON
-from tops_plugins_tpu_pallas.chunkwise import (
-    _COLUMNS_BY_COLUMNS, _ROWS_BY_ROWS, Work, _row_and_column_iotas, matmul, mxu_operand_dtype,
-)
+from tops_plugins_tpu_pallas.grid import Work
+from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, matmul, mxu_operand_dtype, row_and_column_iotas
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -73,7 +72,7 @@ def _run_masks(chunk_size: int) -> jax.Array:
     level's point ``r`` to ``i`` for later-half tokens (``b_i - b_r``) and from ``i`` to ``r`` for
     earlier-half tokens (``b_r - b_i``); tokens in the other half get an empty run.
     """
-    i, t = _row_and_column_iotas(chunk_size)
+    i, t = row_and_column_iotas(chunk_size)
     sections = [t <= i, t > i]
     for s in level_sizes(chunk_size):
         same_half_block = _block(i, 2 * s) == _block(t, 2 * s)
@@ -98,7 +97,7 @@ class Decays:
         C = g.shape[0]
         decays = jnp.exp(matmul(_run_masks(C), g, _F32))
         sections = [decays[n * C : (n + 1) * C] for n in range(decays.shape[0] // C)]
-        whole = jnp.exp(matmul(g, jnp.ones((C, 1), _F32), _F32, _COLUMNS_BY_COLUMNS))
+        whole = jnp.exp(matmul(g, jnp.ones((C, 1), _F32), _F32, COLUMNS_BY_COLUMNS))
         levels = tuple(zip(sections[2::2], sections[3::2]))
         return cls(to_token=sections[0], to_end=sections[1], whole=whole, levels=levels)
 
@@ -116,7 +115,7 @@ class Pairs:
 def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands) -> Pairs:
     """``Aqk`` and the exact inverse of ``I + diag(beta) Akk``, level by level (float32 ``q``, ``k``; ``beta`` ``(C, 1)``)."""
     C = k.shape[0]
-    i, j = _row_and_column_iotas(C)
+    i, j = row_and_column_iotas(C)
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     aqk = jnp.where(i == j, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
     inverse = (i == j).astype(_F32)
@@ -125,7 +124,7 @@ def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands)
         later_keys = jnp.where(later, k * later_decay, 0.0)
         later_queries = jnp.where(later, q * later_decay, 0.0)
         earlier_keys = jnp.where(later, 0.0, k * earlier_decay)
-        products = matmul(jnp.concatenate([later_keys, later_queries], axis=0), earlier_keys, operands, _ROWS_BY_ROWS)
+        products = matmul(jnp.concatenate([later_keys, later_queries], axis=0), earlier_keys, operands, ROWS_BY_ROWS)
         same_block = _block(i, 2 * s) == _block(j, 2 * s)
         akk_level = jnp.where(same_block, products[:C], 0.0)
         aqk = aqk + jnp.where(same_block, products[C:], 0.0)
@@ -150,7 +149,7 @@ def chunk_step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool):
     residual = v.astype(_F32) - matmul(k * decays.to_token, state, operands)
     delta = matmul(p.inverse, beta * residual, operands)
     o = matmul(q * decays.to_token, state, operands) + matmul(p.aqk, delta, operands)
-    state_out = decays.whole * state + matmul(k * decays.to_end, delta, operands, _COLUMNS_BY_COLUMNS)
+    state_out = decays.whole * state + matmul(k * decays.to_end, delta, operands, COLUMNS_BY_COLUMNS)
     return o, state_out
 
 

@@ -1,6 +1,6 @@
 """``tpu_pallas.fused`` for kda: the whole KDA forward in one ``pallas_call``.
 
-simple_gla's fused grid, layout and launch (``fused.run``): grid ``(batch, head, value block,
+the fused grid, layout and launch every forward here shares (``grid.run``): grid ``(batch, head, value block,
 time step)``, the first three "parallel", time "arbitrary" (sequential), each step walking
 ``chunks_per_step`` chunks unrolled (``step_chunks``) with the float32 state carried as a value
 between them. The state lives in a VMEM scratch between steps; it is loaded from
@@ -28,12 +28,12 @@ from typing import Any
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks, fused, launch
-from tops_plugins_tpu_pallas.chunkwise import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks
+from tops_plugins_tpu_pallas import blocks, grid, launch
+from tops_plugins_tpu_pallas.grid import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, chunk_work
 from tops_plugins_tpu_pallas.plan import LaunchPlan
-from tops_plugins_tpu_pallas.layout import Geometry, _heads_flattened
+from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 
@@ -85,12 +85,12 @@ def plans(
     if output_final_state:
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
     work = chunk_work(geometry, use_qk_l2norm) * chunks_of_the_grid(geometry)
-    return (fused.grid_plan("kda_fused", geometry, (), inputs, outputs, work, chunk_body_vmem(geometry)),)
+    return (grid.grid_plan("kda_fused", geometry, (), inputs, outputs, work, chunk_body_vmem(geometry)),)
 
 
 def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
     """``plans`` at the geometry ``forward`` launches (fewer chunks per step while ``target``'s VMEM is short)."""
-    return fused.fitted_plans(geometry, dtype, plans, target=target, **inputs)
+    return grid.fitted_plans(plans, geometry, dtype, target=target, **inputs)
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool):
@@ -113,9 +113,9 @@ def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_se
     """The ``Forward`` protocol of ``tops_core.ops.kda`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     padded_key_dim = geometry_of(*q.shape, v.shape[-1], config).padded_key_dim
-    return fused.run(
+    return grid.run(
         functools.partial(_kernel, use_qk_l2norm=use_qk_l2norm),
         functools.partial(plans, beta_dtype=beta.dtype, use_qk_l2norm=use_qk_l2norm),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        config=config, operands={"g": _heads_flattened(g, padded_key_dim), "beta": beta},
+        config=config, operands={"g": heads_flattened(g, padded_key_dim), "beta": beta},
     )

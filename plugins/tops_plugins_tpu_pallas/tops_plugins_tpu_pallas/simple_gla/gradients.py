@@ -35,16 +35,15 @@ from jax.experimental import pallas as pl
 from tops_core.ops.simple_gla import SimpleGLAGrads
 
 from tops_plugins_tpu_pallas import blocks
-from tops_plugins_tpu_pallas.chunkwise import (
-    SPLIT_BFLOAT16, ChunkGates, Work, advance_state, advance_state_work, constant_gates, gate_computations, gates_work, matmul,
-    mxu_operand_dtype, start_sequence, step_chunks,
+from tops_plugins_tpu_pallas.grid import Work, start_sequence, step_chunks
+from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, SPLIT_BFLOAT16, matmul, mxu_operand_dtype
+from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
+    ChunkGates, advance_state, advance_state_work, chunk_gates, constant_gates, gate_computations, gates_work,
 )
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scratch
-from tops_plugins_tpu_pallas.layout import Geometry, _heads_flattened, caller_output, caller_state, kernel_operands, padded_state
+from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
 
 _F32 = jnp.float32
-_ROWS_BY_ROWS = ((1,), (1,))  # a @ b.T
-_COLUMNS_BY_COLUMNS = ((0,), (0,))  # a.T @ b
 
 
 # -- operands -------------------------------------------------------------------------------------
@@ -120,7 +119,7 @@ def plan_inputs(q, g, g_gamma, initial_state, dht) -> dict:
 def operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry: Geometry) -> dict[str, jax.Array]:
     """The arrays both backward kernels read, by operand name (absent inputs left out)."""
     arrays = kernel_operands(q, k, v, g, g_gamma, initial_state, geometry)
-    arrays["do"] = _heads_flattened(do, geometry.padded_value_dim)
+    arrays["do"] = heads_flattened(do, geometry.padded_value_dim)
     if dht is not None:
         arrays["dht"] = padded_state(dht.astype(_F32), geometry)
     return arrays
@@ -181,7 +180,7 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
     for chunk in step_chunks(geometry, step):
         if every_chunk:
             refs["checkpoints"][chunk.index] = state
-        k, gates = chunk.read(refs["k"]), chunk.gates(refs, head, constant, attention=False)
+        k, gates = chunk.read(refs["k"]), chunk_gates(chunk, refs, head, constant, attention=False)
         state = advance_state(state, k, chunk.read(refs["v"]), gates, decay_gradient_operands(k.dtype))
     refs["state"][...] = state
 
@@ -225,7 +224,7 @@ def decay_gradient_operands(input_dtype):
 
 def attention(decays, q, k) -> jax.Array:
     """The forward's masked, decayed ``(C, C)`` scores ``D_ij (q_i . k_j)`` (unscaled, float32); ``decays`` is ``D``."""
-    return matmul(q, k, mxu_operand_dtype(q.dtype), _ROWS_BY_ROWS) * decays
+    return matmul(q, k, mxu_operand_dtype(q.dtype), ROWS_BY_ROWS) * decays
 
 
 def value_gradient(gates: ChunkGates, attention, k, do, dstate, scale: float) -> jax.Array:
@@ -235,7 +234,7 @@ def value_gradient(gates: ChunkGates, attention, k, do, dstate, scale: float) ->
 
 def attention_value_gradient(attention, do, scale: float) -> jax.Array:
     """The intra-chunk part of ``dv``: ``scale * sum_i D_ij (q_i . k_j) do_i``."""
-    return scale * matmul(attention, do, mxu_operand_dtype(do.dtype), _COLUMNS_BY_COLUMNS)
+    return scale * matmul(attention, do, mxu_operand_dtype(do.dtype), COLUMNS_BY_COLUMNS)
 
 
 def state_value_gradient(gates: ChunkGates, k, dstate) -> jax.Array:
@@ -245,12 +244,12 @@ def state_value_gradient(gates: ChunkGates, k, dstate) -> jax.Array:
 
 def state_reads(gates: ChunkGates, do, entering) -> jax.Array:
     """``(C, K)``: ``exp(b_i) do_i S^T``, what the rows' reading of the entering state adds to ``dq`` (before ``scale``)."""
-    return gates.query * matmul(do, entering, decay_gradient_operands(do.dtype), _ROWS_BY_ROWS)
+    return gates.query * matmul(do, entering, decay_gradient_operands(do.dtype), ROWS_BY_ROWS)
 
 
 def state_writes(gates: ChunkGates, v, dstate) -> jax.Array:
     """``(C, K)``: ``exp(b_C - b_j) v_j dS^T``, what the rows' writing into the leaving state adds to ``dk``."""
-    return gates.key * matmul(v, dstate, decay_gradient_operands(v.dtype), _ROWS_BY_ROWS)
+    return gates.key * matmul(v, dstate, decay_gradient_operands(v.dtype), ROWS_BY_ROWS)
 
 
 def query_key_gradients(
@@ -270,7 +269,7 @@ def query_key_gradients(
 
 def output_by_value(do, v) -> jax.Array:
     """``(C, C)``: ``do_i . v_j`` (float32), which ``dq``, ``dk`` and the decay gradient share."""
-    return matmul(do, v, mxu_operand_dtype(do.dtype), _ROWS_BY_ROWS)
+    return matmul(do, v, mxu_operand_dtype(do.dtype), ROWS_BY_ROWS)
 
 
 def query_key_gradients_of(
@@ -289,7 +288,7 @@ def query_key_gradients_of(
     C = q.shape[0]
     dattention = output_by_value * decays
     dq = scale * (matmul(dattention, k, operands) + reads)
-    dk = scale * matmul(dattention, q, operands, _COLUMNS_BY_COLUMNS) + writes
+    dk = scale * matmul(dattention, q, operands, COLUMNS_BY_COLUMNS) + writes
     if across is None:
         return dq, dk, None
 
@@ -313,7 +312,7 @@ def query_key_gradients_of(
 def state_gradient_entering(gates: ChunkGates, q, do, dstate, scale: float) -> jax.Array:
     """The gradient of the state entering the chunk, from the one leaving it."""
     decayed_queries = q.astype(_F32) * gates.query
-    return gates.chunk * dstate + scale * matmul(decayed_queries, do, decay_gradient_operands(q.dtype), _COLUMNS_BY_COLUMNS)
+    return gates.chunk * dstate + scale * matmul(decayed_queries, do, decay_gradient_operands(q.dtype), COLUMNS_BY_COLUMNS)
 
 
 # -- work, counted op by op from the functions above -----------------------------------------------

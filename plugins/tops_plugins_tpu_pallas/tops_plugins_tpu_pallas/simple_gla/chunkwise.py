@@ -1,4 +1,4 @@
-"""What one chunk of simple_gla does, written once for every kernel of this plugin.
+"""What one chunk of simple_gla does, written once for every simple_gla kernel of this plugin.
 
 Inside a chunk of ``C`` tokens, with ``b_i`` the cumulative log decay from the chunk's start up
 to and including token ``i`` and ``S`` the state entering the chunk::
@@ -17,80 +17,21 @@ last chunk that lie past the end of the sequence are zeroed with ``where`` as th
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
+from tops_plugins_tpu_pallas.grid import Chunk, Work
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
+from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, bf16_parts, matmul, mxu_operand_dtype, row_and_column_iotas
 
 _F32 = jnp.float32
-_ROWS_BY_COLUMNS = ((1,), (0,))
-_ROWS_BY_ROWS = ((1,), (1,))  # a @ b.T
-_COLUMNS_BY_COLUMNS = ((0,), (0,))  # a.T @ b
-
-
-def mxu_operand_dtype(input_dtype) -> jnp.dtype:
-    """The dtype the float32 intermediates (attention matrix, state, decayed keys) take into the forward's MXU products.
-
-    bf16 inputs: bf16, as flash-linear-attention does: one MXU pass per matmul, float32
-    accumulation. float32 inputs: float32 at HIGHEST precision, or the float32 tolerance (docs/ops.md) would
-    not hold on a TPU. README.md "Numerics" gives the measured errors behind this choice.
-    """
-    return jnp.dtype(input_dtype)
-
-
-SPLIT_BFLOAT16 = "bfloat16 high + low"
-"""``matmul``'s operands for a product of a bf16 input and a float32 intermediate that must keep ~16 bits:
-the float32 operand splits into two bf16 parts (``bf16_parts``), two native passes instead of six at HIGHEST."""
-
-
-def bf16_parts(x: jax.Array, count: int) -> list[jax.Array]:
-    """``x`` (float32) as ``count`` float32 arrays that sum to it exactly, each but the last exact in bf16.
-
-    Each part is the bf16 rounding of what the previous ones leave, the last part the rest: 8 more
-    bits of the significand per part, so three parts hold all 24 exactly and two hold about 16.
-    """
-    parts, rest = [], x
-    for _ in range(count - 1):
-        part = rest.astype(jnp.bfloat16).astype(_F32)
-        parts.append(part)
-        rest = rest - part
-    return [*parts, rest]
-
-
-def matmul(a: jax.Array, b: jax.Array, operands, contracting=_ROWS_BY_COLUMNS) -> jax.Array:
-    """A float32-accumulating matmul whose operands are rounded to ``operands`` (a dtype, or ``SPLIT_BFLOAT16``) for the MXU.
-
-    A bf16 x bf16 product is exact in float32, so bf16 operands need one native pass. float32
-    operands ask for HIGHEST precision: at the default a TPU rounds them to bf16. ``SPLIT_BFLOAT16``
-    splits each float32 operand into a high and a low bf16 part and sums the products of the parts
-    but low x low (2 passes with one float32 operand, 3 with two); a bf16 operand goes in whole.
-    """
-    if isinstance(operands, str) and operands == SPLIT_BFLOAT16:
-        a_parts, b_parts = (bf16_parts(x, 2) if x.dtype == _F32 else [x] for x in (a, b))
-        products = [
-            matmul(a_part, b_part, jnp.bfloat16, contracting)
-            for i, a_part in enumerate(a_parts) for j, b_part in enumerate(b_parts) if i + j < 2
-        ]
-        return functools.reduce(operator.add, products)
-    operands = jnp.dtype(operands)
-    precision = lax.Precision.HIGHEST if operands == _F32 else lax.Precision.DEFAULT
-    return lax.dot_general(
-        a.astype(operands), b.astype(operands), (contracting, ((), ())), precision=precision, preferred_element_type=_F32
-    )
-
-
-def _row_and_column_iotas(size: int) -> tuple[jax.Array, jax.Array]:
-    return lax.broadcasted_iota(jnp.int32, (size, size), 0), lax.broadcasted_iota(jnp.int32, (size, size), 1)
 
 
 def _column_to_row(column: jax.Array) -> jax.Array:
     """``(n, 1)`` -> ``(1, n)`` by a masked sublane sum: exact (one term is nonzero), and needs no transpose support."""
-    rows, cols = _row_and_column_iotas(column.shape[0])
+    rows, cols = row_and_column_iotas(column.shape[0])
     return jnp.sum(jnp.where(rows == cols, column, 0.0), axis=0, keepdims=True)
 
 
@@ -108,7 +49,7 @@ def cumulative_sum(g: jax.Array) -> jax.Array:
     high, middle, low = bf16_parts(g, 3)
     lanes = lax.broadcasted_iota(jnp.int32, (size, LANES), 1)
     parts = jnp.where(lanes == 0, high, jnp.where(lanes == 1, middle, jnp.where(lanes == 2, low, 0.0)))
-    rows, cols = _row_and_column_iotas(size)
+    rows, cols = row_and_column_iotas(size)
     partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), parts, jnp.bfloat16)
     return jnp.sum(partial_sums, axis=1, keepdims=True)
 
@@ -174,7 +115,7 @@ class ChunkGates:
         total = log.column[chunk_size - 1 :, :]
         decays = None
         if attention:
-            rows, cols = _row_and_column_iotas(chunk_size)
+            rows, cols = row_and_column_iotas(chunk_size)
             causal = rows >= cols
             decays = jnp.where(causal, jnp.exp(jnp.where(causal, log.column - log.row, 0.0)), 0.0)
         return cls(decays=decays, query=jnp.exp(log.column), key=jnp.exp(total - log.column), chunk=jnp.exp(total))
@@ -194,7 +135,7 @@ def intra_chunk_output(q: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGat
 def decayed_scores(q: jax.Array, k: jax.Array, gates: ChunkGates, operands=None) -> jax.Array:
     """The chunk's causal attention weights ``(q k^T) * decays`` (float32 ``(C, C)``), the first half of ``intra_chunk_output``."""
     operands = mxu_operand_dtype(q.dtype) if operands is None else operands
-    return matmul(q, k, operands, _ROWS_BY_ROWS) * gates.decays
+    return matmul(q, k, operands, ROWS_BY_ROWS) * gates.decays
 
 
 def attend(scores: jax.Array, v: jax.Array, operands=None) -> jax.Array:
@@ -213,26 +154,7 @@ def advance_state(state: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGate
     ``operands`` (``matmul``'s; None: the forward's ``mxu_operand_dtype``)."""
     weighted_keys = k.astype(_F32) * gates.key
     operands = mxu_operand_dtype(k.dtype) if operands is None else operands
-    return state * gates.chunk + matmul(weighted_keys, v, operands, _COLUMNS_BY_COLUMNS)
-
-
-@dataclasses.dataclass(frozen=True)
-class Work:
-    """Matmul flops (2 per multiply-add) and transcendentals (``exp``) of a piece of kernel code.
-
-    Counted op by op from the code above, per value block, as the kernels run it: a ragged last
-    chunk computes whole, and ``scores`` is recomputed for every value block. Elementwise
-    arithmetic is left out: it is small beside the matmuls and runs on other units.
-    """
-
-    flops: int = 0
-    transcendentals: int = 0
-
-    def __add__(self, other: Work) -> Work:
-        return Work(self.flops + other.flops, self.transcendentals + other.transcendentals)
-
-    def __mul__(self, times: int) -> Work:
-        return Work(self.flops * times, self.transcendentals * times)
+    return state * gates.chunk + matmul(weighted_keys, v, operands, COLUMNS_BY_COLUMNS)
 
 
 def gates_work(geometry: Geometry, gated: bool, attention: bool = True) -> Work:
@@ -264,11 +186,6 @@ def advance_state_work(geometry: Geometry) -> Work:
     return Work(flops=2 * C * K * Vb)
 
 
-def chunks_of_the_grid(geometry: Geometry) -> int:
-    """How many times a grid runs the chunk body: every chunk of every (batch, head, value block)."""
-    return geometry.batch * geometry.heads * geometry.value_tiles * geometry.num_chunks
-
-
 def chunk_body_vmem(geometry: Geometry) -> int:
     """Bytes of the float32 values one grid step holds at once, an upper estimate for every kernel here.
 
@@ -280,50 +197,6 @@ def chunk_body_vmem(geometry: Geometry) -> int:
     return 4 * (2 * C * K + 4 * C * C + 2 * K * Vb + 2 * C * Vb)
 
 
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    """One chunk of a grid step: where its rows sit in the step's blocks, and how many are real tokens."""
-
-    index: int  # within the step
-    rows: pl.Slice
-    valid_rows: jax.Array | None  # None when the chunk is whole (only a sequence's last chunk can be ragged)
-
-    def _row_is_real(self) -> jax.Array:
-        return lax.broadcasted_iota(jnp.int32, (self.rows.size, 1), 0) < self.valid_rows
-
-    def read(self, ref) -> jax.Array:
-        """The chunk's rows of a token block, rows past the end of the sequence as exact zeros.
-
-        Those rows of a ragged block hold unspecified values (NaN in the interpreters), and NaN * 0
-        is NaN, so they are replaced with ``where`` before any arithmetic touches them.
-        """
-        x = ref[self.rows, :]
-        if self.valid_rows is None:
-            return x
-        return jnp.where(self._row_is_real(), x, jnp.zeros((), x.dtype))
-
-    def gates(self, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None, attention: bool = True) -> ChunkGates:
-        """The chunk's gates: ``constant`` (the step's, without ``g``) for a whole chunk; else exponentiated
-        from ``log`` (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``."""
-        if constant is not None and self.valid_rows is None:
-            return constant
-        return ChunkGates.of(self.log_decays(refs, head) if log is None else log, attention)
-
-    def head_column(self, ref, head: jax.Array) -> jax.Array:
-        """Head ``head``'s column of an all-heads block (``blocks.per_head``) as float32 ``(C, 1)``, rows past the end zero."""
-        every_head = ref[self.rows, :]
-        take = lax.broadcasted_iota(jnp.int32, every_head.shape, 1) == head
-        if self.valid_rows is not None:
-            take = take & self._row_is_real()
-        # One selected term per row, so the lane sum is exact.
-        return jnp.sum(jnp.where(take, every_head, jnp.zeros((), every_head.dtype)).astype(_F32), axis=1, keepdims=True)
-
-    def log_decays(self, refs: dict, head: jax.Array) -> LogDecays:
-        """The chunk's cumulative log decays from a kernel's refs: ``decay`` in SMEM and, when given, the all-heads ``g`` block."""
-        g = self.head_column(refs["g"], head) if "g" in refs else None
-        return LogDecays.compute(refs["decay"][head], g, self.valid_rows, self.rows.size)
-
-
 def constant_gates(refs: dict, head: jax.Array, geometry: Geometry, attention: bool = True) -> ChunkGates | None:
     """A whole chunk's gates when the decay is constant (no ``g``), computed once for the grid step; None with ``g``."""
     if "g" in refs:
@@ -331,44 +204,15 @@ def constant_gates(refs: dict, head: jax.Array, geometry: Geometry, attention: b
     return ChunkGates.compute(refs["decay"][head], None, None, geometry.chunk_size, attention)
 
 
-def step_chunks(geometry: Geometry, step: jax.Array) -> list[Chunk]:
-    """The chunks of grid step ``step`` in order, for a kernel to unroll.
-
-    Unrolled, the chunks of a step are one block of straight-line code, so the scheduler overlaps
-    each chunk's attention (which does not depend on the state) with the previous chunk's state
-    update instead of running one chunk's chain after the other. Every chunk runs the same
-    operations whatever the step size, so no result depends on ``num_steps``. Only the last chunk
-    of the step can be the sequence's ragged last chunk.
-    """
-    size, count = geometry.chunk_size, geometry.chunks_per_step
-    last = step * count + count - 1
-    return [
-        Chunk(index, pl.ds(index * size, size), geometry.valid_rows(last) if index == count - 1 else None)
-        for index in range(count)
-    ]
+def chunk_gates(chunk: Chunk, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None, attention: bool = True) -> ChunkGates:
+    """``chunk``'s gates: ``constant`` (the step's, without ``g``) for a whole chunk; else exponentiated
+    from ``log`` (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``."""
+    if constant is not None and chunk.valid_rows is None:
+        return constant
+    return ChunkGates.of(log_decays(chunk, refs, head) if log is None else log, attention)
 
 
-def start_sequence(refs: dict, step: jax.Array) -> None:
-    """Load ``initial_state`` (or zeros) into the VMEM ``state`` at the first time step of each (batch, head, value tile).
-
-    Parallel grid points run on either core in any order, so the scratch never carries anything
-    from one (batch, head, value tile) to the next.
-    """
-
-    @pl.when(step == 0)
-    def _start():
-        state = refs["state"]
-        if "initial_state" in refs:
-            state[...] = refs["initial_state"][...].astype(_F32)
-        else:
-            state[...] = jnp.zeros(state.shape, _F32)
-
-
-def finish_sequence(refs: dict, step: jax.Array, geometry: Geometry) -> None:
-    """Write the state to ``final_state`` (when requested) after the last time step."""
-    if "final_state" not in refs:
-        return
-
-    @pl.when(step == geometry.time_steps - 1)
-    def _finish():
-        refs["final_state"][...] = refs["state"][...]
+def log_decays(chunk: Chunk, refs: dict, head: jax.Array) -> LogDecays:
+    """``chunk``'s cumulative log decays from a kernel's refs: ``decay`` in SMEM and, when given, the all-heads ``g`` block."""
+    g = chunk.head_column(refs["g"], head) if "g" in refs else None
+    return LogDecays.compute(refs["decay"][head], g, chunk.valid_rows, chunk.rows.size)

@@ -35,8 +35,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import backward_fused, blocks, gradients, launch, varlen
-from tops_plugins_tpu_pallas.chunkwise import Work, advance_state, advance_state_work, constant_gates, gates_work, step_chunks
+from tops_plugins_tpu_pallas import blocks, launch
+from tops_plugins_tpu_pallas.simple_gla import backward_fused, gradients, varlen
+from tops_plugins_tpu_pallas.grid import Work, step_chunks
+from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
+    advance_state, advance_state_work, chunk_gates, constant_gates, gates_work, log_decays,
+)
 from tops_plugins_tpu_pallas.plan import DmaSemaphores, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -135,7 +139,7 @@ def _sequence_states(refs: dict, head, geometry: Geometry) -> varlen.SequenceSta
 
 def _advance(refs: dict, states: varlen.SequenceStates, chunk, number, state, head) -> jax.Array:
     """The state leaving chunk ``number``: its last piece's, the only one whose state goes on past the chunk."""
-    log = chunk.log_decays(refs, head)
+    log = log_decays(chunk, refs, head)
     piece = varlen.Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * chunk.rows.size, log)
     entering = jnp.where(piece.continuing, state, states.load("initial_state", "loaded", piece.sequence, ~piece.continuing))
     k = chunk.read(refs["k"])
@@ -187,8 +191,8 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
     for chunk in reversed(chunks):
         number = number_of(chunk)
         first = number * C  # the chunk's first token in the packed sequence
-        log = chunk.log_decays(refs, head)
-        gates = chunk.gates(refs, head, constant, log)
+        log = log_decays(chunk, refs, head)
+        gates = chunk_gates(chunk, refs, head, constant, log)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
         last = refs["last_sequence"][number]
 

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, launch
-from tops_plugins_tpu_pallas.chunkwise import (
-    advance_state, advance_state_work, chunk_body_vmem, chunk_output, chunk_output_work, chunks_of_the_grid,
-    constant_gates, finish_sequence, gate_computations, gates_work, start_sequence, step_chunks,
+from tops_plugins_tpu_pallas.grid import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks
+from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
+    advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output, chunk_output_work, constant_gates,
+    gate_computations, gates_work,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.plan import LaunchPlan
@@ -91,7 +92,7 @@ def _states_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     state = refs["state"][...]
     for chunk in step_chunks(geometry, step):
         refs["chunk_states"][chunk.index] = state
-        gates = chunk.gates(refs, head, constant, attention=False)
+        gates = chunk_gates(chunk, refs, head, constant, attention=False)
         state = advance_state(state, chunk.read(refs["k"]), chunk.read(refs["v"]), gates)
     refs["state"][...] = state
     finish_sequence(refs, step, geometry)
@@ -104,7 +105,7 @@ def _outputs_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     constant = constant_gates(refs, head, geometry)
     for chunk in step_chunks(geometry, step):
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        gates = chunk.gates(refs, head, constant)
+        gates = chunk_gates(chunk, refs, head, constant)
         refs["o"][chunk.rows, :] = chunk_output(q, k, v, refs["chunk_states"][chunk.index], gates, scale).astype(refs["o"].dtype)
 
 

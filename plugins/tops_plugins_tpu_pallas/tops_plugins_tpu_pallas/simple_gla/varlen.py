@@ -1,6 +1,6 @@
 """``tpu_pallas.varlen``: the simple_gla forward over packed sequences (``B == 1``, ``cu_seqlens``), in one ``pallas_call``.
 
-The fused kernel's grid, layout and launch (``fused.run``) over the packed ``T``: ``(1, head,
+The fused kernel's grid, layout and launch (``grid.run``) over the packed ``T``: ``(1, head,
 value block, time step)``, the float32 state carried along the sequential time axis. Sequence boundaries may fall
 anywhere, so a chunk holds one or more *segments* (the pieces of the sequences it overlaps). The
 boundaries are scalars in SMEM (scalar prefetch), traced under ``jit``: one compile serves every
@@ -35,12 +35,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tops_plugins_tpu_pallas import blocks, fused, launch
-from tops_plugins_tpu_pallas.chunkwise import (
-    _ROWS_BY_ROWS, LogDecays, Work, advance_state, advance_state_work, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
-    constant_gates, gate_computations, gates_work, matmul, mxu_operand_dtype, step_chunks,
+from tops_plugins_tpu_pallas import blocks, grid, launch
+from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, step_chunks
+from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, mxu_operand_dtype
+from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
+    LogDecays, advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
+    gate_computations, gates_work, log_decays,
 )
-from tops_plugins_tpu_pallas.fused import FusedConfig
+from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
 from tops_plugins_tpu_pallas.plan import DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -111,12 +113,12 @@ def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_
     gated = gate_dtype is not None
     work = (chunk_output_work(g) + advance_state_work(g) + segment_exps) * chunks_of_the_grid(g)
     work = work + gates_work(g, gated) * gate_computations(g, gated) + extra_segment * (g.heads * g.value_tiles * (num_seqs - 1))
-    return (fused.grid_plan("simple_gla_varlen", g, (blocks.decay(g), *boundaries(g, num_seqs)), inputs, outputs, work, chunk_body_vmem(g), scratch),)
+    return (grid.grid_plan("simple_gla_varlen", g, (blocks.decay(g), *boundaries(g, num_seqs)), inputs, outputs, work, chunk_body_vmem(g), scratch),)
 
 
 def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
     """``plans`` at the geometry ``forward`` launches (fewer chunks per step while ``target``'s VMEM is short)."""
-    return fused.fitted_plans(geometry, dtype, functools.partial(plans, num_seqs=num_seqs), target=target, **inputs)
+    return grid.fitted_plans(functools.partial(plans, num_seqs=num_seqs), geometry, dtype, target=target, **inputs)
 
 
 def _at_row(column: jax.Array, rows: jax.Array, row: jax.Array) -> jax.Array:
@@ -227,8 +229,8 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     for chunk in step_chunks(geometry, step):
         number = step * geometry.chunks_per_step + chunk.index
         first = number * C  # the chunk's first token in the packed sequence
-        log = chunk.log_decays(refs, head)
-        gates = chunk.gates(refs, head, constant, log)
+        log = log_decays(chunk, refs, head)
+        gates = chunk_gates(chunk, refs, head, constant, log)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         operands = mxu_operand_dtype(q.dtype)
 
@@ -247,7 +249,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
             (jnp.zeros((C, Vb), _F32), jnp.zeros((C, 1), jnp.int32), state),
         )
         same_sequence = (rows >= columns) & (columns >= segment_start)
-        attention = jnp.where(same_sequence, matmul(q, k, operands, _ROWS_BY_ROWS) * gates.decays, 0.0)
+        attention = jnp.where(same_sequence, matmul(q, k, operands, ROWS_BY_ROWS) * gates.decays, 0.0)
         o = scale * (matmul(attention, v, operands) + from_states)
         refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
@@ -265,7 +267,7 @@ def sequences_of_chunks(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) ->
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: VarlenConfig):
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given)."""
     num_seqs = cu_seqlens.shape[0] - 1
-    o, final_state = fused.run(
+    o, final_state = grid.run(
         _kernel, functools.partial(plans, num_seqs=num_seqs), q, k, v, g=g, g_gamma=g_gamma, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, config=config,
         operands=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size),

@@ -19,15 +19,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from tops_core.tpu_generations import GENERATIONS
 
-from tops_plugins_tpu_pallas import blocks, launch
-from tops_plugins_tpu_pallas.chunkwise import (
-    SPLIT_BFLOAT16, Work, advance_state, advance_state_work, attend, chunk_body_vmem, chunk_output_work, chunks_of_the_grid,
-    constant_gates, decayed_scores, finish_sequence, gate_computations, gates_work, intra_chunk_output, mxu_operand_dtype,
-    output_from_state, start_sequence, step_chunks,
+from tops_plugins_tpu_pallas import blocks, grid, launch
+from tops_plugins_tpu_pallas.grid import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks
+from tops_plugins_tpu_pallas.mxu import SPLIT_BFLOAT16, mxu_operand_dtype
+from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
+    advance_state, advance_state_work, attend, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
+    decayed_scores, gate_computations, gates_work, intra_chunk_output, output_from_state,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.plan import LaunchPlan
-from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, kernel_operands
+from tops_plugins_tpu_pallas.layout import Geometry
 
 
 FLOAT32_PRECISIONS = ("highest", "high")
@@ -78,13 +79,9 @@ class FusedConfig:
             raise TypeError(f"FusedConfig.full_values must be a bool, got {self.full_values!r}")
 
 
-def geometry_of(B: int, T: int, H: int, K: int, V: int, config: FusedConfig) -> Geometry:
-    return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values)
-
-
-def fitted_plans(geometry: Geometry, dtype, build_plans=None, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
-    """``build_plans`` (default ``plans``) at the geometry that fits ``target``'s VMEM: what ``run`` launches."""
-    return launch.fit(build_plans or plans, geometry, dtype, target, **inputs)[1]
+def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
+    """``plans`` at the geometry that fits ``target``'s VMEM: what ``forward`` launches."""
+    return grid.fitted_plans(plans, geometry, dtype, target=target, **inputs)
 
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
@@ -99,24 +96,7 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
     gated = gate_dtype is not None
     work = (chunk_output_work(geometry) + advance_state_work(geometry)) * chunks_of_the_grid(geometry) + gates_work(geometry, gated) * gate_computations(geometry, gated)
-    return (grid_plan("simple_gla_fused", geometry, (blocks.decay(geometry),), inputs, outputs, work, chunk_body_vmem(geometry)),)
-
-
-def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Work, body_vmem: int, scratch=None) -> LaunchPlan:
-    """A forward's plan on the fused grid: (batch, head, value block) parallel, time sequential, the running
-    state in VMEM scratch (``scratch``: the whole scratch, when a kernel needs more than that)."""
-    return LaunchPlan(
-        name=name,
-        grid=blocks.grid(geometry),
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=tuple(scalars),
-        inputs=tuple(inputs),
-        outputs=tuple(outputs),
-        scratch=(blocks.running_state(geometry),) if scratch is None else tuple(scratch),
-        body_vmem=body_vmem,
-        flops=work.flops,
-        transcendentals=work.transcendentals,
-    )
+    return (grid.grid_plan("simple_gla_fused", geometry, (blocks.decay(geometry),), inputs, outputs, work, chunk_body_vmem(geometry)),)
 
 
 def attention_first(config: FusedConfig, dtype, key_dim: int, chip: str | None) -> bool:
@@ -137,7 +117,7 @@ def attention_first(config: FusedConfig, dtype, key_dim: int, chip: str | None) 
 
 
 def operands_of(config: FusedConfig, dtype):
-    """What the forward's MXU products take their operands as (``chunkwise.matmul``): ``mxu_operand_dtype``,
+    """What the forward's MXU products take their operands as (``mxu.matmul``): ``mxu_operand_dtype``,
     or for float32 inputs at ``float32_precision="high"`` two bf16 parts each."""
     if jnp.dtype(dtype) == jnp.float32 and config.float32_precision == "high":
         return SPLIT_BFLOAT16
@@ -152,7 +132,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     constant = constant_gates(refs, head, geometry)
     chunks = []
     for chunk in step_chunks(geometry, step):
-        gates = chunk.gates(refs, head, constant)
+        gates = chunk_gates(chunk, refs, head, constant)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands) if attention_first else None))
     # The attention does not depend on the state. Traced ahead of the chain through the state, the
@@ -176,37 +156,12 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     finish_sequence(refs, step, geometry)
 
 
-def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config: FusedConfig, operands=None):
-    """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
-
-    ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (``plans``'s
-    signature) describes, at the geometry that fits VMEM; ``operands`` are arrays beyond the
-    layout's (``kernel_operands``), or in place of one of them of the same name (kda's ``g``, laid
-    out as ``k``). ``config``: ``FusedConfig`` or any config with its ``chunk_size``, ``num_steps``,
-    ``full_values`` and ``interpret``. Returns ``o`` and, when asked for, ``final_state`` as the
-    caller lays them out.
-    """
-    B, T, H, K = q.shape
-    inputs = dict(
-        gate_dtype=None if g is None else g.dtype,
-        initial_state_dtype=None if initial_state is None else initial_state.dtype,
-        output_final_state=output_final_state,
-    )
-    geometry, (plan,), run_plan = launch.prepare(
-        build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
-    )
-    arrays = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(operands or {})}
-    results = run_plan(plan, kernel, arrays, scale=scale)
-    final_state = caller_state(results["final_state"], geometry) if output_final_state else None
-    return caller_output(results["o"], geometry), final_state
-
-
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
     first = attention_first(config, q.dtype, q.shape[-1], launch.Target.lowered_for().chip)
     kernel = functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype))
-    return run(
+    return grid.run(
         kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, config=config,
     )

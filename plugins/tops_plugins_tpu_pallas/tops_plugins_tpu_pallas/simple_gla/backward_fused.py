@@ -26,8 +26,12 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks, gradients, launch
-from tops_plugins_tpu_pallas.chunkwise import advance_state, advance_state_work, constant_gates, gates_work, step_chunks
+from tops_plugins_tpu_pallas import blocks, grid, launch
+from tops_plugins_tpu_pallas.simple_gla import gradients
+from tops_plugins_tpu_pallas.grid import step_chunks
+from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
+    advance_state, advance_state_work, chunk_gates, constant_gates, gates_work,
+)
 from tops_plugins_tpu_pallas.plan import LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -78,17 +82,9 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     # With g, recomputing the states needs the gates of every chunk but a step's last, computed again.
     recomputed_gates = geometry.batch * geometry.heads * geometry.time_steps * (geometry.chunks_per_step - 1) if gated else 0
     work = per_chunk * (geometry.batch * geometry.heads * geometry.num_chunks) + gradients.gating_work(geometry, gated) + gates_work(geometry, gated) * recomputed_gates
-    return checkpoints, LaunchPlan(
-        name="simple_gla_fused_backward",
-        grid=blocks.grid(geometry),
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=(blocks.decay(geometry),),
-        inputs=tuple(inputs),
-        outputs=tuple(outputs),
+    return checkpoints, grid.grid_plan(
+        "simple_gla_fused_backward", geometry, (blocks.decay(geometry),), inputs, outputs, work, gradients.body_vmem(geometry),
         scratch=(gradients.state_gradient(geometry), Scratch("states", (geometry.chunks_per_step, K, V), _F32)),
-        body_vmem=gradients.body_vmem(geometry),
-        flops=work.flops,
-        transcendentals=work.transcendentals,
     )
 
 
@@ -103,12 +99,12 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs["states"][0] = state
     for chunk in chunks[:-1]:
         k = chunk.read(refs["k"])
-        state = advance_state(state, k, chunk.read(refs["v"]), chunk.gates(refs, head, constant), gradients.decay_gradient_operands(k.dtype))
+        state = advance_state(state, k, chunk.read(refs["v"]), chunk_gates(chunk, refs, head, constant), gradients.decay_gradient_operands(k.dtype))
         refs["states"][chunk.index + 1] = state
 
     dstate = refs["dstate"][...]
     for chunk in reversed(chunks):
-        gates = chunk.gates(refs, head, constant)
+        gates = chunk_gates(chunk, refs, head, constant)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
         # dS from chunk to chunk is the longest dependency chain: traced first, the rest of the chunk
         # is scheduled alongside it (traced last, the same instructions issued 10% more cycles on v5e).

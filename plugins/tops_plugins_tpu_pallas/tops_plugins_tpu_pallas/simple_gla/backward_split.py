@@ -24,8 +24,10 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks, gradients, launch
-from tops_plugins_tpu_pallas.chunkwise import constant_gates, step_chunks
+from tops_plugins_tpu_pallas import blocks, grid, launch
+from tops_plugins_tpu_pallas.simple_gla import gradients
+from tops_plugins_tpu_pallas.grid import step_chunks
+from tops_plugins_tpu_pallas.simple_gla.chunkwise import chunk_gates, constant_gates
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -59,17 +61,9 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     pass1_work = (
         gradients.attention_work(geometry) + gradients.value_gradient_work(geometry) + gradients.state_gradient_work(geometry)
     ) * chunk_count + gradients.gating_work(geometry, gated)
-    state_gradients = LaunchPlan(
-        name="simple_gla_split_backward_state_gradients",
-        grid=blocks.grid(geometry),
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=(blocks.decay(geometry),),
-        inputs=tuple(pass1_inputs),
-        outputs=tuple(pass1_outputs),
-        scratch=(gradients.state_gradient(geometry),),
-        body_vmem=gradients.body_vmem(geometry),
-        flops=pass1_work.flops,
-        transcendentals=pass1_work.transcendentals,
+    state_gradients = grid.grid_plan(
+        "simple_gla_split_backward_state_gradients", geometry, (blocks.decay(geometry),), pass1_inputs, pass1_outputs,
+        pass1_work, gradients.body_vmem(geometry), scratch=(gradients.state_gradient(geometry),),
     )
 
     pass2_inputs = gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"))
@@ -102,7 +96,7 @@ def _state_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: 
     constant = constant_gates(refs, head, geometry)
     dstate = refs["dstate"][...]
     for chunk in reversed(step_chunks(geometry, geometry.time_steps - 1 - step)):
-        gates = chunk.gates(refs, head, constant)
+        gates = chunk_gates(chunk, refs, head, constant)
         q, k, do = (chunk.read(refs[name]) for name in ("q", "k", "do"))
         refs["dstates"][chunk.index] = dstate
         # dS's step first, the chain from chunk to chunk (as in backward_fused: fewer issued cycles).
@@ -121,7 +115,7 @@ def _query_key_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, sca
 
     constant = constant_gates(refs, head, geometry)
     for chunk in step_chunks(geometry, step):
-        gates = chunk.gates(refs, head, constant)
+        gates = chunk_gates(chunk, refs, head, constant)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
         attention = gradients.attention(gates.decays, q, k)
         dq, dk, da = gradients.query_key_gradients(

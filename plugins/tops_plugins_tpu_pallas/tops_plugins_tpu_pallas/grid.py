@@ -1,0 +1,171 @@
+"""The fused grid every forward of this plugin runs on, whatever the op: ``(batch, head, value block,
+time step)``, the first three parallel, time sequential, the running state in VMEM scratch, each grid
+step unrolling its chunks (``step_chunks``); and ``Work``, the flops and exps a kernel declares.
+Op-independent; ``simple_gla/`` and ``kda/`` hold what a chunk of each op computes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tops_plugins_tpu_pallas import blocks, launch
+from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, kernel_operands
+from tops_plugins_tpu_pallas.plan import LaunchPlan
+
+_F32 = jnp.float32
+
+
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
+    """The grid's geometry for a call; ``config``: any config with ``chunk_size``, ``num_steps`` and ``full_values``."""
+    return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values)
+
+
+def fitted_plans(build_plans, geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, ...]:
+    """``build_plans`` at the geometry that fits ``target``'s VMEM: what ``run`` launches."""
+    return launch.fit(build_plans, geometry, dtype, target, **inputs)[1]
+
+
+def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Work, body_vmem: int, scratch=None) -> LaunchPlan:
+    """A plan on the fused grid: (batch, head, value block) parallel, time sequential (forward or, as a backward's
+    index maps say, reversed), the running state in VMEM scratch (``scratch``: the whole scratch, when a kernel
+    needs other scratch than that)."""
+    return LaunchPlan(
+        name=name,
+        grid=blocks.grid(geometry),
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        scalars=tuple(scalars),
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        scratch=(blocks.running_state(geometry),) if scratch is None else tuple(scratch),
+        body_vmem=body_vmem,
+        flops=work.flops,
+        transcendentals=work.transcendentals,
+    )
+
+
+def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config, operands=None):
+    """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
+
+    ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (the signature of
+    ``simple_gla.fused.plans``) describes, at the geometry that fits VMEM; ``operands`` are arrays beyond the
+    layout's (``kernel_operands``), or in place of one of them of the same name (kda's ``g``, laid
+    out as ``k``). ``config``: any config with ``chunk_size``, ``num_steps``,
+    ``full_values`` and ``interpret`` (``FusedConfig``, ``VarlenConfig``, ``KdaFusedConfig``). Returns ``o`` and, when asked for, ``final_state`` as the
+    caller lays them out.
+    """
+    B, T, H, K = q.shape
+    inputs = dict(
+        gate_dtype=None if g is None else g.dtype,
+        initial_state_dtype=None if initial_state is None else initial_state.dtype,
+        output_final_state=output_final_state,
+    )
+    geometry, (plan,), run_plan = launch.prepare(
+        build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
+    )
+    arrays = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(operands or {})}
+    results = run_plan(plan, kernel, arrays, scale=scale)
+    final_state = caller_state(results["final_state"], geometry) if output_final_state else None
+    return caller_output(results["o"], geometry), final_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Matmul flops (2 per multiply-add) and transcendentals (``exp``) of a piece of kernel code.
+
+    Counted op by op from each op's chunk code, per value block, as the kernels run it: a ragged last
+    chunk computes whole, and ``scores`` is recomputed for every value block. Elementwise
+    arithmetic is left out: it is small beside the matmuls and runs on other units.
+    """
+
+    flops: int = 0
+    transcendentals: int = 0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.transcendentals + other.transcendentals)
+
+    def __mul__(self, times: int) -> Work:
+        return Work(self.flops * times, self.transcendentals * times)
+
+
+def chunks_of_the_grid(geometry: Geometry) -> int:
+    """How many times a grid runs the chunk body: every chunk of every (batch, head, value block)."""
+    return geometry.batch * geometry.heads * geometry.value_tiles * geometry.num_chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One chunk of a grid step: where its rows sit in the step's blocks, and how many are real tokens."""
+
+    index: int  # within the step
+    rows: pl.Slice
+    valid_rows: jax.Array | None  # None when the chunk is whole (only a sequence's last chunk can be ragged)
+
+    def _row_is_real(self) -> jax.Array:
+        return lax.broadcasted_iota(jnp.int32, (self.rows.size, 1), 0) < self.valid_rows
+
+    def read(self, ref) -> jax.Array:
+        """The chunk's rows of a token block, rows past the end of the sequence as exact zeros.
+
+        Those rows of a ragged block hold unspecified values (NaN in the interpreters), and NaN * 0
+        is NaN, so they are replaced with ``where`` before any arithmetic touches them.
+        """
+        x = ref[self.rows, :]
+        if self.valid_rows is None:
+            return x
+        return jnp.where(self._row_is_real(), x, jnp.zeros((), x.dtype))
+
+    def head_column(self, ref, head: jax.Array) -> jax.Array:
+        """Head ``head``'s column of an all-heads block (``blocks.per_head``) as float32 ``(C, 1)``, rows past the end zero."""
+        every_head = ref[self.rows, :]
+        take = lax.broadcasted_iota(jnp.int32, every_head.shape, 1) == head
+        if self.valid_rows is not None:
+            take = take & self._row_is_real()
+        # One selected term per row, so the lane sum is exact.
+        return jnp.sum(jnp.where(take, every_head, jnp.zeros((), every_head.dtype)).astype(_F32), axis=1, keepdims=True)
+
+
+def step_chunks(geometry: Geometry, step: jax.Array) -> list[Chunk]:
+    """The chunks of grid step ``step`` in order, for a kernel to unroll.
+
+    Unrolled, the chunks of a step are one block of straight-line code, so the scheduler overlaps
+    each chunk's attention (which does not depend on the state) with the previous chunk's state
+    update instead of running one chunk's chain after the other. Every chunk runs the same
+    operations whatever the step size, so no result depends on ``num_steps``. Only the last chunk
+    of the step can be the sequence's ragged last chunk.
+    """
+    size, count = geometry.chunk_size, geometry.chunks_per_step
+    last = step * count + count - 1
+    return [
+        Chunk(index, pl.ds(index * size, size), geometry.valid_rows(last) if index == count - 1 else None)
+        for index in range(count)
+    ]
+
+
+def start_sequence(refs: dict, step: jax.Array) -> None:
+    """Load ``initial_state`` (or zeros) into the VMEM ``state`` at the first time step of each (batch, head, value tile).
+
+    Parallel grid points run on either core in any order, so the scratch never carries anything
+    from one (batch, head, value tile) to the next.
+    """
+
+    @pl.when(step == 0)
+    def _start():
+        state = refs["state"]
+        if "initial_state" in refs:
+            state[...] = refs["initial_state"][...].astype(_F32)
+        else:
+            state[...] = jnp.zeros(state.shape, _F32)
+
+
+def finish_sequence(refs: dict, step: jax.Array, geometry: Geometry) -> None:
+    """Write the state to ``final_state`` (when requested) after the last time step."""
+    if "final_state" not in refs:
+        return
+
+    @pl.when(step == geometry.time_steps - 1)
+    def _finish():
+        refs["final_state"][...] = refs["state"][...]

@@ -1,0 +1,71 @@
+"""The MXU products every kernel of this plugin takes: operand dtypes, float32 accumulation, and the
+contractions by name. Op-independent; each op's chunk math (``simple_gla.chunkwise``, ``kda.chunkwise``) builds on it."""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_F32 = jnp.float32
+ROWS_BY_COLUMNS = ((1,), (0,))
+ROWS_BY_ROWS = ((1,), (1,))  # a @ b.T
+COLUMNS_BY_COLUMNS = ((0,), (0,))  # a.T @ b
+
+
+def mxu_operand_dtype(input_dtype) -> jnp.dtype:
+    """The dtype the float32 intermediates (attention matrix, state, decayed keys) take into the forward's MXU products.
+
+    bf16 inputs: bf16, as flash-linear-attention does: one MXU pass per matmul, float32
+    accumulation. float32 inputs: float32 at HIGHEST precision, or the float32 tolerance (docs/ops.md) would
+    not hold on a TPU. README.md "Numerics" gives the measured errors behind this choice.
+    """
+    return jnp.dtype(input_dtype)
+
+
+SPLIT_BFLOAT16 = "bfloat16 high + low"
+"""``matmul``'s operands for a product of a bf16 input and a float32 intermediate that must keep ~16 bits:
+the float32 operand splits into two bf16 parts (``bf16_parts``), two native passes instead of six at HIGHEST."""
+
+
+def bf16_parts(x: jax.Array, count: int) -> list[jax.Array]:
+    """``x`` (float32) as ``count`` float32 arrays that sum to it exactly, each but the last exact in bf16.
+
+    Each part is the bf16 rounding of what the previous ones leave, the last part the rest: 8 more
+    bits of the significand per part, so three parts hold all 24 exactly and two hold about 16.
+    """
+    parts, rest = [], x
+    for _ in range(count - 1):
+        part = rest.astype(jnp.bfloat16).astype(_F32)
+        parts.append(part)
+        rest = rest - part
+    return [*parts, rest]
+
+
+def matmul(a: jax.Array, b: jax.Array, operands, contracting=ROWS_BY_COLUMNS) -> jax.Array:
+    """A float32-accumulating matmul whose operands are rounded to ``operands`` (a dtype, or ``SPLIT_BFLOAT16``) for the MXU.
+
+    A bf16 x bf16 product is exact in float32, so bf16 operands need one native pass. float32
+    operands ask for HIGHEST precision: at the default a TPU rounds them to bf16. ``SPLIT_BFLOAT16``
+    splits each float32 operand into a high and a low bf16 part and sums the products of the parts
+    but low x low (2 passes with one float32 operand, 3 with two); a bf16 operand goes in whole.
+    """
+    if isinstance(operands, str) and operands == SPLIT_BFLOAT16:
+        a_parts, b_parts = (bf16_parts(x, 2) if x.dtype == _F32 else [x] for x in (a, b))
+        products = [
+            matmul(a_part, b_part, jnp.bfloat16, contracting)
+            for i, a_part in enumerate(a_parts) for j, b_part in enumerate(b_parts) if i + j < 2
+        ]
+        return functools.reduce(operator.add, products)
+    operands = jnp.dtype(operands)
+    precision = lax.Precision.HIGHEST if operands == _F32 else lax.Precision.DEFAULT
+    return lax.dot_general(
+        a.astype(operands), b.astype(operands), (contracting, ((), ())), precision=precision, preferred_element_type=_F32
+    )
+
+
+def row_and_column_iotas(size: int) -> tuple[jax.Array, jax.Array]:
+    return lax.broadcasted_iota(jnp.int32, (size, size), 0), lax.broadcasted_iota(jnp.int32, (size, size), 1)
