@@ -7,3 +7,8 @@ import os
 # larger ones (kda's chunked backward: 6.1 s -> 3.0 s). XLA's own HLO passes still run, so the
 # programs compute the same operations; the compile-only TPU programs are not affected.
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+
+# The README's test command runs the tests in parallel worker processes (pytest-xdist), and more
+# than one of them may load libtpu for the compile-only TPU checks; libtpu refuses a second process
+# on the same host unless told that is intended. Compile-only use shares no device.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

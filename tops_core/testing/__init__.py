@@ -24,8 +24,8 @@ import pytest
 from tops_core.conformance.cases import grid
 from tops_core.conformance.checks import REFERENCE, runnable_here
 
-_RESULTS = pytest.StashKey[list]()
-_SKIPPED = pytest.StashKey[dict]()
+_RESULTS_PROPERTY = "tops_conformance_measurements"
+_SKIPPED_PROPERTY = "tops_conformance_not_runnable"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -39,8 +39,43 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: the conformance kit's wider breadth (more head dims, aligned and one-token T)")
-    config.stash[_RESULTS] = []
-    config.stash[_SKIPPED] = {}
+    config.pluginmanager.register(_Summary(), "tops-conformance-summary")
+
+
+class _Summary:
+    """The end-of-run summary, gathered from the test reports: with pytest-xdist the cases run in
+    worker processes and only their reports (with the ``user_properties`` the kit adds) reach the
+    process that prints the summary."""
+
+    def __init__(self):
+        self.results: list[tuple] = []  # (op, implementation, dtype, case, ((output, error, tolerance), ...))
+        self.skipped: dict[tuple[str, str], str] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for name, value in report.user_properties:
+            if name == _SKIPPED_PROPERTY and report.when == "setup":
+                op_name, impl, reason = value
+                self.skipped[(op_name, impl)] = reason
+            elif name == _RESULTS_PROPERTY and report.when == "call":
+                self.results.append(value)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.skipped:
+            terminalreporter.section("tops conformance: accuracy not checked on this machine")
+            for (op_name, impl), reason in sorted(self.skipped.items()):
+                terminalreporter.write_line(f"{op_name} {impl}: {reason}")
+        worst: dict[tuple, tuple] = {}
+        for op_name, impl, dtype, case_name, measurements in self.results:
+            for output, error, tolerance in measurements:
+                key = (op_name, impl, dtype, output)
+                if key not in worst or error > worst[key][0]:
+                    worst[key] = (error, tolerance, case_name)
+        if not worst:
+            return
+        terminalreporter.section("tops conformance: worst relative RMS error against the reference")
+        terminalreporter.write_line(f"{'op':<11}{'implementation':<22}{'dtype':<10}{'output':<16}{'error':>10}{'tolerance':>11}  case")
+        for (op_name, impl, dtype, output), (error, tolerance, case_name) in sorted(worst.items()):
+            terminalreporter.write_line(f"{op_name:<11}{impl:<22}{dtype:<10}{output:<16}{error:>10.2e}{tolerance:>11.0e}  {case_name}")
 
 
 def selected_implementations(config: pytest.Config) -> list:
@@ -65,7 +100,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for impl in selected_implementations(metafunc.config):
             reason = runnable_here(impl)
             if reason is not None and kind == "supported":
-                metafunc.config.stash[_SKIPPED][(impl.op, impl.name)] = reason
                 params.append(pytest.param((impl, None), marks=pytest.mark.skip(reason=reason)))
                 ids.append(f"{impl.op}:{impl.name}")
                 continue
@@ -84,30 +118,19 @@ def tops_reference(request: pytest.FixtureRequest) -> str:
     return request.config.getoption("tops_reference")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tag the cases of an implementation that cannot run here, for the summary's list of them."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        impl, case = callspec.params.get("tops_conformance_case", (None, True)) if callspec else (None, True)
+        if case is None:
+            item.user_properties.append((_SKIPPED_PROPERTY, (impl.op, impl.name, runnable_here(impl))))
+
+
 @pytest.fixture
 def tops_record(request: pytest.FixtureRequest):
     """Record measurements of the running case for the end-of-run summary."""
     def record(impl, case, measurements):
-        request.config.stash[_RESULTS].append((impl.op, impl.name, case, measurements))
+        outputs = tuple((m.name, float(m.error), float(m.tolerance)) for m in measurements)
+        request.node.user_properties.append((_RESULTS_PROPERTY, (impl.op, impl.name, case.dtype, case.name, outputs)))
     return record
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    skipped = config.stash.get(_SKIPPED, {})
-    if skipped:
-        terminalreporter.section("tops conformance: accuracy not checked on this machine")
-        for (op_name, impl), reason in sorted(skipped.items()):
-            terminalreporter.write_line(f"{op_name} {impl}: {reason}")
-    results = config.stash.get(_RESULTS, [])
-    if not results:
-        return
-    worst: dict[tuple, tuple] = {}
-    for op_name, impl, case, measurements in results:
-        for m in measurements:
-            key = (op_name, impl, case.dtype, m.name)
-            if key not in worst or m.error > worst[key][0].error:
-                worst[key] = (m, case.name)
-    terminalreporter.section("tops conformance: worst relative RMS error against the reference")
-    terminalreporter.write_line(f"{'op':<11}{'implementation':<22}{'dtype':<10}{'output':<16}{'error':>10}{'tolerance':>11}  case")
-    for (op_name, impl, dtype, name), (m, case_name) in sorted(worst.items()):
-        terminalreporter.write_line(f"{op_name:<11}{impl:<22}{dtype:<10}{name:<16}{m.error:>10.2e}{m.tolerance:>11.0e}  {case_name}")
