@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks, launch
+from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, gradients, varlen
 from tops_plugins_tpu_pallas.grid import Work, step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
@@ -70,7 +70,7 @@ def plans(
     gated = gate_dtype is not None
     heads_chunks = g.heads * g.num_chunks
     # A chunk's log decays are its g's cumulative sum (the flops of gates_work, none of its exps), and its last piece's exps.
-    log_decays = Work(flops=gates_work(g, gated).flops)
+    cumulative_decays = Work(flops=gates_work(g, gated).flops)
     last_piece = advance_state_work(g) + Work(transcendentals=2 * C + 1)
 
     checkpoint_inputs = list(gradients.token_inputs(g, dtype, gate_dtype, ("k", "v")))
@@ -78,18 +78,10 @@ def plans(
     if initial_state_dtype is not None:
         checkpoint_inputs.append(varlen.sequence_states("initial_state", g, num_seqs, initial_state_dtype))
         checkpoint_scratch.append(Scratch("loaded", (K, V), initial_state_dtype))
-    checkpoint_work = (last_piece + log_decays) * heads_chunks
-    checkpoints = LaunchPlan(
-        name="simple_gla_varlen_backward_checkpoints",
-        grid=blocks.grid(g),
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=scalars,
-        inputs=tuple(checkpoint_inputs),
-        outputs=(gradients.state_checkpoints(g, every_chunk=False),),
-        scratch=tuple(checkpoint_scratch),
-        body_vmem=4 * (3 * K * V + C * K),
-        flops=checkpoint_work.flops,
-        transcendentals=checkpoint_work.transcendentals,
+    checkpoint_work = (last_piece + cumulative_decays) * heads_chunks
+    checkpoints = grid.grid_plan(
+        "simple_gla_varlen_backward_checkpoints", g, scalars, checkpoint_inputs, (gradients.state_checkpoints(g, every_chunk=False),),
+        checkpoint_work, 4 * (3 * K * V + C * K), scratch=checkpoint_scratch,
     )
 
     steps = functools.partial(gradients.reversed_in_time, geometry=g)
@@ -117,19 +109,11 @@ def plans(
     )
     # Pieces beyond one per chunk: one per sequence starting inside a chunk, at most N - 1 per head.
     work = per_chunk * heads_chunks + _piece_work(g) * (g.heads * (num_seqs - 1))
-    work = work + gradients.gating_work(g, gated) + log_decays * heads_chunks
-    return checkpoints, LaunchPlan(
-        name="simple_gla_varlen_backward",
-        grid=blocks.grid(g),
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=scalars,
-        inputs=tuple(inputs),
-        outputs=tuple(outputs),
-        scratch=tuple(scratch),
-        # The backward chunk's values, plus what the piece loop carries: reads, writes (C x K), dv's state part (C x V).
-        body_vmem=gradients.body_vmem(g) + 4 * (2 * C * K + C * V),
-        flops=work.flops,
-        transcendentals=work.transcendentals,
+    work = work + gradients.gating_work(g, gated) + cumulative_decays * heads_chunks
+    # The body: the backward chunk's values, plus what the piece loop carries: reads, writes (C x K), dv's state part (C x V).
+    return checkpoints, grid.grid_plan(
+        "simple_gla_varlen_backward", g, scalars, inputs, outputs, work, gradients.body_vmem(g) + 4 * (2 * C * K + C * V),
+        scratch=scratch,
     )
 
 

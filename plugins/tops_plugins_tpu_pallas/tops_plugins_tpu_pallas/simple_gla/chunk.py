@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from tops_plugins_tpu_pallas import blocks, launch
+from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output, chunk_output_work, constant_gates,
@@ -57,17 +57,9 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     computations = gate_computations(geometry, gated)
     states_work = advance_state_work(geometry) * chunks + gates_work(geometry, gated, attention=False) * computations
     outputs_work = chunk_output_work(geometry) * chunks + gates_work(geometry, gated) * computations
-    states = LaunchPlan(
-        name="simple_gla_chunk_states",
-        grid=blocks.grid(geometry),
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=(blocks.decay(geometry),),
-        inputs=(k, v, *gate, *start),
-        outputs=(blocks.chunk_states(geometry), *end),
-        scratch=(blocks.running_state(geometry),),
-        body_vmem=chunk_body_vmem(geometry),
-        flops=states_work.flops,
-        transcendentals=states_work.transcendentals,
+    states = grid.grid_plan(
+        "simple_gla_chunk_states", geometry, (blocks.decay(geometry),), (k, v, *gate, *start), (blocks.chunk_states(geometry), *end),
+        states_work, chunk_body_vmem(geometry),
     )
     outputs = LaunchPlan(
         name="simple_gla_chunk_outputs",

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from tops_core.ops.simple_gla import SimpleGLAGrads
 
-from tops_plugins_tpu_pallas import blocks
+from tops_plugins_tpu_pallas import blocks, grid
 from tops_plugins_tpu_pallas.grid import Work, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, SPLIT_BFLOAT16, matmul, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
@@ -154,17 +154,9 @@ def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dty
     gated = gate_dtype is not None
     work = advance_state_work(geometry) * (geometry.batch * geometry.heads * geometry.num_chunks)
     work = work + gates_work(geometry, gated, attention=False) * gate_computations(geometry, gated)
-    return LaunchPlan(
-        name="simple_gla_backward_checkpoints",
-        grid=blocks.grid(geometry),
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-        scalars=(blocks.decay(geometry),),
-        inputs=(*token_inputs(geometry, dtype, gate_dtype, ("k", "v")), *start),
-        outputs=(state_checkpoints(geometry, every_chunk),),
-        scratch=(blocks.running_state(geometry),),
-        body_vmem=4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
-        flops=work.flops,
-        transcendentals=work.transcendentals,
+    return grid.grid_plan(
+        "simple_gla_backward_checkpoints", geometry, (blocks.decay(geometry),), (*token_inputs(geometry, dtype, gate_dtype, ("k", "v")), *start),
+        (state_checkpoints(geometry, every_chunk),), work, 4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
     )
 
 
