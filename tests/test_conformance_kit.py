@@ -100,7 +100,9 @@ def test_an_implementation_that_accepts_a_case_fails_the_rejection_check(registr
         check_rejected(wide, case_named(wide, "base"))
 
 
-def test_a_third_party_runs_the_kit_as_a_pytest_plugin(pytester, clean_env):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_a_third_party_runs_the_kit_as_a_pytest_plugin(pytester, clean_env, workers):
+    # Under pytest-xdist the cases run in worker processes: the summary must still reach the one that prints it.
     clean_env.setenv("PYTHONPATH", str(pathlib.Path(__file__).parents[1]))
     clean_env.setenv("TOPS_PLUGINS", "ref")
     pytester.makeconftest(textwrap.dedent('''
@@ -114,14 +116,20 @@ def test_a_third_party_runs_the_kit_as_a_pytest_plugin(pytester, clean_env):
 
         tops_core.register(fakes.implementation("good", backward=None), plugin="third")
         tops_core.register(fakes.implementation("bad", forward=negated, backward=None), plugin="third")
+        tops_core.register(fakes.implementation("elsewhere", backward=None, platforms={"gpu"}), plugin="third")
     '''))
     pytester.makepyfile(test_kit="from tops_core.testing.suite import *  # noqa\n")
     result = pytester.runpytest_subprocess(
-        "-p", "tops_core.testing", "--tops-impl", "third.*", "-k", "base or rejected", "-p", "no:cacheprovider",
-        f"--rootdir={pytester.path}", "-W", "ignore::pytest.PytestAssertRewriteWarning",
+        "-p", "tops_core.testing", "--tops-impl", "third.*", "-k", "base or rejected or elsewhere", "-p", "no:cacheprovider",
+        f"--rootdir={pytester.path}", "-W", "ignore::pytest.PytestAssertRewriteWarning", *workers,
     )
-    result.assert_outcomes(passed=5, failed=1)
-    result.stdout.fnmatch_lines(["*test_matches_the_reference*third.bad:base*", "*tops conformance: worst relative RMS error*"])
+    result.assert_outcomes(passed=7, failed=1, skipped=1)
+    result.stdout.fnmatch_lines([
+        "*tops conformance: accuracy not checked on this machine*",
+        "simple_gla third.elsewhere: third.elsewhere runs on gpu; this machine is cpu",
+        "*tops conformance: worst relative RMS error*",
+        "simple_gla third.good *float32 *o *base",
+    ])
 
 
 def test_the_tolerance_rule_has_no_absolute_escape():
