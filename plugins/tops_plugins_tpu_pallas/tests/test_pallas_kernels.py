@@ -18,7 +18,7 @@ import tops_core
 from jax.extend import core as extend_core
 
 from tops_plugins_tpu_pallas import CHUNK, FUSED, mxu, traffic
-from tops_plugins_tpu_pallas.simple_gla import chunk, chunkwise, fused
+from tops_plugins_tpu_pallas.simple_gla import backward_fused, chunk, chunkwise, fused
 from tops_plugins_tpu_pallas.simple_gla.chunk import ChunkConfig
 from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
 from tops_plugins_tpu_pallas.layout import Geometry
@@ -107,6 +107,20 @@ def test_float32_at_three_bf16_passes_keeps_the_float32_tolerance(strong, make_i
 def test_attention_goes_ahead_of_the_chain_where_the_schedule_measured_it_faster(dtype, key_dim, chip, ahead):
     assert fused.attention_first(FusedConfig(), dtype, key_dim, chip) is ahead
     assert fused.attention_first(FusedConfig(attention_first=not ahead), dtype, key_dim, chip) is (not ahead)
+    assert not fused.attention_first(FusedConfig(chunk_size=256), dtype, key_dim, chip)  # beside wins at chunk 256
+
+
+@pytest.mark.parametrize(
+    ("key_dim", "chip", "chunk_size"),
+    [(128, "v6e", 256), (64, "v6e", 256), (256, "v6e", 128), (128, "v5e", 128), (128, "v4", 128), (128, None, 128)],
+)
+def test_the_forward_chunk_is_the_chips_where_the_schedule_measured_it_faster(key_dim, chip, chunk_size):
+    assert fused.chunk_size_for(FusedConfig(), key_dim, chip) == chunk_size
+    assert fused.resolved(FusedConfig(), key_dim, chip) == FusedConfig(chunk_size=chunk_size)
+    assert fused.chunk_size_for(FusedConfig(chunk_size=64), key_dim, chip) == 64
+    # The backward keeps chunks of 128 unless told (chunk 256 is slower there on every chip modelled).
+    assert backward_fused.geometry_of(1, 4096, 1, key_dim, key_dim, FusedConfig()).chunk_size == 128
+    assert backward_fused.geometry_of(1, 4096, 1, key_dim, key_dim, FusedConfig(chunk_size=256)).chunk_size == 256
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -278,7 +292,7 @@ def test_aligned_head_dims_are_read_in_place(implementation, plans):
     # alone (no transpose, pad, upcast or slice around them), and the plans record no copy.
     in_place = jax.make_jaxpr(_compiled_forward(implementation))(**_abstract_inputs(2, 200, 3, *IN_PLACE_DIMS))
     assert _primitives_around_kernels(in_place.jaxpr) == {"pallas_call", "reshape"}
-    geometry = Geometry(2, 200, 3, *IN_PLACE_DIMS, implementation.config.chunk_size, implementation.config.num_steps)
+    geometry = Geometry(2, 200, 3, *IN_PLACE_DIMS, 128, implementation.config.num_steps)
     assert traffic.relayout_traffic(plans(geometry, jnp.bfloat16, gate_dtype=jnp.float32, initial_state_dtype=jnp.float32, output_final_state=True)) == (0, 0)
     # The same check sees the lane padding copy when V is not a multiple of 128.
     padded = jax.make_jaxpr(_compiled_forward(implementation))(**_abstract_inputs(2, 200, 3, *LANE_PADDED_DIMS))
@@ -293,6 +307,14 @@ def test_aligned_head_dims_are_read_in_place(implementation, plans):
 def test_configs_reject_invalid_fields(Config, field, value, error):
     with pytest.raises(error, match=field):
         Config(**{field: value})
+
+
+@pytest.mark.parametrize("Config", [ChunkConfig, VarlenConfig])
+@pytest.mark.parametrize("value", [256, None])
+def test_only_the_fused_kernel_takes_chunks_of_256_or_a_chunk_chosen_per_chip(Config, value):
+    FusedConfig(chunk_size=value)
+    with pytest.raises(ValueError, match="chunk_size"):
+        Config(chunk_size=value)
 
 
 @pytest.mark.parametrize("value", [0, 2.0, True])

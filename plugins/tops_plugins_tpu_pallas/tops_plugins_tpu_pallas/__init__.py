@@ -41,7 +41,8 @@ def _prefer_fused(spec: tops_core.CallSpec) -> tuple[bool, str]:
     moves the fewest bytes; with fewer, a core would idle, and the two-stage kernel, whose output
     stage is parallel over time too, is worth writing and re-reading the chunk states.
     """
-    geometry = grid.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, FUSED_CONFIG)
+    config = fused.resolved(FUSED_CONFIG, spec.key_dim, spec.chip)
+    geometry = grid.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
     units = spec.batch * spec.heads * geometry.value_tiles
     cores, where = _tensorcores(spec.chip)
     relation = ">=" if units >= cores else "<"
@@ -68,22 +69,26 @@ FUSED_CONFIG = fused.FusedConfig()
 CHUNK_CONFIG = chunk.ChunkConfig()
 
 
-def _fits_vmem(config, *directions):
+def _fits_vmem(config, forward, backward=None, forward_config=None):
     """A capability predicate: reject shapes whose launch plans (default config) exceed the VMEM budget of the chip.
 
-    ``directions``: ``(geometry_of, build_plans)`` of the forward and, when the implementation has
-    its own, the backward; one implementation serves both, so both must fit. The plans are fitted
+    ``forward`` and ``backward`` (when the implementation has its own): ``(geometry_of, build_plans)``
+    of each; one implementation serves both, so both must fit. The plans are fitted
     as the kernels fit them (``launch.fit``: fewer chunks per step), for the budget of the call's
     chip (``CallSpec.chip``; 16 MiB when it is not known). The whole padded K sits in every block,
     so a large K is what can overflow VMEM. The spec does not carry the dtypes of ``g`` and
-    ``initial_state``; float32 (the larger) is assumed.
+    ``initial_state``; float32 (the larger) is assumed. ``forward_config(config, K, chip)``: the config
+    the forward runs with for the call, when a field's default depends on it (``fused.resolved``).
     """
 
     def predicate(spec: tops_core.CallSpec) -> str | None:
         """blocks and scratch of the default config (forward, and backward where it has one) must fit the chip's VMEM budget (bounds K)"""
         target = launch.Target.of(spec.chip)
-        for geometry_of, build_plans in directions:
-            geometry = geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
+        directions = [(forward, config if forward_config is None else forward_config(config, spec.key_dim, spec.chip))]
+        if backward is not None:
+            directions.append((backward, config))
+        for (geometry_of, build_plans), direction_config in directions:
+            geometry = geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, direction_config)
             try:
                 launch.fit(
                     build_plans, geometry, spec.dtype, target,
@@ -121,9 +126,12 @@ FUSED = tops_core.Implementation(
     name="fused",
     forward=fused.forward,
     backward=backward_fused.backward,
-    capabilities=_capabilities(_fits_vmem(FUSED_CONFIG, (grid.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans))),
+    capabilities=_capabilities(_fits_vmem(
+        FUSED_CONFIG, (grid.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans), forward_config=fused.resolved,
+    )),
     priority=_fused_priority,
     config=FUSED_CONFIG,
+    config_sweep=({"chunk_size": 256},),  # the chunk v6e's forward takes, which interpret mode (no chip) would not run
     description=(
         "one pallas_call: state in VMEM along a sequential time axis, num_steps chunks per grid step; "
         "backward: state checkpoints per step, then dS in VMEM along the reverse time axis"

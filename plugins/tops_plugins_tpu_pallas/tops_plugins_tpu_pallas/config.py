@@ -9,11 +9,11 @@ from jax.experimental.pallas import tpu as pltpu
 CHUNK_SIZES = (64, 128)
 
 
-def check_common_fields(config: Any) -> None:
-    """Raise TypeError/ValueError naming the field when ``chunk_size``, ``num_steps`` or ``interpret`` is invalid."""
+def check_common_fields(config: Any, chunk_sizes: tuple = CHUNK_SIZES) -> None:
+    """Raise TypeError/ValueError naming the field when ``chunk_size`` (one of ``chunk_sizes``), ``num_steps`` or ``interpret`` is invalid."""
     name = type(config).__name__
-    if config.chunk_size not in CHUNK_SIZES or isinstance(config.chunk_size, bool):
-        raise ValueError(f"{name}.chunk_size must be one of {CHUNK_SIZES}, got {config.chunk_size!r}")
+    if config.chunk_size not in chunk_sizes or isinstance(config.chunk_size, bool):
+        raise ValueError(f"{name}.chunk_size must be one of {chunk_sizes}, got {config.chunk_size!r}")
     if not isinstance(config.num_steps, int) or isinstance(config.num_steps, bool) or config.num_steps < 1:
         raise ValueError(f"{name}.num_steps must be an int >= 1, got {config.num_steps!r}")
     if not (config.interpret is None or isinstance(config.interpret, (bool, pltpu.InterpretParams))):

@@ -30,6 +30,7 @@ def main() -> None:
         floor = _floor(head_dim)
         print(f"\nK=V={head_dim}: floor (read q, k, v, write o) {floor} B/token")
         print(f"{'implementation':<32}{'kernel':>9}{'relayout':>10}{'end to end':>12}{'vs floor':>10}{'peak VMEM':>14}")
+        defaults = {"fused": fused.resolved(fused.FusedConfig(), head_dim, None), "chunk": chunk.ChunkConfig()}  # on an unknown chip
         for chunk_size in (64, 128):
             for name, module, config in (
                 ("fused", fused, fused.FusedConfig(chunk_size=chunk_size)),
@@ -37,7 +38,7 @@ def main() -> None:
             ):
                 geometry = Geometry(B, T, H, head_dim, head_dim, config.chunk_size, config.num_steps)
                 f = figures(module.plans(geometry, jnp.bfloat16), B * T * H)
-                default = " (default)" if config == type(config)() else ""
+                default = " (default)" if config == defaults[name] else ""
                 label = f"tpu_pallas.{name} C={chunk_size}{default}"
                 print(
                     f"{label:<32}{f.kernel_per_token:>9.1f}{f.relayout_per_token:>10.1f}{f.end_to_end_per_token:>12.1f}"
@@ -64,9 +65,10 @@ def backward_report() -> None:
             ("chunk", chunk.ChunkConfig()), ("chunk", chunk.ChunkConfig(chunk_size=64)),
         ):
             if name == "fused":
-                plans = backward_fused.fitted_plans(backward_fused.geometry_of(B, seq_len, H, 128, 128, config), jnp.bfloat16)
+                geometry = backward_fused.geometry_of(B, seq_len, H, 128, 128, config)
+                plans = backward_fused.fitted_plans(geometry, jnp.bfloat16)
                 segment = plans[1].grid[-1]
-                label = f"fused C={config.chunk_size} backward_num_steps={config.backward_num_steps} ({seq_len // segment}-token segments)"
+                label = f"fused C={geometry.chunk_size} backward_num_steps={config.backward_num_steps} ({seq_len // segment}-token segments)"
             else:
                 plans = backward_split.plans(backward_split.geometry_of(B, seq_len, H, 128, 128, config), jnp.bfloat16)
                 label = f"chunk (split) C={config.chunk_size} num_steps={config.num_steps}"

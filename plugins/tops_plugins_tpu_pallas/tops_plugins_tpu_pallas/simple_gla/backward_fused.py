@@ -44,11 +44,18 @@ one float32 ``K_pad x V_pad`` checkpoint: ``8 K V / 1024`` bytes per token, 128 
 of the backward's floor with the states recomputed (2304 B/token); a segment of 256 tokens would add 22%."""
 
 
+CHUNK_SIZE = 128
+"""The backward's chunk when ``FusedConfig.chunk_size`` is None, on every chip. Chunk 256, which the
+forward takes on v6e, makes the backward slower there too (modelled, B=8 T=4096 H=16 K=V=128 bf16
+``g_gamma``, kernels against the backward's floor: v6e 2.43x -> 2.93x, v5e 1.92x -> 2.66x)."""
+
+
 def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
-    """The backward's geometry for a ``FusedConfig``: its chunk size, ``backward_num_steps`` chunks per
-    segment (None: ``SEGMENT_TOKENS`` tokens' worth), all of ``V`` per block; before VMEM fitting (``fitted_plans``)."""
-    chunks = config.backward_num_steps or max(1, SEGMENT_TOKENS // config.chunk_size)
-    return gradients.backward_geometry(Geometry(B, T, H, K, V, config.chunk_size, chunks))
+    """The backward's geometry for a ``FusedConfig``: its chunk size (None: ``CHUNK_SIZE``), ``backward_num_steps``
+    chunks per segment (None: ``SEGMENT_TOKENS`` tokens' worth), all of ``V`` per block; before VMEM fitting (``fitted_plans``)."""
+    chunk_size = config.chunk_size or CHUNK_SIZE
+    chunks = config.backward_num_steps or max(1, SEGMENT_TOKENS // chunk_size)
+    return gradients.backward_geometry(Geometry(B, T, H, K, V, chunk_size, chunks))
 
 
 def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:

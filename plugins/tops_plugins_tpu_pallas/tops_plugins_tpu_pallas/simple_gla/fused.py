@@ -26,17 +26,20 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     advance_state, advance_state_work, attend, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
     decayed_scores, gate_computations, gates_work, intra_chunk_output, output_from_state,
 )
-from tops_plugins_tpu_pallas.config import check_common_fields
+from tops_plugins_tpu_pallas.config import CHUNK_SIZES as COMMON_CHUNK_SIZES, check_common_fields
 from tops_plugins_tpu_pallas.plan import LaunchPlan
-from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas.layout import LANES, Geometry
 
 
 FLOAT32_PRECISIONS = ("highest", "high")
+CHUNK_SIZES = (*COMMON_CHUNK_SIZES, 256)
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
-    """``chunk_size``: tokens per chunk (64 or 128). ``num_steps``: chunks per grid step, at most: fewer when
+    """``chunk_size``: tokens per chunk (64, 128 or 256); None: as ``chunk_size_for`` decides for the call (256 on
+    v6e's 256-wide MXU when ``K <= 128``, else 128), and 128 for the backward (``backward_fused``) whatever
+    the chip. ``num_steps``: chunks per grid step, at most: fewer when
     the step's blocks would not fit the VMEM budget (``launch.fit``). ``backward_num_steps``:
     chunks per segment of the backward (``backward_fused``), at most, fewer when VMEM is short; None: as
     many as make ``backward_fused.SEGMENT_TOKENS`` (1024) tokens. ``full_values``: one grid point
@@ -58,7 +61,7 @@ class FusedConfig:
     products waste most of v6e's 256-wide MXU).
     """
 
-    chunk_size: int = 128
+    chunk_size: int | None = None
     num_steps: int = 32
     full_values: bool = True
     backward_num_steps: int | None = None
@@ -67,7 +70,7 @@ class FusedConfig:
     interpret: Any = None
 
     def __post_init__(self):
-        check_common_fields(self)
+        check_common_fields(self, (None, *CHUNK_SIZES))
         if self.attention_first is not None and not isinstance(self.attention_first, bool):
             raise TypeError(f"FusedConfig.attention_first must be None or a bool, got {self.attention_first!r}")
         if self.float32_precision not in FLOAT32_PRECISIONS:
@@ -99,13 +102,36 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     return (grid.grid_plan("simple_gla_fused", geometry, (blocks.decay(geometry),), inputs, outputs, work, chunk_body_vmem(geometry)),)
 
 
+def chunk_size_for(config: FusedConfig, key_dim: int, chip: str | None) -> int:
+    """The forward's chunk: ``config.chunk_size``, or when None, what the compiled schedule found fastest.
+
+    Cycles one TensorCore issues for a grid step of 4096 rows (32 chunks of 128 or 16 of 256), K=V=128,
+    chunk 128 -> 256: on v6e's 256-wide MXU bf16 ``g_gamma`` 5462 -> 3532 (under the step's HBM time,
+    about 4480), ``g`` 9623 -> 8089, float32 at ``"high"`` 10337 -> 9530; the chunk's products fill
+    the MXU's width. On the 128-wide MXUs (v4, v5e, v5p) chunk 256 doubles the intra-chunk work
+    without a wider MXU to take it (modelled v5e, in a layer: ``g`` 1.07x -> 1.42x its HBM floor,
+    float32 1.60x -> 2.40x). At K >= 256 (v6e) chunk 128 issues fewer cycles (5567 against 7480).
+    """
+    if config.chunk_size is not None:
+        return config.chunk_size
+    wide_mxu = chip is not None and GENERATIONS[chip].mxu >= 256
+    return 256 if wide_mxu and key_dim <= LANES else 128
+
+
+def resolved(config: FusedConfig, key_dim: int, chip: str | None) -> FusedConfig:
+    """``config`` with the forward's ``chunk_size`` decided (``chunk_size_for``): what the forward and its capability check size."""
+    return dataclasses.replace(config, chunk_size=chunk_size_for(config, key_dim, chip))
+
+
 def attention_first(config: FusedConfig, dtype, key_dim: int, chip: str | None) -> bool:
     """Whether the kernel traces a step's attention ahead of its state chain (``FusedConfig.attention_first``).
 
     None decides by the compiled schedule (cycles one TensorCore issues for a grid step of 32
     chunks of 128, K=V=128 unless said, ahead -> beside, with the next chunk's scores one link
-    early): ahead only on a 256-wide MXU (v6e) for bf16 with K >= 256, where beside doubles the
-    step (g_gamma 5567 -> 10781, g 10589 -> 15121). Beside everywhere else: bf16 g on v6e 9605 ->
+    early): ahead only on a 256-wide MXU (v6e) for bf16 with K >= 256 at chunk 128, where beside doubles the
+    step (g_gamma 5567 -> 10781, g 10589 -> 15121). At chunk 256 beside wins on v6e for every
+    case measured: bf16 ``g_gamma`` 5257 -> 3532, ``g`` 8755 -> 8089, K=V=256 7848 -> 7480,
+    float32 23176 -> 20113. Beside everywhere else: bf16 g on v6e 9605 ->
     9623 (a tie) and on v5e 9646 -> 9552; float32 g 26709 -> 24349 (v6e) and 29275 -> 28372 (v5e);
     float32 at ``"high"`` g_gamma on v6e 14769 -> 10337. (Before the next scores went early,
     ahead was also the rule with ``g``.)
@@ -113,7 +139,7 @@ def attention_first(config: FusedConfig, dtype, key_dim: int, chip: str | None) 
     if config.attention_first is not None:
         return config.attention_first
     wide_mxu = chip is not None and GENERATIONS[chip].mxu >= 256
-    return wide_mxu and jnp.dtype(dtype) == jnp.bfloat16 and key_dim >= 256
+    return wide_mxu and jnp.dtype(dtype) == jnp.bfloat16 and key_dim >= 256 and chunk_size_for(config, key_dim, chip) <= 128
 
 
 def operands_of(config: FusedConfig, dtype):
@@ -159,7 +185,9 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
     del cu_seqlens
-    first = attention_first(config, q.dtype, q.shape[-1], launch.Target.lowered_for().chip)
+    chip = launch.Target.lowered_for().chip
+    config = resolved(config, q.shape[-1], chip)
+    first = attention_first(config, q.dtype, q.shape[-1], chip)
     kernel = functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype))
     return grid.run(
         kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,

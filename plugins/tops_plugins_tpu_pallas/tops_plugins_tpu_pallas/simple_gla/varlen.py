@@ -42,6 +42,7 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     LogDecays, advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
     gate_computations, gates_work, log_decays,
 )
+from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
 from tops_plugins_tpu_pallas.plan import DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
@@ -51,17 +52,20 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class VarlenConfig(FusedConfig):
-    """The fused kernel's fields and defaults but ``num_steps`` (8: the packed kernel's step has not been
-    modelled at fused's 32): ``chunk_size`` (64 or 128), ``num_steps`` chunks per
+    """The fused kernel's fields and defaults but ``chunk_size`` (64 or 128, 128 by default: the packed kernel
+    has not been checked at 256) and ``num_steps`` (8: the packed kernel's step has not been
+    modelled at fused's 32): ``num_steps`` chunks per
     grid step at most (fewer when VMEM is short), ``full_values`` (one value block of all of ``V``),
     ``interpret`` (None: compile where lowered for a TPU, interpret elsewhere). ``attention_first`` must
     stay None: the packed kernel has one schedule (the boundaries' state resets sit inside its chain);
     ``float32_precision`` stays ``"highest"``."""
 
+    chunk_size: int = 128
     num_steps: int = 8
 
     def __post_init__(self):
         super().__post_init__()
+        check_common_fields(self)
         if self.attention_first is not None:
             raise ValueError(f"VarlenConfig.attention_first must be None (the packed kernel has one schedule), got {self.attention_first!r}")
         if self.float32_precision != "highest":
