@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -61,6 +61,8 @@ class FusedConfig:
     products waste most of v6e's 256-wide MXU).
     """
 
+    ACCEPTED_CHUNK_SIZES: ClassVar[tuple] = (None, *CHUNK_SIZES)  # what ``chunk_size`` accepts (``VarlenConfig`` fewer)
+
     chunk_size: int | None = None
     num_steps: int = 32
     full_values: bool = True
@@ -70,7 +72,7 @@ class FusedConfig:
     interpret: Any = None
 
     def __post_init__(self):
-        check_common_fields(self, (None, *CHUNK_SIZES))
+        check_common_fields(self, self.ACCEPTED_CHUNK_SIZES)
         if self.attention_first is not None and not isinstance(self.attention_first, bool):
             raise TypeError(f"FusedConfig.attention_first must be None or a bool, got {self.attention_first!r}")
         if self.float32_precision not in FLOAT32_PRECISIONS:
@@ -114,8 +116,12 @@ def chunk_size_for(config: FusedConfig, key_dim: int, chip: str | None) -> int:
     """
     if config.chunk_size is not None:
         return config.chunk_size
-    wide_mxu = chip is not None and GENERATIONS[chip].mxu >= 256
-    return 256 if wide_mxu and key_dim <= LANES else 128
+    return 256 if _wide_mxu(chip) and key_dim <= LANES else 128
+
+
+def _wide_mxu(chip: str | None) -> bool:
+    """Whether ``chip`` (None: not known) has 256-wide MXUs (v6e), the fact both schedule rules turn on."""
+    return chip is not None and GENERATIONS[chip].mxu >= 256
 
 
 def resolved(config: FusedConfig, key_dim: int, chip: str | None) -> FusedConfig:
@@ -138,8 +144,7 @@ def attention_first(config: FusedConfig, dtype, key_dim: int, chip: str | None) 
     """
     if config.attention_first is not None:
         return config.attention_first
-    wide_mxu = chip is not None and GENERATIONS[chip].mxu >= 256
-    return wide_mxu and jnp.dtype(dtype) == jnp.bfloat16 and key_dim >= 256 and chunk_size_for(config, key_dim, chip) <= 128
+    return _wide_mxu(chip) and jnp.dtype(dtype) == jnp.bfloat16 and key_dim >= 256 and chunk_size_for(config, key_dim, chip) <= 128
 
 
 def operands_of(config: FusedConfig, dtype):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     LogDecays, advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
     gate_computations, gates_work, log_decays,
 )
-from tops_plugins_tpu_pallas.config import check_common_fields
+from tops_plugins_tpu_pallas.config import CHUNK_SIZES
 from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
 from tops_plugins_tpu_pallas.plan import DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
@@ -60,12 +61,13 @@ class VarlenConfig(FusedConfig):
     stay None: the packed kernel has one schedule (the boundaries' state resets sit inside its chain);
     ``float32_precision`` stays ``"highest"``."""
 
+    ACCEPTED_CHUNK_SIZES: ClassVar[tuple] = CHUNK_SIZES
+
     chunk_size: int = 128
     num_steps: int = 8
 
     def __post_init__(self):
         super().__post_init__()
-        check_common_fields(self)
         if self.attention_first is not None:
             raise ValueError(f"VarlenConfig.attention_first must be None (the packed kernel has one schedule), got {self.attention_first!r}")
         if self.float32_precision != "highest":
