@@ -1,5 +1,6 @@
 """The dispatcher: capabilities, policy, priority, caching and explanations."""
 
+import dataclasses
 import re
 import warnings
 
@@ -115,6 +116,17 @@ def test_forced_config_overrides_reach_the_implementation(registry):
     assert [c.chunk_size for c in seen] == [128, 64]
     with pytest.raises(TypeError, match=r"config has no field\(s\) \['num_steps'\]"):
         sg.forward(q, k, v, implementation=("fake.configurable", {"num_steps": 2}))
+
+
+def test_explain_says_what_the_config_comes_to_for_the_call(registry):
+    def per_call(config, call, direction):
+        return f"{direction} chunk {config.chunk_size * 2 if call.seq_len > 32 else config.chunk_size}"
+
+    tops_core.register(dataclasses.replace(fakes.implementation("doubling"), explain_config=per_call), plugin="fake")
+    assert "  for this call: forward chunk 128" in sg.decide(spec()).explain().splitlines()
+    assert "  for this call: backward chunk 64" in sg.decide(spec(seq_len=16), "backward").explain().splitlines()
+    fakes.register("plain", priority={"cpu": 99})
+    assert "for this call" not in sg.decide(spec()).explain()
 
 
 def test_unknown_forced_implementation_is_an_error_not_a_fallback(registry):

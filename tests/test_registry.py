@@ -209,6 +209,8 @@ def test_in_process_plugin_object_registers_and_unregisters(registry):
     (fakes.implementation(priority={"cuda": 1}), "priority entries must be platform -> int"),
     (fakes.implementation(priority=[1]), "priority must be a mapping"),
     (dataclasses.replace(fakes.implementation(), config_sweep=({"block": 2},)), "config has no field(s) ['block']"),
+    (dataclasses.replace(fakes.implementation(), explain_config="chunk 64"), "explain_config must be a callable"),
+    (dataclasses.replace(fakes.implementation(), config=None, explain_config=lambda config, spec, direction: ""), "needs a config to explain"),
 ])
 def test_malformed_implementations_are_refused_with_the_reason(registry, implementation, message):
     with pytest.raises(PluginError) as raised:

@@ -58,6 +58,8 @@ class Decision:
         if self.config is not None:
             label += f" with {self.config!r}"
         lines.append(f"  selected: {label}")
+        if self.config is not None and self.implementation.explain_config is not None:
+            lines.append(f"  for this call: {self.implementation.explain_config(self.config, self.spec, self.direction)}")
         lines.append(f"  decided by: {self.decided_by}")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)

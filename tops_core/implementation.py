@@ -26,8 +26,10 @@ class Implementation:
     dispatcher pairs with another implementation's backward. ``config`` is a frozen dataclass
     instance of tuning knobs (chunk size, ``num_steps`` ...) passed to both as ``config=``; users
     override fields when forcing the implementation; ``config_sweep`` lists further overrides
-    the conformance kit also checks (say ``({"chunk_size": 128},)``). ``name`` is the
-    plugin-local name; the registry qualifies it as ``<plugin>.<name>``.
+    the conformance kit also checks (say ``({"chunk_size": 128},)``). ``explain_config(config, spec,
+    direction)``, when given, returns one line on what the config's per-call fields (those left
+    None to be decided per call) come to for this call and direction; ``explain`` prints it under
+    the selection. ``name`` is the plugin-local name; the registry qualifies it as ``<plugin>.<name>``.
     """
 
     op: str
@@ -38,6 +40,7 @@ class Implementation:
     priority: Priority = dataclasses.field(default_factory=dict)
     config: Any = None
     config_sweep: tuple[Mapping[str, Any], ...] = ()
+    explain_config: Callable[[Any, CallSpec, str], str] | None = None
     description: str = ""
 
     def reasons(self, spec: CallSpec, direction: str) -> list[str]:
@@ -99,3 +102,5 @@ class Implementation:
             raise TypeError(f"{self.name}: config must be a frozen dataclass instance or None, got {self.config!r}")
         for overrides in self.config_sweep:
             self.configure(tuple(sorted(overrides.items())))
+        if self.explain_config is not None and (self.config is None or not callable(self.explain_config)):
+            raise TypeError(f"{self.name}: explain_config must be a callable, and needs a config to explain, got {self.explain_config!r}")

@@ -124,6 +124,22 @@ def test_the_forward_chunk_is_the_chips_where_the_schedule_measured_it_faster(ke
     assert backward_fused.geometry_of(1, 4096, 1, key_dim, key_dim, FusedConfig(chunk_size=256)).chunk_size == 256
 
 
+@pytest.mark.parametrize(("chip", "forward"), [
+    ("v6e", "chunk_size=256 (None: 256 on a 256-wide MXU when K <= 128, else 128; v6e), attention beside the state chain"),
+    ("v5e", "chunk_size=128 (None: 256 on a 256-wide MXU when K <= 128, else 128; v5e), attention beside the state chain"),
+    (None, "chunk_size=128 (None: 256 on a 256-wide MXU when K <= 128, else 128; chip not known), attention beside"),
+])
+def test_explain_says_which_chunk_the_fused_kernel_runs_for_the_chip(chip, forward):
+    spec = dataclasses.replace(_spec(8, 16, 128), chip=chip)
+    lines = sg.decide(spec).explain().splitlines()
+    assert "  selected: tpu_pallas.fused with FusedConfig(chunk_size=None," in "\n".join(lines)
+    assert any(line.startswith(f"  for this call: {forward}") for line in lines)
+    backward = sg.decide(spec, "backward").explain().splitlines()
+    assert "  for this call: chunk_size=128 (None: the backward's, on every chip)" in backward
+    told = FUSED.explain_config(FusedConfig(chunk_size=64, attention_first=True), spec, "forward")
+    assert told == "chunk_size=64, attention ahead of the state chain"
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(("key_dim", "value_dim"), [(100, 256), (256, 100)])
 def test_head_dims_through_the_lane_padding_copy(kernel, key_dim, value_dim, make_inputs, reference, assert_matches):
