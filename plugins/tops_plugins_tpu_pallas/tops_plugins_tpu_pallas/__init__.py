@@ -125,15 +125,8 @@ def _explain_fused_config(config: fused.FusedConfig, spec: tops_core.CallSpec, d
     """``explain``'s line on what the fields a ``FusedConfig`` leaves None come to for the call."""
     if direction == "backward":
         left = " (None: the backward's, on every chip)" if config.chunk_size is None else ""
-        return f"chunk_size={config.chunk_size or backward_fused.CHUNK_SIZE}{left}"
-    chip = spec.chip or "chip not known"
-    chunk_size = fused.chunk_size_for(config, spec.key_dim, spec.chip)
-    ahead = fused.attention_first(config, spec.dtype, spec.key_dim, spec.chip)
-    line = f"chunk_size={chunk_size}"
-    if config.chunk_size is None:
-        line += f" (None: 256 on a 256-wide MXU when K <= 128, else 128; {chip})"
-    line += f", attention {'ahead of' if ahead else 'beside'} the state chain"
-    return line + (" (attention_first None: by chip, dtype, K and chunk)" if config.attention_first is None else "")
+        return f"chunk_size={backward_fused.chunk_size_of(config)}{left}"
+    return fused.explain(config, spec.dtype, spec.key_dim, spec.chip)
 
 
 FUSED = tops_core.Implementation(

@@ -50,10 +50,15 @@ forward takes on v6e, makes the backward slower there too (modelled, B=8 T=4096 
 ``g_gamma``, kernels against the backward's floor: v6e 2.43x -> 2.93x, v5e 1.92x -> 2.66x)."""
 
 
+def chunk_size_of(config) -> int:
+    """The backward's chunk for a ``FusedConfig``: its ``chunk_size``, or ``CHUNK_SIZE`` when None."""
+    return config.chunk_size or CHUNK_SIZE
+
+
 def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
     """The backward's geometry for a ``FusedConfig``: its chunk size (None: ``CHUNK_SIZE``), ``backward_num_steps``
     chunks per segment (None: ``SEGMENT_TOKENS`` tokens' worth), all of ``V`` per block; before VMEM fitting (``fitted_plans``)."""
-    chunk_size = config.chunk_size or CHUNK_SIZE
+    chunk_size = chunk_size_of(config)
     chunks = config.backward_num_steps or max(1, SEGMENT_TOKENS // chunk_size)
     return gradients.backward_geometry(Geometry(B, T, H, K, V, chunk_size, chunks))
 

@@ -147,6 +147,15 @@ def attention_first(config: FusedConfig, dtype, key_dim: int, chip: str | None) 
     return _wide_mxu(chip) and jnp.dtype(dtype) == jnp.bfloat16 and key_dim >= 256 and chunk_size_for(config, key_dim, chip) <= 128
 
 
+def explain(config: FusedConfig, dtype, key_dim: int, chip: str | None) -> str:
+    """One line on the forward's chunk and attention schedule for a call, and the rules behind the fields left None."""
+    line = f"chunk_size={chunk_size_for(config, key_dim, chip)}"
+    if config.chunk_size is None:
+        line += f" (None: 256 on a 256-wide MXU when K <= 128, else 128; {chip or 'chip not known'})"
+    line += f", attention {'ahead of' if attention_first(config, dtype, key_dim, chip) else 'beside'} the state chain"
+    return line + (" (attention_first None: by chip, dtype, K and chunk)" if config.attention_first is None else "")
+
+
 def operands_of(config: FusedConfig, dtype):
     """What the forward's MXU products take their operands as (``mxu.matmul``): ``mxu_operand_dtype``,
     or for float32 inputs at ``float32_precision="high"`` two bf16 parts each."""
