@@ -139,7 +139,9 @@ def grid(impl: Implementation) -> Grid:
     for overrides in impl.config_sweep:
         label = "config=" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
         config = tuple(sorted(overrides.items()))
-        for case in [base, dataclasses.replace(base, name="T=130", seq_len=130, batch=1), *strong[:1]]:
+        # T=600 crosses chunks of up to 256 twice and ends ragged; the strong cases fill a whole chunk of 256.
+        crossing = [dataclasses.replace(base, name=f"T={seq_len}", seq_len=seq_len, batch=1) for seq_len in (130, 600)]
+        for case in [base, *crossing, *strong]:
             supported.append(dataclasses.replace(case, name=f"{label}-{case.name}", config=config))
 
     return Grid(tuple(supported), tuple(_unsupported_cases(impl, contract, base, base_features, gates)))

@@ -163,10 +163,10 @@ def test_strong_decay_at_chunk_128(kernel, make_inputs, reference, assert_matche
     assert_matches("final_state", final_state, final_ref, jnp.float32)
 
 
-def test_chunk_math_never_exponentiates_an_overflow():
+@pytest.mark.parametrize("size", [128, 256])
+def test_chunk_math_never_exponentiates_an_overflow(size):
     # The kernels' where() hides an inf above the diagonal from the result, so check the chunk math
     # itself, op by op: exp must never produce an inf (on TPU a masked inf can turn into NaN).
-    size = 128
     rng = np.random.default_rng(0)
     q, k = (jnp.asarray(rng.standard_normal((size, 128)), jnp.float32) for _ in range(2))
     v, state = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((size, 128), (128, 128)))
@@ -175,6 +175,53 @@ def test_chunk_math_never_exponentiates_an_overflow():
         o = chunkwise.chunk_output(q, k, v, state, gates, 0.1)
         new_state = chunkwise.advance_state(state, k, v, gates)
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(new_state)).all()
+
+
+def _random_gates(size, seed=0):
+    g = jnp.asarray(-np.random.default_rng(seed).exponential(0.05, (size, 1)), jnp.float32)
+    return chunkwise.ChunkGates.compute(jnp.float32(-0.01), g, None, size)
+
+
+@pytest.mark.parametrize("size", [64, 128, 256])
+def test_decays_built_by_blocks_are_the_masked_exp_bit_for_bit(size):
+    # causal_decays skips the blocks above the diagonal and the mask below it; the plain formula,
+    # every (i, j) exponentiated and masked, must give the same bits, and 0 above the diagonal.
+    g = jnp.asarray(np.random.default_rng(1).standard_normal((size, 1)), jnp.float32)  # both signs
+    log = chunkwise.LogDecays.compute(jnp.float32(-0.01), g, None, size)
+    rows, cols = np.indices((size, size))
+    causal = jnp.asarray(rows >= cols)
+    plain = jnp.where(causal, jnp.exp(jnp.where(causal, log.column - log.row, 0.0)), 0.0)
+    np.testing.assert_array_equal(chunkwise.causal_decays(log.column, log.row), plain)
+
+
+def test_the_key_row_is_the_key_column_bit_for_bit():
+    gates = _random_gates(256)
+    np.testing.assert_array_equal(gates.key_row, gates.key.T)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_transposed_keys_give_the_same_chunk_math(dtype):
+    # fused.keys_transposed: k^T once per chunk for the scores and the state, decayed by the decay
+    # matrix's last row: the same products of the same operands as k's column path, only summed in
+    # another order by the backend (here about 1e-7 of the state).
+    size = 256
+    gates = _random_gates(size, seed=2)
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((size, 128)), dtype) for _ in range(3))
+    state = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+    close = dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        chunkwise.decayed_scores(q, k.T, gates, keys_transposed=True), chunkwise.decayed_scores(q, k, gates), **close
+    )
+    np.testing.assert_allclose(
+        chunkwise.advance_state(state, k.T, v, gates, keys_transposed=True), chunkwise.advance_state(state, k, v, gates), **close
+    )
+
+
+def test_keys_are_transposed_only_with_per_token_gates_at_chunk_256():
+    assert fused.keys_transposed(gated=True, chunk_size=256)
+    assert not fused.keys_transposed(gated=False, chunk_size=256)  # g_gamma: one key exp per grid step
+    assert not fused.keys_transposed(gated=True, chunk_size=128)
 
 
 @pytest.mark.parametrize(

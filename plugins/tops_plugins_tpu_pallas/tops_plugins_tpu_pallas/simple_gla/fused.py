@@ -164,17 +164,31 @@ def operands_of(config: FusedConfig, dtype):
     return mxu_operand_dtype(dtype)
 
 
+def keys_transposed(gated: bool, chunk_size: int) -> bool:
+    """Whether the kernel transposes each chunk's keys once, for its scores and its state update alike, and
+    decays them by the decay matrix's last row (``chunkwise.advance_state``) instead of a ``(C, 1)`` exp.
+
+    With ``g`` at chunk 256 (cycles one TensorCore issues for a grid step of 16 chunks, K=V=128, 16
+    heads, column -> transposed): v6e bf16 7375 -> 6710, float32 at ``"high"`` 14361 -> 13269,
+    float32 14413 -> 14434 (a tie). Not with ``g_gamma``, whose key decays are one exp per grid step
+    (v6e 4031 -> 4066), nor at chunk 128, where the column is half as long (v5e bf16 ``g`` 7192 -> 7323).
+    """
+    return gated and chunk_size > LANES
+
+
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention_first: bool, operands):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
 
     constant = constant_gates(refs, head, geometry)
+    transposed = keys_transposed("g" in refs, geometry.chunk_size)
     chunks = []
     for chunk in step_chunks(geometry, step):
         gates = chunk_gates(chunk, refs, head, constant)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands) if attention_first else None))
+        k = k.T if transposed else k
+        chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands, transposed) if attention_first else None))
     # The attention does not depend on the state. Traced ahead of the chain through the state, the
     # scheduler fills the chain's gaps with it; else beside each link, with the next chunk's scores
     # one link early, so the MXU computes them while this link's products drain.
@@ -182,7 +196,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
         if index == len(chunks):
             return None
         _, gates, q, k, _, _ = chunks[index]
-        return decayed_scores(q, k, gates, operands)
+        return decayed_scores(q, k, gates, operands, transposed)
 
     state = refs["state"][...]
     scores = None if attention_first else scores_of(0)
@@ -191,7 +205,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
             current, scores = scores, scores_of(index + 1)
             intra = attend(current, v, operands)
         refs["o"][chunk.rows, :] = output_from_state(intra, q, state, gates, scale, operands).astype(refs["o"].dtype)
-        state = advance_state(state, k, v, gates, operands)
+        state = advance_state(state, k, v, gates, operands, transposed)
     refs["state"][...] = state
     finish_sequence(refs, step, geometry)
 
