@@ -201,7 +201,7 @@ def test_the_key_row_is_the_key_column_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_transposed_keys_give_the_same_chunk_math(dtype):
-    # fused.keys_transposed: k^T once per chunk for the scores and the state, decayed by the decay
+    # fused.gates_along_lanes: k^T once per chunk for the scores and the state, decayed by the decay
     # matrix's last row: the same products of the same operands as k's column path, only summed in
     # another order by the backend (here about 1e-7 of the state).
     size = 256
@@ -218,10 +218,32 @@ def test_transposed_keys_give_the_same_chunk_math(dtype):
     )
 
 
-def test_keys_are_transposed_only_with_per_token_gates_at_chunk_256():
-    assert fused.keys_transposed(gated=True, chunk_size=256)
-    assert not fused.keys_transposed(gated=False, chunk_size=256)  # g_gamma: one key exp per grid step
-    assert not fused.keys_transposed(gated=True, chunk_size=128)
+@pytest.mark.parametrize("valid_rows", [None, 200])
+def test_gates_along_lanes_are_the_column_gates(valid_rows):
+    # ChunkGates.along_lanes (g as a row, the fused forward's with g at chunk 256) against ChunkGates.compute
+    # (g as a column): the same cumulative sums up to the order the three bf16 parts are added in.
+    size = 256
+    g = -np.random.default_rng(5).exponential(0.05, size).astype(np.float32)
+    if valid_rows is not None:
+        g[valid_rows:] = 0.0  # as Chunk.head_row and Chunk.head_column read a ragged chunk
+    valid = None if valid_rows is None else jnp.int32(valid_rows)
+    decay = jnp.float32(-0.01)
+    rows = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], valid, size)
+    columns = chunkwise.ChunkGates.compute(decay, jnp.asarray(g)[:, None], valid, size)
+    close = dict(rtol=1e-6, atol=0)
+    for name in ("decays", "query", "chunk"):
+        np.testing.assert_allclose(getattr(rows, name), getattr(columns, name), err_msg=name, **close)
+    np.testing.assert_allclose(rows.key_row, columns.key.T, **close)
+    assert rows.key is None
+    b = np.cumsum(g.astype(np.float64)) - 0.01 * np.minimum(np.arange(1, size + 1), valid_rows or size)
+    np.testing.assert_allclose(rows.query[:, 0], np.exp(b), rtol=3e-6)  # float32 b, |b| up to 14: ~1e-6 of exp
+
+
+def test_gates_go_along_lanes_with_per_token_gates_from_chunk_128():
+    assert fused.gates_along_lanes(gated=True, chunk_size=256)
+    assert fused.gates_along_lanes(gated=True, chunk_size=128)
+    assert not fused.gates_along_lanes(gated=False, chunk_size=256)  # g_gamma: gates once per grid step
+    assert not fused.gates_along_lanes(gated=True, chunk_size=64)  # a step's tokens would not fill 128 lanes
 
 
 @pytest.mark.parametrize(
@@ -352,12 +374,17 @@ def _primitives_around_kernels(jaxpr) -> set[str]:
 
 @pytest.mark.parametrize(("implementation", "plans"), [(FUSED, fused.plans), (CHUNK, chunk.plans)], ids=["fused", "chunk"])
 def test_aligned_head_dims_are_read_in_place(implementation, plans):
-    # K and V multiples of 128: the kernels see the caller's q, k, v, g and state through reshapes
-    # alone (no transpose, pad, upcast or slice around them), and the plans record no copy.
+    # K and V multiples of 128: the kernels see the caller's q, k, v and state through reshapes
+    # alone (no pad, upcast or slice around them). The fused forward transposes g to [B, H, T]
+    # (fused.gates_along_lanes; the chunk kernels read it as it is), and its plans record that copy.
     in_place = jax.make_jaxpr(_compiled_forward(implementation))(**_abstract_inputs(2, 200, 3, *IN_PLACE_DIMS))
-    assert _primitives_around_kernels(in_place.jaxpr) == {"pallas_call", "reshape"}
+    fused_forward = plans is fused.plans
+    assert _primitives_around_kernels(in_place.jaxpr) == {"pallas_call", "reshape", *(["transpose"] * fused_forward)}
     geometry = Geometry(2, 200, 3, *IN_PLACE_DIMS, 128, implementation.config.num_steps)
-    assert traffic.relayout_traffic(plans(geometry, jnp.bfloat16, gate_dtype=jnp.float32, initial_state_dtype=jnp.float32, output_final_state=True)) == (0, 0)
+    gates_bytes = 2 * 200 * 3 * 4
+    assert traffic.relayout_traffic(plans(geometry, jnp.bfloat16, gate_dtype=jnp.float32, initial_state_dtype=jnp.float32, output_final_state=True)) == (
+        (gates_bytes, gates_bytes) if fused_forward else (0, 0)
+    )
     # The same check sees the lane padding copy when V is not a multiple of 128.
     padded = jax.make_jaxpr(_compiled_forward(implementation))(**_abstract_inputs(2, 200, 3, *LANE_PADDED_DIMS))
     assert "pad" in _primitives_around_kernels(padded.jaxpr)

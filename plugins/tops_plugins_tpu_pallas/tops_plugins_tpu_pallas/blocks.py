@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tops_plugins_tpu_pallas.plan import Blocked, Scalars, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 
@@ -75,6 +75,21 @@ def per_head(name: str, geometry: Geometry, dtype) -> Blocked:
 def gates(geometry: Geometry, dtype) -> Blocked:
     """simple_gla's per-token ``g`` ``[B, T, H]``."""
     return per_head("g", geometry, dtype)
+
+
+def _every_head_row(b, h, tile, t, *_):
+    return (b, 0, t)
+
+
+def gate_rows(geometry: Geometry, dtype) -> Blocked:
+    """simple_gla's ``g`` transposed to ``[B, H, T]`` outside the kernel (a copy of the caller's ``[B, T, H]``):
+    tokens along lanes, every head's row of one step (the kernel picks its row, ``grid.Chunk.head_row``); the
+    same bytes per step as ``gates``, lane-dense in VMEM instead of H of 128 lanes."""
+    g = geometry
+    return Blocked(
+        "g", (g.batch, g.heads, g.seq_len), dtype, (None, g.heads, g.rows_per_step), _every_head_row,
+        Relayout((g.batch, g.seq_len, g.heads), dtype),
+    )
 
 
 def state(name: str, geometry: Geometry, dtype) -> Blocked:

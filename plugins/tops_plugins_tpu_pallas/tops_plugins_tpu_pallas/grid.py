@@ -127,6 +127,16 @@ class Chunk:
         # One selected term per row, so the lane sum is exact.
         return jnp.sum(jnp.where(take, every_head, jnp.zeros((), every_head.dtype)).astype(_F32), axis=1, keepdims=True)
 
+    def head_row(self, ref, head: jax.Array) -> jax.Array:
+        """Head ``head``'s row of an all-heads block laid out ``[H, tokens]`` (``blocks.gate_rows``) as float32 ``(1, C)``,
+        tokens past the end zero."""
+        every_head = ref[:, self.rows]
+        take = lax.broadcasted_iota(jnp.int32, every_head.shape, 0) == head
+        if self.valid_rows is not None:
+            take = take & (lax.broadcasted_iota(jnp.int32, every_head.shape, 1) < self.valid_rows)
+        # One selected term per token, so the sublane sum is exact.
+        return jnp.sum(jnp.where(take, every_head, jnp.zeros((), every_head.dtype)).astype(_F32), axis=0, keepdims=True)
+
 
 def step_chunks(geometry: Geometry, step: jax.Array) -> list[Chunk]:
     """The chunks of grid step ``step`` in order, for a kernel to unroll.

@@ -59,6 +59,18 @@ def cumulative_sum(g: jax.Array) -> jax.Array:
     return jnp.sum(partial_sums, axis=1, keepdims=True)
 
 
+def cumulative_sum_along_lanes(g: jax.Array) -> jax.Array:
+    """``cumulative_sum`` for ``g`` as a ``(1, C)`` row: its three bf16 parts in sublanes 0, 1, 2 of one ``(8, C)``
+    operand times an upper-triangular 0/1 matrix, one bf16 MXU pass of 8 rows, and a sublane sum."""
+    size = g.shape[1]
+    high, middle, low = bf16_parts(g, 3)
+    sublanes = lax.broadcasted_iota(jnp.int32, (8, size), 0)
+    parts = jnp.where(sublanes == 0, high, jnp.where(sublanes == 1, middle, jnp.where(sublanes == 2, low, 0.0)))
+    rows, cols = row_and_column_iotas(size)
+    partial_sums = matmul(parts, (rows <= cols).astype(jnp.bfloat16), jnp.bfloat16)
+    return jnp.sum(partial_sums, axis=0, keepdims=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class LogDecays:
     """A chunk's cumulative log decays ``b`` (float32), in the two layouts the chunk needs.
@@ -104,7 +116,7 @@ class ChunkGates:
 
     decays: jax.Array | None  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal; None without attention
     query: jax.Array  # (C, 1): exp(b_i), how the state entering the chunk decays up to row i
-    key: jax.Array  # (C, 1): exp(b_C - b_j), how row j's key-value product decays to the chunk's end
+    key: jax.Array | None  # (C, 1): exp(b_C - b_j), how row j's key-value product decays to the chunk's end; None: use key_row
     chunk: jax.Array  # (1, 1): exp(b_C), how the state decays over the whole chunk
 
     @classmethod
@@ -120,6 +132,25 @@ class ChunkGates:
         total = log.column[chunk_size - 1 :, :]
         decays = causal_decays(log.column, log.row) if attention else None
         return cls(decays=decays, query=jnp.exp(log.column), key=jnp.exp(total - log.column), chunk=jnp.exp(total))
+
+    @classmethod
+    def along_lanes(cls, decay: jax.Array, g: jax.Array, valid_rows: jax.Array | None, chunk_size: int) -> ChunkGates:
+        """A chunk's gates from its ``g`` as a ``(1, C)`` row (``g`` laid out ``[B, H, T]``), ``key`` left to ``key_row``.
+
+        ``LogDecays.compute`` and ``of`` work on ``(C, 1)`` columns, which take one vector register per
+        8 rows for every operation; here the cumulative sum and ``exp(b)`` run on the row (2 registers
+        at chunk 256), and one ``(8, C) -> (C, 8)`` transpose makes both columns the chunk needs.
+        ``valid_rows`` as there; ``g`` must be 0 past it.
+        """
+        positions = lax.broadcasted_iota(jnp.int32, (1, chunk_size), 1) + 1
+        if valid_rows is not None:
+            positions = jnp.minimum(positions, valid_rows)
+        row = decay * positions.astype(_F32) + cumulative_sum_along_lanes(g)
+        sublanes = lax.broadcasted_iota(jnp.int32, (8, chunk_size), 0)
+        columns = jnp.where(sublanes == 0, row, jnp.exp(row)).T
+        column, query = columns[:, 0:1], columns[:, 1:2]
+        total = column[chunk_size - 1 :, :]
+        return cls(decays=causal_decays(column, row), query=query, key=None, chunk=jnp.exp(total))
 
     @property
     def key_row(self) -> jax.Array:
@@ -187,9 +218,8 @@ def advance_state(state: jax.Array, k: jax.Array, v: jax.Array, gates: ChunkGate
     ``operands`` (``matmul``'s; None: the forward's ``mxu_operand_dtype``).
 
     ``keys_transposed``: ``k`` is given as ``k^T``, ``(K_pad, C)``, and its columns decay by
-    ``gates.key_row``, so the gates need their decays but no ``(C, 1)`` exp of the keys' own: a
-    column's exp costs as many vector registers as it has rows / 8 (with ``g`` on v6e at chunk 256,
-    about 8% of the forward's cycles, ``fused.keys_transposed``).
+    ``gates.key_row``, so the gates need their decays but no ``(C, 1)`` exp of the keys' own
+    (``fused.gates_along_lanes``).
     """
     operands = mxu_operand_dtype(k.dtype) if operands is None else operands
     if keys_transposed:

@@ -23,7 +23,7 @@ from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.mxu import SPLIT_BFLOAT16, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    advance_state, advance_state_work, attend, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
+    ChunkGates, advance_state, advance_state_work, attend, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
     decayed_scores, gate_computations, gates_work, intra_chunk_output, output_from_state,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES as COMMON_CHUNK_SIZES, check_common_fields
@@ -93,7 +93,8 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     """The (single) launch plan for one call; ``gate_dtype``/``initial_state_dtype`` None when that input is absent."""
     inputs = [blocks.key_rows("q", geometry, dtype), blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype)]
     if gate_dtype is not None:
-        inputs.append(blocks.gates(geometry, gate_dtype))
+        along_lanes = gates_along_lanes(True, geometry.chunk_size)
+        inputs.append((blocks.gate_rows if along_lanes else blocks.gates)(geometry, gate_dtype))
     if initial_state_dtype is not None:
         inputs.append(blocks.state("initial_state", geometry, initial_state_dtype))
     outputs = [blocks.value_rows("o", geometry, dtype)]
@@ -164,16 +165,20 @@ def operands_of(config: FusedConfig, dtype):
     return mxu_operand_dtype(dtype)
 
 
-def keys_transposed(gated: bool, chunk_size: int) -> bool:
-    """Whether the kernel transposes each chunk's keys once, for its scores and its state update alike, and
-    decays them by the decay matrix's last row (``chunkwise.advance_state``) instead of a ``(C, 1)`` exp.
+def gates_along_lanes(gated: bool, chunk_size: int) -> bool:
+    """Whether the kernel reads ``g`` laid out ``[B, H, T]`` and computes each chunk's gates along lanes
+    (``ChunkGates.along_lanes``), and transposes each chunk's keys once, for its scores and its state update
+    alike, so their decays are the decay matrix's last row (``chunkwise.advance_state``), not a ``(C, 1)`` exp.
 
-    With ``g`` at chunk 256 (cycles one TensorCore issues for a grid step of 16 chunks, K=V=128, 16
-    heads, column -> transposed): v6e bf16 7375 -> 6710, float32 at ``"high"`` 14361 -> 13269,
-    float32 14413 -> 14434 (a tie). Not with ``g_gamma``, whose key decays are one exp per grid step
-    (v6e 4031 -> 4066), nor at chunk 128, where the column is half as long (v5e bf16 ``g`` 7192 -> 7323).
+    A ``(C, 1)`` column takes one vector register per 8 rows for every operation on it. Cycles one
+    TensorCore issues for a 4096-row grid step, bf16 K=V=128 with ``g``, 16 heads, columns ->
+    transposed keys -> gates along lanes: v6e (chunk 256) 7375 -> 6710 -> 5139, v5e (chunk 128)
+    7192 -> 7323 -> 6354. In a layer the ``[B, H, T]`` operand also spares the relayout copy XLA
+    made of the ``[B, T, H]`` one (64 B per token and head): modelled v6e 1.42x -> 1.04x its HBM
+    floor, v5e 1.07x -> 1.00x. Chunk 64 keeps columns (a block's tokens must fill 128 lanes), and
+    ``g_gamma`` alone has no per-token gates.
     """
-    return gated and chunk_size > LANES
+    return gated and chunk_size >= LANES
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention_first: bool, operands):
@@ -182,10 +187,13 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     start_sequence(refs, step)
 
     constant = constant_gates(refs, head, geometry)
-    transposed = keys_transposed("g" in refs, geometry.chunk_size)
+    transposed = gates_along_lanes("g" in refs, geometry.chunk_size)
     chunks = []
     for chunk in step_chunks(geometry, step):
-        gates = chunk_gates(chunk, refs, head, constant)
+        if transposed:
+            gates = ChunkGates.along_lanes(refs["decay"][head], chunk.head_row(refs["g"], head), chunk.valid_rows, geometry.chunk_size)
+        else:
+            gates = chunk_gates(chunk, refs, head, constant)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         k = k.T if transposed else k
         chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands, transposed) if attention_first else None))
@@ -217,7 +225,8 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     config = resolved(config, q.shape[-1], chip)
     first = attention_first(config, q.dtype, q.shape[-1], chip)
     kernel = functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype))
+    along_lanes = g is not None and gates_along_lanes(True, config.chunk_size)
     return grid.run(
         kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, config=config,
+        output_final_state=output_final_state, config=config, operands={"g": jnp.swapaxes(g, 1, 2)} if along_lanes else None,
     )
