@@ -187,16 +187,16 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     start_sequence(refs, step)
 
     constant = constant_gates(refs, head, geometry)
-    transposed = gates_along_lanes("g" in refs, geometry.chunk_size)
+    along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
     chunks = []
     for chunk in step_chunks(geometry, step):
-        if transposed:
+        if along_lanes:
             gates = ChunkGates.along_lanes(refs["decay"][head], chunk.head_row(refs["g"], head), chunk.valid_rows, geometry.chunk_size)
         else:
             gates = chunk_gates(chunk, refs, head, constant)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        k = k.T if transposed else k
-        chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands, transposed) if attention_first else None))
+        k = k.T if along_lanes else k  # keys transposed: their decays are the decay matrix's last row
+        chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands, along_lanes) if attention_first else None))
     # The attention does not depend on the state. Traced ahead of the chain through the state, the
     # scheduler fills the chain's gaps with it; else beside each link, with the next chunk's scores
     # one link early, so the MXU computes them while this link's products drain.
@@ -204,7 +204,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
         if index == len(chunks):
             return None
         _, gates, q, k, _, _ = chunks[index]
-        return decayed_scores(q, k, gates, operands, transposed)
+        return decayed_scores(q, k, gates, operands, along_lanes)
 
     state = refs["state"][...]
     scores = None if attention_first else scores_of(0)
@@ -213,7 +213,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
             current, scores = scores, scores_of(index + 1)
             intra = attend(current, v, operands)
         refs["o"][chunk.rows, :] = output_from_state(intra, q, state, gates, scale, operands).astype(refs["o"].dtype)
-        state = advance_state(state, k, v, gates, operands, transposed)
+        state = advance_state(state, k, v, gates, operands, along_lanes)
     refs["state"][...] = state
     finish_sequence(refs, step, geometry)
 
