@@ -120,22 +120,21 @@ class Chunk:
 
     def head_column(self, ref, head: jax.Array) -> jax.Array:
         """Head ``head``'s column of an all-heads block (``blocks.per_head``) as float32 ``(C, 1)``, rows past the end zero."""
-        every_head = ref[self.rows, :]
-        take = lax.broadcasted_iota(jnp.int32, every_head.shape, 1) == head
-        if self.valid_rows is not None:
-            take = take & self._row_is_real()
-        # One selected term per row, so the lane sum is exact.
-        return jnp.sum(jnp.where(take, every_head, jnp.zeros((), every_head.dtype)).astype(_F32), axis=1, keepdims=True)
+        return self._head_of(ref[self.rows, :], head, head_axis=1)
 
     def head_row(self, ref, head: jax.Array) -> jax.Array:
         """Head ``head``'s row of an all-heads block laid out ``[H, tokens]`` (``blocks.gate_rows``) as float32 ``(1, C)``,
         tokens past the end zero."""
-        every_head = ref[:, self.rows]
-        take = lax.broadcasted_iota(jnp.int32, every_head.shape, 0) == head
+        return self._head_of(ref[:, self.rows], head, head_axis=0)
+
+    def _head_of(self, every_head: jax.Array, head: jax.Array, head_axis: int) -> jax.Array:
+        take = lax.broadcasted_iota(jnp.int32, every_head.shape, head_axis) == head
         if self.valid_rows is not None:
-            take = take & (lax.broadcasted_iota(jnp.int32, every_head.shape, 1) < self.valid_rows)
-        # One selected term per token, so the sublane sum is exact.
-        return jnp.sum(jnp.where(take, every_head, jnp.zeros((), every_head.dtype)).astype(_F32), axis=0, keepdims=True)
+            tokens = list(every_head.shape)
+            tokens[head_axis] = 1
+            take = take & (lax.broadcasted_iota(jnp.int32, tuple(tokens), 1 - head_axis) < self.valid_rows)
+        # One selected term per token, so the sum over heads is exact.
+        return jnp.sum(jnp.where(take, every_head, jnp.zeros((), every_head.dtype)).astype(_F32), axis=head_axis, keepdims=True)
 
 
 def step_chunks(geometry: Geometry, step: jax.Array) -> list[Chunk]:

@@ -50,25 +50,36 @@ def cumulative_sum(g: jax.Array) -> jax.Array:
     A float32 operand at HIGHEST precision would take six passes of a ``(C, 1)`` column, which
     was most of a gated chunk's MXU pushes.
     """
-    size = g.shape[0]
-    high, middle, low = bf16_parts(g, 3)
-    lanes = lax.broadcasted_iota(jnp.int32, (size, LANES), 1)
-    parts = jnp.where(lanes == 0, high, jnp.where(lanes == 1, middle, jnp.where(lanes == 2, low, 0.0)))
-    rows, cols = row_and_column_iotas(size)
-    partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), parts, jnp.bfloat16)
+    rows, cols = row_and_column_iotas(g.shape[0])
+    partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), _three_parts_along(g, 1, LANES), jnp.bfloat16)
     return jnp.sum(partial_sums, axis=1, keepdims=True)
 
 
 def cumulative_sum_along_lanes(g: jax.Array) -> jax.Array:
     """``cumulative_sum`` for ``g`` as a ``(1, C)`` row: its three bf16 parts in sublanes 0, 1, 2 of one ``(8, C)``
     operand times an upper-triangular 0/1 matrix, one bf16 MXU pass of 8 rows, and a sublane sum."""
-    size = g.shape[1]
-    high, middle, low = bf16_parts(g, 3)
-    sublanes = lax.broadcasted_iota(jnp.int32, (8, size), 0)
-    parts = jnp.where(sublanes == 0, high, jnp.where(sublanes == 1, middle, jnp.where(sublanes == 2, low, 0.0)))
-    rows, cols = row_and_column_iotas(size)
-    partial_sums = matmul(parts, (rows <= cols).astype(jnp.bfloat16), jnp.bfloat16)
+    rows, cols = row_and_column_iotas(g.shape[1])
+    partial_sums = matmul(_three_parts_along(g, 0, 8), (rows <= cols).astype(jnp.bfloat16), jnp.bfloat16)
     return jnp.sum(partial_sums, axis=0, keepdims=True)
+
+
+def _three_parts_along(g: jax.Array, axis: int, width: int) -> jax.Array:
+    """``g``'s three exact bf16 parts (``bf16_parts``) at indices 0, 1, 2 of ``axis``, widened to ``width``, zeros elsewhere."""
+    shape = list(g.shape)
+    shape[axis] = width
+    index = lax.broadcasted_iota(jnp.int32, tuple(shape), axis)
+    high, middle, low = bf16_parts(g, 3)
+    return jnp.where(index == 0, high, jnp.where(index == 1, middle, jnp.where(index == 2, low, 0.0)))
+
+
+def _positions(chunk_size: int, axis: int, valid_rows: jax.Array | None) -> jax.Array:
+    """Tokens' 1-based positions in the chunk along ``axis`` (0: a ``(C, 1)`` column, 1: a ``(1, C)`` row), float32,
+    held at ``valid_rows`` past the end of the sequence (None: all real)."""
+    shape = (chunk_size, 1) if axis == 0 else (1, chunk_size)
+    positions = lax.broadcasted_iota(jnp.int32, shape, axis) + 1
+    if valid_rows is not None:
+        positions = jnp.minimum(positions, valid_rows)
+    return positions.astype(_F32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +100,9 @@ class LogDecays:
         ``valid_rows`` (None: all) stops the constant decay at the last real token, so the rows past
         the end of the sequence leave the final state exact; their ``g`` must already be 0.
         """
-        positions = lax.broadcasted_iota(jnp.int32, (chunk_size, 1), 0) + 1
-        lane_positions = lax.broadcasted_iota(jnp.int32, (1, chunk_size), 1) + 1
-        if valid_rows is not None:
-            positions = jnp.minimum(positions, valid_rows)
-            lane_positions = jnp.minimum(lane_positions, valid_rows)
         # Same float32 products in both layouts, so b_i - b_i is exactly 0 on the diagonal.
-        column = decay * positions.astype(_F32)
-        row = decay * lane_positions.astype(_F32)
+        column = decay * _positions(chunk_size, 0, valid_rows)
+        row = decay * _positions(chunk_size, 1, valid_rows)
         if g is not None:
             cumulative = cumulative_sum(g)
             column = column + cumulative
@@ -142,10 +148,7 @@ class ChunkGates:
         at chunk 256), and one ``(8, C) -> (C, 8)`` transpose makes both columns the chunk needs.
         ``valid_rows`` as there; ``g`` must be 0 past it.
         """
-        positions = lax.broadcasted_iota(jnp.int32, (1, chunk_size), 1) + 1
-        if valid_rows is not None:
-            positions = jnp.minimum(positions, valid_rows)
-        row = decay * positions.astype(_F32) + cumulative_sum_along_lanes(g)
+        row = decay * _positions(chunk_size, 1, valid_rows) + cumulative_sum_along_lanes(g)
         sublanes = lax.broadcasted_iota(jnp.int32, (8, chunk_size), 0)
         columns = jnp.where(sublanes == 0, row, jnp.exp(row)).T
         column, query = columns[:, 0:1], columns[:, 1:2]
@@ -274,11 +277,17 @@ def constant_gates(refs: dict, head: jax.Array, geometry: Geometry, attention: b
     return ChunkGates.compute(refs["decay"][head], None, None, geometry.chunk_size, attention)
 
 
-def chunk_gates(chunk: Chunk, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None, attention: bool = True) -> ChunkGates:
-    """``chunk``'s gates: ``constant`` (the step's, without ``g``) for a whole chunk; else exponentiated
-    from ``log`` (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``."""
+def chunk_gates(
+    chunk: Chunk, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None, attention: bool = True,
+    along_lanes: bool = False,
+) -> ChunkGates:
+    """``chunk``'s gates: ``constant`` (the step's, without ``g``) for a whole chunk; with ``along_lanes`` (``g``
+    laid out ``[B, H, T]``), ``ChunkGates.along_lanes`` of the head's row; else exponentiated from ``log``
+    (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``."""
     if constant is not None and chunk.valid_rows is None:
         return constant
+    if along_lanes:
+        return ChunkGates.along_lanes(refs["decay"][head], chunk.head_row(refs["g"], head), chunk.valid_rows, chunk.rows.size)
     return ChunkGates.of(log_decays(chunk, refs, head) if log is None else log, attention)
 
 

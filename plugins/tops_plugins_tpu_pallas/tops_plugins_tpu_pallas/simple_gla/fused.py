@@ -23,7 +23,7 @@ from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.mxu import SPLIT_BFLOAT16, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    ChunkGates, advance_state, advance_state_work, attend, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
+    advance_state, advance_state_work, attend, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
     decayed_scores, gate_computations, gates_work, intra_chunk_output, output_from_state,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES as COMMON_CHUNK_SIZES, check_common_fields
@@ -190,10 +190,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
     chunks = []
     for chunk in step_chunks(geometry, step):
-        if along_lanes:
-            gates = ChunkGates.along_lanes(refs["decay"][head], chunk.head_row(refs["g"], head), chunk.valid_rows, geometry.chunk_size)
-        else:
-            gates = chunk_gates(chunk, refs, head, constant)
+        gates = chunk_gates(chunk, refs, head, constant, along_lanes=along_lanes)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         k = k.T if along_lanes else k  # keys transposed: their decays are the decay matrix's last row
         chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands, along_lanes) if attention_first else None))
