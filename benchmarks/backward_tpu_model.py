@@ -1,4 +1,4 @@
-"""The cost model's figures (``tops_core.tpu_model``) for the forward and the backward of each Pallas kernel.
+"""The cost model's figures (``tops_core.tpu.model``) for the forward and the backward of each Pallas kernel.
 
 ``tops bench``'s modelled section at the issue's sizes, B=8, H=16, K=V=128, bf16, ``g_gamma``, for
 T = 4096 and 32768 on compile-only v5e and v6e devices: each kernel's forward, and the backward of
@@ -9,7 +9,8 @@ those that have their own, against their floors. Run from the repository root:
 
 from __future__ import annotations
 
-from tops_core import bench, compile_only, tpu_model
+from tops_core import bench
+from tops_core.tpu import compile_only, model as tpu_model
 
 B, H, K, V = 8, 16, 128, 128
 

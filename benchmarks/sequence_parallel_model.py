@@ -23,8 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import tops_core
-from tops_core import compile_only
-from tops_core.tpu_generations import GENERATIONS
+from tops_core.tpu import compile_only
+from tops_core.tpu.generations import GENERATIONS
 
 LINK_BYTES_PER_SECOND = {"v5p": 4800e9 / 8 / 6}
 """One interconnect link of a v5p chip: 4,800 Gbps per chip (Cloud TPU v5p page) over its 6 links of the 3D torus."""

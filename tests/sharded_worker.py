@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import tops_core
-from tops_core import compile_only
+from tops_core.tpu import compile_only
 from tops_core.conformance.cases import Case
 from tops_core.conformance.compare import relative_error, tolerance
 from tops_core.conformance.data import backward_inputs, forward_inputs

@@ -123,8 +123,8 @@ def test_cli_bench(installed, capsys):
 def test_cli_bench_adds_the_modelled_tpu_section_off_tpu(installed, capsys, monkeypatch):
     # The section itself compiles for a compile-only TPU (test_pallas_compile runs it, in a process
     # of its own); here only that the CLI asks for it, for the generation given, in bf16 by default.
-    from tops_core import tpu_model
-    from tops_core.tpu_generations import GENERATIONS
+    from tops_core.tpu import model as tpu_model
+    from tops_core.tpu.generations import GENERATIONS
 
     asked = []
 
@@ -140,8 +140,8 @@ def test_cli_bench_adds_the_modelled_tpu_section_off_tpu(installed, capsys, monk
 
 
 def test_cli_bench_json_is_one_document_with_every_figure(installed, capsys, monkeypatch):
-    from tops_core import tpu_model
-    from tops_core.tpu_generations import GENERATIONS
+    from tops_core.tpu import model as tpu_model
+    from tops_core.tpu.generations import GENERATIONS
 
     monkeypatch.setattr(tpu_model, "model", lambda case, generation, names: tpu_model.TpuModel(case, GENERATIONS[generation], (), (), unavailable="not compiled in this test"))
     assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable,ref.recurrent", "--budget", "0.05", "--tpu", "v5e", "--json"]) == 0

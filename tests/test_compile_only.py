@@ -1,6 +1,6 @@
 """Reading a compiled TPU program: kernels, their cost estimates, relayouts in whole tiles, loops, who ran."""
 
-from tops_core.compile_only import ProgramFacts
+from tops_core.tpu.compile_only import ProgramFacts
 
 # An optimised TPU module in the shape XLA prints it (trimmed): a kernel between relayouts of its
 # operands, a lane-padding fusion, a memory-space prefetch, and a loop.

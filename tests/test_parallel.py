@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 import tops_core
 from tests import fakes
 from tops_core import parallel
-from tops_core.compile_only import Collective, collectives
+from tops_core.tpu.compile_only import Collective, collectives
 
 sg = tops_core.op("simple_gla")
 

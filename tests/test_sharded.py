@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tops_core import compile_only
+from tops_core.tpu import compile_only
 
 ALL = ["g", "g_gamma", "initial_state", "output_final_state"]
 BASE = dict(dtype="float32", features=ALL, H=4, K=16, V=16)

@@ -1,4 +1,4 @@
-"""Reading what a compiled Mosaic kernel does from libtpu's dumps (``tops_core.tpu_llo``)."""
+"""Reading what a compiled Mosaic kernel does from libtpu's dumps (``tops_core.tpu.llo``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tops_core import tpu_llo
+from tops_core.tpu import llo as tpu_llo
 
 # A Mosaic final-LLO dump in the shape libtpu writes it (trimmed): a kernel on a grid of 3 whose
 # body runs a loop of 5 trips around one bf16 MXU push, an exp and a transpose, then stores twice;
@@ -104,7 +104,7 @@ PASSES = {"bfloat16": 1, "float32": 6}  # a float32 product at HIGHEST is six bf
 @pytest.mark.parametrize("generation", sorted(EDGES))
 def test_mxu_rows_of_a_compiled_kernel_match_its_products_on_every_generation(generation, monkeypatch):
     pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu")
-    from tops_core import compile_only
+    from tops_core.tpu import compile_only
 
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the child imports this module's factory
     edge = EDGES[generation]

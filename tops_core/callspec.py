@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tops_core.tpu_generations import GENERATIONS
+from tops_core.tpu.generations import GENERATIONS
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -17,7 +17,7 @@ class CallSpec:
     (for simple_gla: ``g``, ``g_gamma``, ``initial_state``, ``cu_seqlens``,
     ``output_final_state``). ``ndims`` records the rank of inputs whose rank may vary
     (``g_gamma`` may be a scalar or ``[H]``). ``chip``: the TPU generation (a key of
-    ``tops_core.tpu_generations.GENERATIONS``) the call is lowered for when it is lowered for a TPU
+    ``tops_core.tpu.generations.GENERATIONS``) the call is lowered for when it is lowered for a TPU
     and the generation is known, else None; what platform ``tpu``'s decision may size kernels by.
     """
 

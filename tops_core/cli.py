@@ -11,7 +11,6 @@ import platform as python_platform
 import sys
 from collections.abc import Sequence
 
-from tops_core import compile_only
 from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.capabilities import FLOAT_DTYPES
 from tops_core.conformance.cases import Case
@@ -20,7 +19,8 @@ from tops_core.ops import CONTRACTS, op
 from tops_core.ops.base import ContractError, platform_of
 from tops_core.policy import Force, current_policy
 from tops_core.registry import PluginError, default_registry
-from tops_core.tpu_generations import GENERATIONS
+from tops_core.tpu import compile_only
+from tops_core.tpu.generations import GENERATIONS
 
 DEFAULT_SHAPE = "2,4096,8,128,128"
 DEFAULT_DTYPES = "float32 on cpu, bfloat16 on gpu and tpu"
@@ -216,12 +216,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         document = {**bench.report_json(report), "failures": bench.failures(report), "modelled_tpu": None}
         if model is not None:
-            from tops_core import tpu_model
+            from tops_core.tpu import model as tpu_model
 
             document["modelled_tpu"] = tpu_model.model_json(model)
         print(json.dumps(document, indent=1, default=str))
     elif model is not None:
-        from tops_core import tpu_model
+        from tops_core.tpu import model as tpu_model
 
         print("\n" + tpu_model.format_model(model))
     failed = bench.failures(report)
@@ -242,7 +242,8 @@ def _check_writable(path: str) -> None:
 
 def _tpu_model(args: argparse.Namespace, case: Case, names: list[str]):
     """The modelled TPU section: the workload compiled for a compile-only TPU (bf16 unless --dtype says)."""
-    from tops_core import bench, tpu_model
+    from tops_core import bench
+    from tops_core.tpu import model as tpu_model
 
     case = dataclasses.replace(case, dtype=args.dtype or _default_dtype("tpu"))
     with bench.dtype_scope(case):

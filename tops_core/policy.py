@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from tops_core import environment
+from tops_core.signatures import known_op
 
 ForceRequest = str | tuple[str, Mapping[str, Any]] | None
 
@@ -100,7 +101,7 @@ def use(
     outer = _scope.get()
     forces = dict(outer.forces)
     for op_name, request in ops.items():
-        _known_op(op_name, "tops_core.use()")
+        known_op(op_name, "tops_core.use()")
         force = Force.parse(request, "tops_core.use()")
         if force is None:
             forces.pop(op_name, None)
@@ -121,21 +122,13 @@ def use(
         _scope.reset(token)
 
 
-def _known_op(name: str, source: str) -> str:
-    from tops_core.ops import CONTRACTS  # the op contracts import this module
-
-    if name not in CONTRACTS:
-        raise ValueError(f"unknown op {name!r} in {source}; known ops: {', '.join(sorted(CONTRACTS))}")
-    return name
-
-
 def _env_force(op_name: str) -> Force | None:
     forces = {}
     for item in environment.names("TOPS_FORCE"):
         key, sep, impl = item.partition("=")
         if not sep or not key.strip() or not impl.strip():
             raise ValueError(f"TOPS_FORCE entries must look like 'op=plugin.impl', got {item!r}")
-        forces[_known_op(key.strip(), "TOPS_FORCE")] = impl.strip()
+        forces[known_op(key.strip(), "TOPS_FORCE").name] = impl.strip()
     return Force(forces[op_name], (), "TOPS_FORCE") if op_name in forces else None
 
 

@@ -22,6 +22,7 @@ import pluggy
 
 from tops_core import environment, hookspecs
 from tops_core.implementation import Implementation
+from tops_core.signatures import SIGNATURES
 
 API_VERSION = 1
 """The plugin API version of this core. A plugin declares the one it was written for as
@@ -150,8 +151,6 @@ class Registry:
         source: str = "in-process",
     ) -> PluginInfo:
         """Register a plugin object; raises PluginError (and registers nothing) when it is malformed."""
-        from tops_core.ops import CONTRACTS
-
         with self._lock:
             if name in self._plugins:
                 raise PluginError(f"a plugin named {name!r} is already registered")
@@ -173,7 +172,7 @@ class Registry:
                 others = [p for p in self._manager.get_plugins() if p is not plugin]
                 hook = self._manager.subset_hook_caller("tops_register_implementations", remove_plugins=others)
                 hook(register=collected.append)
-                implementations = [self._qualify(name, impl, CONTRACTS) for impl in collected]
+                implementations = [self._qualify(name, impl) for impl in collected]
                 keys = [(impl.op, impl.name) for impl in implementations]
                 duplicates = sorted({f"{op}: {impl}" for op, impl in keys if keys.count((op, impl)) > 1})
                 if duplicates:
@@ -200,15 +199,15 @@ class Registry:
         self.generation = next(_generations)
 
     @staticmethod
-    def _qualify(plugin: str, impl: Any, contracts: dict) -> Implementation:
+    def _qualify(plugin: str, impl: Any) -> Implementation:
         if not isinstance(impl, Implementation):
             raise PluginError(f"plugin {plugin!r} registered {impl!r}; expected a tops_core.Implementation")
-        if impl.op not in contracts:
-            raise PluginError(f"plugin {plugin!r} registered {impl.name!r} for unknown op {impl.op!r}; known ops: {sorted(contracts)}")
-        contract = contracts[impl.op]
+        if impl.op not in SIGNATURES:
+            raise PluginError(f"plugin {plugin!r} registered {impl.name!r} for unknown op {impl.op!r}; known ops: {sorted(SIGNATURES)}")
+        signature = SIGNATURES[impl.op]
         qualified = dataclasses.replace(impl, name=f"{plugin}.{impl.name}")
         try:
-            qualified.check(contract.features, contract.variable_ndims)
+            qualified.check(signature.features, signature.variable_ndims)
         except (TypeError, ValueError) as error:
             raise PluginError(f"plugin {plugin!r}: {error}") from error
         return qualified

@@ -1,4 +1,5 @@
-"""Op contracts, one module per op. Adding an op: write its contract module and list it here."""
+"""Op contracts, one module per op. Adding an op: its signature in ``tops_core.signatures``, its
+contract module here, and the contract listed below."""
 
 from tops_core.ops.base import OpContract
 from tops_core.ops.kda import KDA

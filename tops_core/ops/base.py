@@ -31,7 +31,8 @@ from tops_core.ops.validation import is_concrete
 from tops_core.partitioning import Plan, SequenceShards, Split, partitioned
 from tops_core.policy import ForceRequest, Policy, current_policy
 from tops_core.registry import default_registry
-from tops_core.tpu_generations import generation_of
+from tops_core.signatures import Signature
+from tops_core.tpu.generations import generation_of
 
 
 class ContractError(RuntimeError):
@@ -151,16 +152,24 @@ def state_dtype(input_dtype: Any) -> jnp.dtype:
 class OpContract:
     """Base of every op contract; subclasses define the public ``forward``/``backward``/``explain``.
 
-    Class attributes: ``name``; ``features`` (optional inputs and options a call spec can name);
-    ``variable_ndims`` (inputs whose rank may vary); ``differentiable`` (array inputs that get a
-    gradient, field ``d<name>`` of ``grads_type``).
+    A subclass names its op's signature (``class SimpleGLA(OpContract, signature=SIMPLE_GLA)``),
+    which gives it ``name``, ``features`` (optional inputs and options a call spec can name) and
+    ``variable_ndims`` (inputs whose rank may vary); it declares ``differentiable`` (array inputs
+    that get a gradient, field ``d<name>`` of ``grads_type``).
     """
 
+    signature: ClassVar[Signature]
     name: ClassVar[str]
     features: ClassVar[frozenset[str]]
-    variable_ndims: ClassVar[frozenset[str]] = frozenset()
+    variable_ndims: ClassVar[frozenset[str]]
     differentiable: ClassVar[tuple[str, ...]]
     grads_type: ClassVar[type]
+
+    def __init_subclass__(cls, signature: Signature | None = None, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if signature is not None:
+            cls.signature = signature
+            cls.name, cls.features, cls.variable_ndims = signature.name, signature.features, signature.variable_ndims
 
     # -- what each op defines --------------------------------------------------------------
 

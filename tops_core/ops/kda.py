@@ -20,6 +20,7 @@ import jax
 from tops_core.ops import validation
 from tops_core.ops.base import Explanation, OpContract, Prepared, state_dtype
 from tops_core.policy import ForceRequest
+from tops_core.signatures import KDA as KDA_SIGNATURE
 
 Array = jax.Array
 
@@ -79,9 +80,7 @@ class Backward(Protocol):
         """Return the exact VJP for cotangents ``do`` and ``dht`` (None: no final-state cotangent)."""
 
 
-class KDA(OpContract):
-    name = "kda"
-    features = frozenset({"initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm"})
+class KDA(OpContract, signature=KDA_SIGNATURE):
     differentiable = ("q", "k", "v", "g", "beta", "initial_state")
     grads_type = KDAGrads
     dims = {

@@ -24,6 +24,7 @@ import jax
 from tops_core.ops import simple_gla_sequence, validation
 from tops_core.ops.base import Explanation, OpContract, Prepared, state_dtype
 from tops_core.policy import ForceRequest
+from tops_core.signatures import SIMPLE_GLA
 
 Array = jax.Array
 
@@ -78,10 +79,7 @@ class Backward(Protocol):
         """Return the exact VJP for cotangents ``do`` and ``dht`` (None: no final-state cotangent)."""
 
 
-class SimpleGLA(OpContract):
-    name = "simple_gla"
-    features = frozenset({"g", "g_gamma", "initial_state", "cu_seqlens", "output_final_state"})
-    variable_ndims = frozenset({"g_gamma"})
+class SimpleGLA(OpContract, signature=SIMPLE_GLA):
     differentiable = ("q", "k", "v", "g", "g_gamma", "initial_state")
     grads_type = SimpleGLAGrads
     dims = {

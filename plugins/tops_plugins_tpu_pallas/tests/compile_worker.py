@@ -3,7 +3,7 @@
 The tests start it with ``JAX_PLATFORMS=cpu`` (nothing tries to open a TPU) and libtpu's no-TPU
 environment, so libtpu's start-up stays out of the test process. It reads one JSON request per
 line on stdin and answers each with one JSON line on stdout: the facts of the compiled program
-(``tops_core.compile_only.ProgramFacts``), or the error.
+(``tops_core.tpu.compile_only.ProgramFacts``), or the error.
 
 Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<kernel>`` or, given
 ``"implementation"``, of that one (null: the dispatcher's choice) (simple_gla, packed with traced
@@ -23,7 +23,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import tops_core
-from tops_core import compile_only, tpu_model
+from tops_core.tpu import compile_only, model as tpu_model
 from tops_core.bench import workload
 
 sg = tops_core.op("simple_gla")

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu (the test extra installs it)")
 
-from tops_core import compile_only  # noqa: E402
+from tops_core.tpu import compile_only  # noqa: E402
 
 FACTORS = {
     "kernel": ("fused", "chunk"),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tops_core
-from tops_core.tpu_generations import UNKNOWN_CHIP_VMEM_BUDGET
+from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
 
 from tops_plugins_tpu_pallas import traffic
 from tops_plugins_tpu_pallas.kda import chunkwise

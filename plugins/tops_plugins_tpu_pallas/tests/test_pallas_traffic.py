@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 import tops_core
-from tops_core.tpu_generations import UNKNOWN_CHIP_VMEM_BUDGET
+from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
 
 from tops_plugins_tpu_pallas import grid, kda, traffic
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, backward_split, backward_varlen, chunk, fused, varlen

@@ -12,7 +12,7 @@ import functools
 
 import jax
 import tops_core
-from tops_core.tpu_generations import GENERATIONS
+from tops_core.tpu.generations import GENERATIONS
 
 from tops_plugins_tpu_pallas import grid, kda, launch
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, backward_split, backward_varlen, chunk, fused, varlen

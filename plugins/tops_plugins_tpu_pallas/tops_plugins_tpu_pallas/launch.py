@@ -1,6 +1,6 @@
 """Launching plans: fit them to the VMEM of the chip the program is lowered for, and run each as a ``pallas_call``.
 
-The VMEM budget is the chip's (``tops_core.tpu_generations.vmem_budget``) when the call knows
+The VMEM budget is the chip's (``tops_core.tpu.generations.vmem_budget``) when the call knows
 which TPU generation it is lowered for (``CallSpec.chip``, ``tops_core.target_chip``), and
 16 MiB, what every generation gives a kernel by default, when it does not. On a known chip the
 kernel asks Mosaic for all of the chip's VMEM (``vmem_limit_bytes``), a quarter more than the
@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from tops_core import target_chip
 from tops_core.lowering import per_platform
-from tops_core.tpu_generations import GENERATIONS, vmem_budget
+from tops_core.tpu.generations import GENERATIONS, vmem_budget
 
 from tops_plugins_tpu_pallas import traffic
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, InHbm, LaunchPlan, Scratch

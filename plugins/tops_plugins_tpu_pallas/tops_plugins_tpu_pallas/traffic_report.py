@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-from tops_core.tpu_generations import UNKNOWN_CHIP_VMEM_BUDGET
+from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
 
 from tops_plugins_tpu_pallas import grid, kda
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, backward_split, backward_varlen, chunk, fused, varlen

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from tops_core.tpu_generations import GENERATIONS
+from tops_core.tpu.generations import GENERATIONS
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks

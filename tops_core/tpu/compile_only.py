@@ -10,7 +10,7 @@ put around them, which implementation each op came from (the dispatcher names it
 ``pl.CostEstimate``).
 
 ``DumpingCompiler`` compiles in a child process whose libtpu dumps what it compiled
-(``tpu_llo``): Mosaic's LLO and the backend's scheduled bundles of every kernel, read back and
+(``llo``): Mosaic's LLO and the backend's scheduled bundles of every kernel, read back and
 deleted after each compile. libtpu reads its flags once, when it loads, so the dumps need a process
 of their own; the child also keeps libtpu out of the calling process.
 
@@ -41,8 +41,8 @@ from typing import Any
 
 import jax
 
-from tops_core import tpu_llo
-from tops_core.tpu_generations import GENERATIONS
+from tops_core.tpu import llo
+from tops_core.tpu.generations import GENERATIONS
 
 NO_TPU_ENVIRONMENT = {
     "TPU_ACCELERATOR_TYPE": "v6e-1",
@@ -278,7 +278,7 @@ class Dumped:
     A program without a Mosaic kernel is only lowered: no facts, no kernels."""
 
     facts: ProgramFacts | None
-    kernels: tuple[tpu_llo.DumpedKernel, ...]
+    kernels: tuple[llo.DumpedKernel, ...]
     cores: int
 
 
@@ -318,7 +318,7 @@ class LineWorker:
 
 
 class DumpingCompiler:
-    """Compiles for compile-only TPUs in a child process whose libtpu dumps every Mosaic kernel (``tpu_llo``).
+    """Compiles for compile-only TPUs in a child process whose libtpu dumps every Mosaic kernel (``llo``).
 
     ``compile(generation, factory, **arguments)`` imports ``factory`` (``"package.module:function"``)
     in the child, calls it with ``arguments`` (JSON values) to get ``(function, *args)``, compiles
@@ -330,7 +330,7 @@ class DumpingCompiler:
 
     def __init__(self):
         self.directory = tempfile.mkdtemp(prefix="tops-tpu-dump-")
-        self._worker = LineWorker(["-m", "tops_core.compile_only"], {"LIBTPU_INIT_ARGS": tpu_llo.dump_flags(self.directory)})
+        self._worker = LineWorker(["-m", "tops_core.tpu.compile_only"], {"LIBTPU_INIT_ARGS": llo.dump_flags(self.directory)})
 
     def compile(self, generation: str, factory: str, **arguments: Any) -> Dumped:
         line = self._worker.ask(json.dumps({"generation": generation, "factory": factory, "arguments": arguments}))
@@ -366,7 +366,7 @@ def _serve_dumping_compiler() -> None:
             function, *args = getattr(importlib.import_module(module), name)(**request["arguments"])
             lowered = lower_for(request["generation"], function, *args)
             if "tpu_custom_call" in lowered.as_text():
-                reply: Any = Dumped(ProgramFacts.of(lowered.compile()), tuple(tpu_llo.read_directory(directory)), device(request["generation"]).num_cores)
+                reply: Any = Dumped(ProgramFacts.of(lowered.compile()), tuple(llo.read_directory(directory)), device(request["generation"]).num_cores)
             else:  # no Mosaic kernel to dump: XLA's own code is not compiled (and not dumped), which takes long
                 reply = Dumped(None, (), device(request["generation"]).num_cores)
         except CompileOnlyUnavailable as error:
@@ -380,6 +380,6 @@ def _serve_dumping_compiler() -> None:
 
 
 if __name__ == "__main__":
-    from tops_core.compile_only import _serve_dumping_compiler as serve  # this module's classes, not __main__'s, in the pickles
+    from tops_core.tpu.compile_only import _serve_dumping_compiler as serve  # this module's classes, not __main__'s, in the pickles
 
     serve()

@@ -3,7 +3,7 @@
 It is a model: nothing runs. Every implementation that supports the workload natively on TPU
 (the float64 reference excepted, it runs on the host) is forced through the public op and compiled
 for a compile-only device of the generation by ``compile_only.DumpingCompiler``, whose libtpu
-dumps each Mosaic kernel (``tpu_llo``). For each kernel:
+dumps each Mosaic kernel (``llo``). For each kernel:
 
 - **HBM time**: the bytes its cost estimate declares (for this project's kernels, the traffic model
   of the launch plan that built it) over the chip's HBM bandwidth;
@@ -31,7 +31,7 @@ states, is above it).
 
 The floor time reads ``q``, ``k``, ``v`` (kda: and ``g``, ``beta``) and writes ``o`` once at HBM bandwidth. The per-generation
 constants (bandwidth, peak, clock, MXUs, VLIW slots) and their sources are in
-``tpu_generations``. Not modelled: stalls (a DMA that is late, an MXU result not ready when
+``generations``. Not modelled: stalls (a DMA that is late, an MXU result not ready when
 popped), the pipeline's first and last steps beyond their bundles, and anything XLA overlaps across
 ops. An implementation without a Mosaic kernel (jax.numpy) is listed as not modelled.
 """
@@ -47,14 +47,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tops_core import compile_only, tpu_llo
+from tops_core.tpu import compile_only, llo
 from tops_core.bench import case_json
 from tops_core.conformance import data
 from tops_core.conformance.cases import Case
 from tops_core.conformance.checks import REFERENCE
 from tops_core.ops import op
 from tops_core.ops.base import state_dtype
-from tops_core.tpu_generations import GENERATIONS, TpuGeneration
+from tops_core.tpu.generations import GENERATIONS, TpuGeneration
 
 LIMITS = ("HBM", "issue", "MXU")
 CHAINS = 1.5
@@ -69,7 +69,7 @@ class KernelModel:
     grid_steps: int
     hbm_bytes: int
     cycles: int  # issued by one TensorCore
-    counts: tpu_llo.UnitCounts  # the whole grid
+    counts: llo.UnitCounts  # the whole grid
     hbm_seconds: float
     issue_seconds: float
     mxu_seconds: float
@@ -233,7 +233,7 @@ def _modelled(name: str, tpu: TpuGeneration, share: float, alone: compile_only.D
     return dataclasses.replace(modelled, backward_kernels=backward_kernels, backward=setting(backward.facts, backward_kernels))
 
 
-def _kernel(tpu: TpuGeneration, kernel: tpu_llo.DumpedKernel, hbm_bytes: int, bandwidth: float, peak: float, cores: int) -> KernelModel:
+def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwidth: float, peak: float, cores: int) -> KernelModel:
     counts = kernel.mosaic.total
     slots = dict(tpu.vliw_slots)
     needs = {
@@ -364,7 +364,7 @@ def format_model(model: TpuModel) -> str:
         f"{model.bandwidth / 1e9:.0f} GB/s{per_core}; (x) is against it.",
         f"Per kernel: HBM = its declared bytes / bandwidth; issue = the cycles its scheduled VLIW bundles issue / "
         f"{tpu.clock_hz / 1e9:.2f} GHz; MXU = the rows its pushes stream x {tpu.mxu_row_flops()} flops ({tpu.mxu}x{tpu.mxu} MXU) / "
-        f"{tpu.peak_bf16_flops * model.share / 1e12:.0f} TFLOP/s; modelled = the largest, the limit that binds (tops_core/tpu_model.py).",
+        f"{tpu.peak_bf16_flops * model.share / 1e12:.0f} TFLOP/s; modelled = the largest, the limit that binds (tops_core/tpu/model.py).",
         "Per op: its kernels plus the relayout copies XLA adds around them at HBM bandwidth; alone: q, k, v, o are [B, T, H, D] "
         "parameters; in a layer: between x @ W projections. XLA's count: its own cost analysis of the op alone.",
     ]
