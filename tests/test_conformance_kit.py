@@ -44,6 +44,14 @@ def decays_through_padding(q, k, v, *, g, g_gamma, output_final_state, **kwargs)
     return o[:, : q.shape[1]], state
 
 
+def default_scale_forward(q, k, v, *, scale, **kwargs):
+    return fakes.scan_forward(q, k, v, scale=q.shape[-1] ** -0.5, **kwargs)
+
+
+def default_scale_backward(q, k, v, do, *, scale, **kwargs):
+    return fakes.vjp_backward(q, k, v, do, scale=q.shape[-1] ** -0.5, **kwargs)
+
+
 def zero_dg_gamma(*args, **kwargs):
     grads = fakes.vjp_backward(*args, **kwargs)
     return dataclasses.replace(grads, dg_gamma=None if grads.dg_gamma is None else jnp.zeros_like(grads.dg_gamma))
@@ -54,6 +62,8 @@ def zero_dg_gamma(*args, **kwargs):
     ("zero dg_gamma", dict(backward=zero_dg_gamma), "base", ["dg_gamma: relative RMS 1.00e+00"]),
     ("final state decays through padding", dict(forward=decays_through_padding), "base", ["final_state:"]),
     ("ignored initial_state", dict(forward=ignores_initial_state), "base", ["o:", "final_state:"]),
+    ("scale replaced by the default", dict(forward=default_scale_forward), "base", ["o:"]),
+    ("scale replaced by the default in the backward", dict(backward=default_scale_backward), "base", ["dq:", "dk:"]),
 ])
 def test_the_kit_catches_a_wrong_implementation(with_reference, label, changes, case, caught):
     wrong = fakes.register("wrong", **changes)

@@ -1,8 +1,8 @@
 """The case grid of the conformance kit, derived from an implementation's capability declarations.
 
-Supported cases start from a *base* call that uses everything the implementation declares,
-then vary one factor at a time (gates, ranks, optional state, head dims, T, packing, strong
-decay, weak decay in bf16, dtype, config sweep). Unsupported cases are the base plus exactly one factor outside
+Supported cases start from a *base* call that uses everything the implementation declares, with
+a ``scale`` other than the default, then vary one factor at a time (gates, ranks, optional state,
+head dims, T, packing, strong decay, gates of ``-inf``, weak decay in bf16, dtype, config sweep). Unsupported cases are the base plus exactly one factor outside
 the declarations; each must be rejected by the matcher.
 """
 
@@ -22,6 +22,9 @@ GATES = {"simple_gla": ("g", "g_gamma"), "kda": ()}
 # Boundaries inside a chunk and on one (64), at token 0, empty sequences first, inside and last, one-token
 # sequences, a sequence over several chunks; cases that change T resize the last sequence.
 PACKINGS = ((0, 1, 70, 57), (130, 0, 3), (64, 200, 1, 0))
+SCALE = 0.37
+"""The base case's ``scale``: not ``K ** -0.5`` for any head dim of the grid, so an implementation that
+ignores the argument (or recomputes the default) fails. Every case derived from the base keeps it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,9 @@ class Case:
     seqlens: tuple[int, ...] | None = None
     strong_decay: bool = False
     weak_decay: bool = False
+    reset: bool = False
+    """Some gates are ``-inf`` (``exp(-inf) = 0``: the state is reset there); see ``data.forward_inputs``."""
+    scale: float | None = None
     config: tuple[tuple[str, Any], ...] = ()
     slow: bool = False
     """Breadth beyond what the default run needs (another aligned T, more head dims): marked ``slow`` by the kit."""
@@ -103,7 +109,8 @@ def grid(impl: Implementation) -> Grid:
     base_features = base_gates | (toggles & declared) | caps.requires
     key_dims, value_dims = _dims(caps.key_dim), _dims(caps.value_dim)
     base_dtype = "float32" if "float32" in caps.dtypes else sorted(caps.dtypes)[0]
-    base = Case(impl.op, "base", dtype=base_dtype, key_dim=key_dims[0], value_dim=value_dims[0]).with_features("base", base_features)
+    base = Case(impl.op, "base", dtype=base_dtype, key_dim=key_dims[0], value_dim=value_dims[0], scale=SCALE).with_features(
+        "base", base_features)
 
     supported = [base]
     for subset in gate_options:
@@ -131,6 +138,7 @@ def grid(impl: Implementation) -> Grid:
             supported.append(base.with_features(name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens)))
     strong = _strong_decay_cases(base, base_features, gate_options, gates)
     supported += strong
+    supported += _reset_cases(base, base_features, gate_options, gates)
     for dtype in sorted(caps.dtypes - {base_dtype}):
         supported.append(dataclasses.replace(base, name=dtype, dtype=dtype))
         if dtype == "bfloat16":
@@ -157,6 +165,19 @@ def _strong_decay_cases(base: Case, base_features: frozenset[str], gate_options:
             cases.append(base.with_features(f"strong-{gate}", features, strong_decay=True, seq_len=256, batch=1))
     if not gates:
         cases.append(dataclasses.replace(base, name="strong-g", strong_decay=True, seq_len=256, batch=1))
+    return cases
+
+
+def _reset_cases(base: Case, base_features: frozenset[str], gate_options: list, gates: frozenset[str]) -> list[Case]:
+    """Gates of ``-inf`` (a legal way to cut a sequence: the state is reset): the results are finite, and the
+    reference's, forward and gradients. T = 200 puts resets in the first, a middle and the last chunk of 64."""
+    cases = []
+    for gate in ("g", "g_gamma"):
+        options = [s for s in gate_options if gate in s]
+        if options:
+            cases.append(base.with_features(f"reset-{gate}", (base_features - gates) | min(options, key=len), reset=True, seq_len=200))
+    if not gates:
+        cases.append(dataclasses.replace(base, name="reset-g", reset=True, seq_len=200))
     return cases
 
 

@@ -2,8 +2,9 @@
 
 ``q, k`` unit-normal times ``K ** -0.5`` (kda: L2-normalised unless the kernel normalises),
 ``v`` unit-normal, ``g = log_sigmoid(normal) / 16``, ``g_gamma`` from ALiBi slopes, and strong
-decays (``g_gamma = -1``; ``g <= -1``) that overflow a naive ``exp`` of the masked triangle, and
-weak ones (``g_gamma = -2**-8``; ``g`` 16 times weaker than the default) under which the decay gradient cancels.
+decays (``g_gamma = -1``; ``g <= -1``) that overflow a naive ``exp`` of the masked triangle,
+weak ones (``g_gamma = -2**-8``; ``g`` 16 times weaker than the default) under which the decay gradient cancels,
+and gates of ``-inf`` (``reset_mask``), which reset the state.
 """
 
 from __future__ import annotations
@@ -39,6 +40,24 @@ def _log_sigmoid(x: np.ndarray) -> np.ndarray:
     return -np.logaddexp(0.0, -x)
 
 
+RESET_TOKENS = (0, 37, 38, 100, 128)
+"""Where ``reset_mask`` puts ``-inf`` gates (and at the last token): a sequence's first token, two in a row,
+one inside a chunk of 64 and one on the chunk grid of 64 and 128; token 100 in every row and head."""
+
+
+def reset_mask(shape: tuple[int, ...]) -> np.ndarray:
+    """Where a reset case's ``g`` (``[B, T, H]``, or kda's ``[B, T, H, K]``) is ``-inf``: each token of
+    ``RESET_TOKENS`` (and the last) in one row and head (and, for kda, the first half of the keys), token 100 in all."""
+    B, T, H = shape[:3]
+    mask = np.zeros(shape, bool)
+    for index, token in enumerate(t for t in (*RESET_TOKENS, T - 1) if t < T):
+        row = mask[index % B, token, index % H]
+        row[..., : max(1, row.size // 2)] = True
+    if T > 100:
+        mask[:, 100] = True
+    return mask
+
+
 def forward_inputs(case: Case) -> dict[str, Any]:
     """Keyword arguments of ``op(case.op).forward`` for this case (without ``implementation``)."""
     rng = _rng(case, "inputs")
@@ -47,13 +66,18 @@ def forward_inputs(case: Case) -> dict[str, Any]:
     q, k, v = rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, V))
     features = case.features
     inputs: dict[str, Any] = {"output_final_state": "output_final_state" in features}
+    if case.scale is not None:
+        inputs["scale"] = case.scale
     if case.op == "simple_gla":
         q, k = q * K**-0.5, k * K**-0.5
         if "g" in features:
             g = -1.0 - np.abs(rng.standard_normal((B, T, H))) if case.strong_decay else _log_sigmoid(rng.standard_normal((B, T, H))) / 16
-            inputs["g"] = jnp.asarray(g / 16 if case.weak_decay else g, gate_dtype)
+            g = g / 16 if case.weak_decay else g
+            inputs["g"] = jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, gate_dtype)
         if "g_gamma" in features:
             g_gamma = -np.ones(H) if case.strong_decay else np.full(H, -(2.0**-8)) if case.weak_decay else alibi_g_gamma(H)
+            if case.reset and "g" not in features:
+                g_gamma[0] = -np.inf
             inputs["g_gamma"] = jnp.asarray(g_gamma[0] if dict(case.ndims).get("g_gamma") == 0 else g_gamma, gate_dtype)
     else:
         if "use_qk_l2norm" in features:
@@ -61,7 +85,7 @@ def forward_inputs(case: Case) -> dict[str, Any]:
         else:
             q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
         g = -1.0 - np.abs(rng.standard_normal((B, T, H, K))) if case.strong_decay else _log_sigmoid(rng.standard_normal((B, T, H, K))) / 16
-        inputs["g"] = jnp.asarray(g, gate_dtype)
+        inputs["g"] = jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, gate_dtype)
         inputs["beta"] = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((B, T, H)))), gate_dtype)
     inputs.update(q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype))
     if "initial_state" in features:
