@@ -89,8 +89,12 @@ def test_concrete_inputs_are_decided_once_for_their_device(registry):
     q, k, v, *_ = fakes.inputs()
     sg.forward(q, k, v)
     assert traced == ["cpu"]
+    # A traced call is decided for every platform, but another platform's kernel is traced only
+    # when the program is lowered for it: a CPU host's jit never traces the TPU kernel.
     jax.jit(output())(q, k, v)
-    assert sorted(traced[1:]) == ["cpu", "tpu"]
+    assert traced == ["cpu", "cpu"]
+    lowered(output(), q, k, v, platforms=("tpu",))
+    assert traced[2:] == ["tpu"]
 
 
 def test_a_platform_nothing_supports_fails_only_when_lowered_for(registry):
@@ -182,6 +186,27 @@ def test_per_platform_lowers_each_branch_for_its_own_platforms_only():
     # JAX's own platform_dependent lowers the TPU branch for the CPU too, and fails on it.
     with pytest.raises(NotImplementedError, match="tops_test_tpu_only"):
         jax.export.export(jax.jit(lambda x: jax.lax.platform_dependent(x, cpu=jnp.negative, tpu=tpu_only)), platforms=("cpu", "tpu"))(x)
+
+
+def test_per_platform_traces_another_platforms_branch_when_lowered_for_it_and_checks_its_shapes():
+    traced = []
+
+    def tracking(name, function):
+        def run(x):
+            traced.append(name)
+            return function(x)
+        return run
+
+    x = jnp.arange(4.0)
+    select = lambda x: per_platform(x, {"cpu": tracking("cpu", jnp.negative), "tpu": tracking("tpu", jnp.sin)})  # noqa: E731
+    np.testing.assert_array_equal(jax.jit(select)(x), -x)
+    assert traced == ["cpu"]
+    assert "sine" in lowered(select, x, platforms=("tpu",))
+    assert traced == ["cpu", "tpu"]
+    wrong = lambda x: per_platform(x, {"cpu": jnp.negative, "tpu": lambda x: x[:2]})  # noqa: E731
+    np.testing.assert_array_equal(jax.jit(wrong)(x), -x)
+    with pytest.raises(TypeError, match="different shapes or dtypes"):
+        lowered(wrong, x, platforms=("tpu",))
 
 
 def test_per_platform_under_vmap_and_grad_differentiates_the_branch_that_can_be():

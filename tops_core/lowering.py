@@ -7,17 +7,21 @@ no device, so the dispatcher decides once per platform and stages the winners ou
 ``per_platform``; the lowering keeps the branch of the platform it lowers for, so a TPU kernel is
 never lowered for a CPU and the CPU's choice never reaches a TPU.
 
-``per_platform`` is ``jax.lax.platform_dependent`` with one difference: each branch is lowered
-for its own platforms only. ``platform_dependent`` lowers every kept branch for every platform of
+``per_platform`` is ``jax.lax.platform_dependent`` with two differences. Each branch is lowered
+for its own platforms only: ``platform_dependent`` lowers every kept branch for every platform of
 a multi-platform lowering (``jax.export(..., platforms=("cpu", "tpu"))``), and a compiled Pallas
 TPU kernel has no CPU lowering, so the CPU half of such an export would fail on the TPU branch.
+And only the first branch (the dispatcher puts the call's own platform first) is traced with the
+call; the others are traced when the program is lowered for their platforms, so a training step
+jitted on a CPU host does not trace the TPU kernels it will never run (about 3 s for kda's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,7 +44,9 @@ def per_platform(
 
     ``branches`` is keyed by JAX platform name (``cpu``, ``cuda``, ``rocm``, ``tpu``) and
     optionally ``default``; every branch must return the same shapes and dtypes, and sees only
-    ``operands`` (a traced value it closes over is an error). ``warnings_when_lowered`` maps
+    ``operands`` (a traced value it closes over is an error). The first branch is traced now and
+    gives the results' shapes; each other one is traced when the program is lowered for one of
+    its platforms, and a difference in shapes is a TypeError then. ``warnings_when_lowered`` maps
     platform names to a ``RuntimeWarning`` issued when the program is lowered for them.
     Differentiating through it (only higher-order gradients do, for the dispatcher)
     differentiates the branches inside ``jax.lax.platform_dependent``, without the per-branch
@@ -86,6 +92,22 @@ def _jvp(function: Callable, operands: Any, tangents: Any) -> Any:
     return jax.jvp(function, (operands,), (tangents,))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Deferred:
+    """A branch not traced yet: ``function`` of the flat operands, returning the flat results."""
+
+    function: Callable[..., list[Any]]
+
+    def trace(self, avals: Sequence[Any], out_avals: Sequence[Any]) -> ClosedJaxpr:
+        """Its jaxpr for operands ``avals``; a TypeError when its results differ from ``out_avals``."""
+        jaxpr = jax.make_jaxpr(self.function)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+        _check_same_types(out_avals, jaxpr.out_avals)
+        return jaxpr
+
+
+Branch = ClosedJaxpr | _Deferred
+
+
 def _bind_per_platform(operands: Any, branches: Mapping[str, Callable[[Any], Any]], warn: tuple[tuple[str, str], ...]) -> Any:
     leaves, in_tree = jax.tree.flatten(operands)
     functions: list[Callable] = []
@@ -94,23 +116,32 @@ def _bind_per_platform(operands: Any, branches: Mapping[str, Callable[[Any], Any
         if function not in functions:
             functions.append(function)
         table.append((platform, functions.index(function)))
-    jaxprs, out_trees = [], []
-    for function in functions:
-        jaxpr, out_shape = jax.make_jaxpr(lambda *leaves: function(jax.tree.unflatten(in_tree, leaves)), return_shape=True)(*leaves)
-        if any(isinstance(const, jax.core.Tracer) for const in jaxpr.consts):
-            raise ValueError("per_platform: a branch closes over a traced value; pass it in the operands")
-        jaxprs.append(jaxpr)
-        out_trees.append(jax.tree.structure(out_shape))
+    first, out_shape = jax.make_jaxpr(lambda *leaves: functions[0](jax.tree.unflatten(in_tree, leaves)), return_shape=True)(*leaves)
+    if any(isinstance(const, jax.core.Tracer) for const in first.consts):
+        raise ValueError("per_platform: a branch closes over a traced value; pass it in the operands")
+    out_tree = jax.tree.structure(out_shape)
+
+    def deferred(function: Callable) -> _Deferred:
+        def flat(*leaves: Any) -> list[Any]:
+            results = function(jax.tree.unflatten(in_tree, leaves))
+            if jax.tree.structure(results) != out_tree:
+                raise TypeError(f"per_platform: the branches return different structures: {jax.tree.structure(results)} and {out_tree}")
+            return jax.tree.leaves(results)
+        return _Deferred(flat)
+
+    traced = (first, *(deferred(function) for function in functions[1:]))
+    results = _per_platform_p.bind(*leaves, branches=traced, table=tuple(table), warn=warn)
+    return jax.tree.unflatten(out_tree, results)
+
+
+def _check_same_types(expected: Sequence[Any], got: Sequence[Any]) -> None:
     # Shapes and dtypes must agree; the avals' shardings may not (a branch traced for one shard of
     # a partitioned call may name the mesh, a Pallas kernel's results never do).
-    types = [[(aval.shape, aval.dtype) for aval in jaxpr.out_avals] for jaxpr in jaxprs]
-    if any(tree != out_trees[0] for tree in out_trees) or any(t != types[0] for t in types):
-        raise TypeError(f"per_platform: the branches return different shapes or dtypes: {[j.out_avals for j in jaxprs]}")
-    results = _per_platform_p.bind(*leaves, branches=tuple(jaxprs), table=tuple(table), warn=warn)
-    return jax.tree.unflatten(out_trees[0], results)
+    if [(a.shape, a.dtype) for a in expected] != [(a.shape, a.dtype) for a in got]:
+        raise TypeError(f"per_platform: the branches return different shapes or dtypes: {list(expected)} and {list(got)}")
 
 
-def _branch(branches: tuple[ClosedJaxpr, ...], table: tuple[tuple[str, int], ...], platform: str) -> ClosedJaxpr:
+def _branch(branches: tuple[Branch, ...], table: tuple[tuple[str, int], ...], platform: str) -> Branch:
     indices = dict(table)
     index = indices.get(platform, indices.get("default"))
     if index is None:
@@ -136,8 +167,11 @@ def _run_eagerly(*args, branches, table, warn):
 def _lower(ctx, *args, branches, table, warn, platform):
     if platform in dict(warn):
         warnings.warn(dict(warn)[platform], RuntimeWarning, stacklevel=2)
+    branch = _branch(branches, table, platform)
+    if isinstance(branch, _Deferred):
+        branch = branch.trace(ctx.avals_in, ctx.avals_out)
     # JAX narrows ctx to this platform, so what the branch holds is lowered for it alone.
-    return mlir.lower_fun(jaxpr_as_fun(_branch(branches, table, platform)), multiple_results=True)(ctx, *args)
+    return mlir.lower_fun(jaxpr_as_fun(branch), multiple_results=True)(ctx, *args)
 
 
 for _name in sorted({name for names in JAX_PLATFORM_NAMES.values() for name in names}):
@@ -148,8 +182,13 @@ def _batch(args, dims, *, branches, table, warn):
     in_axes = [None if d is None else 0 for d in dims]
     args = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
-    batched = tuple(jax.make_jaxpr(jax.vmap(jaxpr_as_fun(b), in_axes=in_axes, out_axes=0))(*shapes) for b in branches)
-    results = _per_platform_p.bind(*args, branches=batched, table=table, warn=warn)
+
+    def batched(branch: Branch) -> Branch:
+        if isinstance(branch, _Deferred):
+            return _Deferred(jax.vmap(branch.function, in_axes=in_axes, out_axes=0))
+        return jax.make_jaxpr(jax.vmap(jaxpr_as_fun(branch), in_axes=in_axes, out_axes=0))(*shapes)
+
+    results = _per_platform_p.bind(*args, branches=tuple(map(batched, branches)), table=table, warn=warn)
     return results, [0] * len(results)
 
 
