@@ -8,7 +8,9 @@ import importlib.metadata
 import json
 import os
 import platform as python_platform
+import re
 import sys
+import warnings
 from collections.abc import Sequence
 
 from tops_core.callspec import PLATFORMS, CallSpec
@@ -80,7 +82,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             continue
         print(_table(_support_matrix(contract, implementations), indent="  "))
         for impl in implementations:
-            print(f"\n  {impl.name}: {impl.description or '(no description)'}")
+            print(f"\n  {impl.name}: {_plain(impl.description) or '(no description)'}")
             print(f"    priority: {_describe_priority(impl.priority)}")
             caps = impl.capabilities
             ndims = "; ".join(f"{k}.ndim in {{{', '.join(map(str, sorted(v)))}}}" for k, v in caps.ndims)
@@ -88,7 +90,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             if caps.requires:
                 print(f"    requires: {', '.join(sorted(caps.requires))}")
             if caps.predicate is not None:
-                print(f"    further limits: {(caps.predicate.__doc__ or caps.predicate.__name__).strip()}")
+                print(f"    further limits: {_plain(caps.predicate.__doc__ or caps.predicate.__name__)}")
             print(f"    config: {impl.config!r}")
     print("\ny = supported, i = runs in Pallas' TPU interpreter when interpret mode is on, - = not supported")
     return 0
@@ -113,8 +115,13 @@ def _short_dtype(dtype: str) -> str:
 
 def _describe_priority(priority) -> str:
     if callable(priority):
-        return f"depends on the call ({(priority.__doc__ or priority.__name__).strip()})"
+        return f"depends on the call ({_plain(priority.__doc__ or priority.__name__)})"
     return ", ".join(f"{platform} {value}" for platform, value in sorted(priority.items())) or "0 everywhere"
+
+
+def _plain(text: str) -> str:
+    """A docstring as one line of terminal text: its lines joined, RST's ``literal`` shown as `literal`."""
+    return re.sub(r"``(.+?)``", r"`\1`", " ".join(text.split()))
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -334,7 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     compile_only.quiet_libtpu()  # before anything starts JAX's backends, which loads libtpu where installed
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with warnings.catch_warnings():  # restores Python's display when the command ends
+            warnings.showwarning = _show_warning
+            return args.run(args)
     except BrokenPipeError:
         # `tops list | head`: the reader left; say nothing more, and keep Python's exit-time flush quiet too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -342,6 +351,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError, TypeError, NoImplementationError, PluginError, ContractError) as error:
         print(f"tops: error: {_first_line(error)}", file=sys.stderr)
         return 2
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` for a command: a forced implementation falling back, say, as one ``tops: warning:`` line
+    instead of Python's ``file:line: RuntimeWarning:`` form, which names a line of tops rather than anything the user wrote."""
+    _warn(str(message).removeprefix("tops: "))  # the dispatcher's messages name tops themselves, for Python's form
+
+
+def _warn(text: str) -> None:
+    print(f"tops: warning: {text}", file=sys.stderr)
 
 
 def _first_line(error: Exception) -> str:
