@@ -247,3 +247,12 @@ def test_plot_writes_a_png_with_ticks_at_its_points(installed, tmp_path, monkeyp
     for axis in axes:
         points = sorted(axis.get_lines()[0].get_xdata())
         assert list(axis.get_xticks()) == points == [24, 48, 64]
+
+
+@pytest.mark.parametrize("budget", ["0", "-1", "nan", "inf", "soon"])
+def test_cli_bench_budget_must_be_a_positive_number_of_seconds(installed, capsys, budget):
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", "--shape", "1,16,2,8,8", "--budget", budget, "--tpu", "none"])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument --budget: must be a positive, finite number of seconds, got {budget!r}" in err

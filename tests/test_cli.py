@@ -161,3 +161,12 @@ def test_a_forced_implementation_falling_back_warns_in_one_line(kernels, capsys)
     assert err == ("tops: warning: the forced fake.kernel does not support this call (runs on tpu, this call is on cpu "
                    "(interpret mode is off; TOPS_INTERPRET=1 runs it in Pallas' TPU interpreter)); fell back by priority\n")
 
+
+@pytest.mark.parametrize("command", ["explain", "bench"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_num_seqs_must_be_a_positive_integer(kernels, capsys, command, value):
+    with pytest.raises(SystemExit) as raised:
+        main([command, "simple_gla", "--shape", "1,64,2,8,8", "--with", "cu_seqlens", "--num-seqs", value])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument --num-seqs: must be a positive integer, got {value!r}" in err and "Traceback" not in err

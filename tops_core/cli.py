@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import math
 import os
 import platform as python_platform
 import re
@@ -298,7 +299,29 @@ def _call_arguments(parser: argparse.ArgumentParser, default_op: str | None) -> 
     parser.add_argument("--with", dest="with_features", metavar="FEATURES",
                         help="comma-separated optional inputs and options, e.g. g_gamma,initial_state,output_final_state "
                              "(default: g_gamma for simple_gla, use_qk_l2norm for kda)")
-    parser.add_argument("--num-seqs", type=int, metavar="N", help="packed sequences, with cu_seqlens and B = 1 (default: 1)")
+    parser.add_argument("--num-seqs", type=_positive_integer, metavar="N", help="packed sequences, with cu_seqlens and B = 1 (default: 1)")
+
+
+def _positive_integer(text: str) -> int:
+    """argparse type: a count, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a duration in seconds, finite and above 0 (``float`` alone takes nan and inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     _call_arguments(bench, default_op="simple_gla")
     bench.add_argument("--impl", action="append", default=[], metavar="NAME", help="only these implementations (repeatable or comma-separated)")
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG of time against sequence length (needs matplotlib)")
-    bench.add_argument("--budget", type=float, default=2.0, help="seconds of timed repeats per measurement (default: %(default)s)")
+    bench.add_argument("--budget", type=_positive_seconds, default=2.0, help="seconds of timed repeats per measurement (default: %(default)s)")
     bench.add_argument("--tpu", default="v6e", choices=[*GENERATIONS, "none"],
                        help="off TPU, also model the TPU implementations compiled for this generation (needs libtpu; default: %(default)s)")
     bench.add_argument("--json", action="store_true", help="print every figure of the report (and of the modelled TPU section) as one JSON document")
