@@ -206,23 +206,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     names = _parse_list(",".join(args.impl))
+    generation = args.tpu if args.tpu != "none" and platform != "tpu" else None
+    tpu_case = dataclasses.replace(case, dtype=args.dtype or _default_dtype("tpu"))  # the modelled section's: bf16 unless --dtype says
     with bench.dtype_scope(case):
-        bench.candidates(case, platform, names)  # unknown or unsupported names fail before any work
+        not_measured = _tpu_only(contract, case, tpu_case, platform, names)
+        if not_measured and generation is None:
+            name, why = not_measured[0]
+            raise UsageError(f"{name} cannot run this workload here: {why}; "
+                             f"--tpu GEN ({', '.join(sorted(GENERATIONS))}) models it on a compile-only TPU instead")
+        measured = [name for name in names if name not in dict(not_measured)]
+        measuring = bool(measured) or not names
+        if measuring:
+            bench.candidates(case, platform, measured)  # unknown or unsupported names fail before any work
+            bench.check_memory(case, platform)
     if args.plot:
+        if not measuring:
+            raise UsageError(f"--plot draws times measured here, and none of --impl {','.join(names)} runs here")
         _check_writable(args.plot)
         bench.pyplot()
+        bench.check_memory(bench.plot_workloads(case)[-1], platform)
     if not args.json:
         print(bench.describe_workload(case, platform), flush=True)
-    report = bench.run(case, names, budget=args.budget)
-    if not args.json:
+    if measuring:
+        report = bench.run(case, measured, budget=args.budget)
+    else:
+        report = bench.Report(case, None, platform, False, [], accuracy_not_checked="nothing ran on this machine")
+    if not args.json and report.rows:
         print("\n" + bench.format_report(report, header=False))
+    if not args.json and not_measured:
+        print("\n" + "\n".join(f"{name}: not measured here, {why}; modelled on TPU {generation} below."
+                                for name, why in not_measured))
     if args.plot:
-        bench.plot(case, names, args.plot)
+        bench.plot(case, measured, args.plot)
         if not args.json:
             print(f"\nwrote {args.plot}")
-    model = _tpu_model(args, case, names) if args.tpu != "none" and platform != "tpu" else None
+    model = _tpu_model(tpu_case, generation, names) if generation else None
     if args.json:
-        document = {**bench.report_json(report), "failures": bench.failures(report), "modelled_tpu": None}
+        document = {**bench.report_json(report), "not_measured": [{"implementation": name, "why": why} for name, why in not_measured],
+                    "failures": bench.failures(report), "modelled_tpu": None}
         if model is not None:
             from tops_core.tpu import model as tpu_model
 
@@ -232,11 +253,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from tops_core.tpu import model as tpu_model
 
         print("\n" + tpu_model.format_model(model))
+    if report.rows and report.accuracy_not_checked:
+        _warn(f"accuracy not checked: {report.accuracy_not_checked}")
     failed = bench.failures(report)
     if failed:
         print(f"\nFAIL: {', '.join(failed)} outside the tolerance for {case.dtype}", file=sys.stderr)
         return 1
     return 0
+
+
+def _tpu_only(contract, case: Case, tpu_case: Case, platform: str, names: list[str]) -> list[tuple[str, str]]:
+    """The named implementations that cannot run ``case`` on this platform but run ``tpu_case`` on a TPU, and why not here.
+
+    Off TPU, the modelled section is what a user naming a TPU kernel can have: it is modelled, not measured.
+    """
+    registered = {impl.name: impl for impl in contract.implementations()}
+    here, on_tpu = case.spec(platform, current_policy(contract.name).interpret), tpu_case.spec("tpu", interpret=False)
+    tpu_only = []
+    for name in names:
+        impl = registered.get(name)
+        if impl is not None and impl.reasons(here, "forward") and not impl.reasons(on_tpu, "forward"):
+            tpu_only.append((name, "; ".join(impl.reasons(here, "forward"))))
+    return tpu_only
 
 
 def _check_writable(path: str) -> None:
@@ -248,14 +286,13 @@ def _check_writable(path: str) -> None:
         raise UsageError(f"--plot {path}: the directory {directory} is not writable")
 
 
-def _tpu_model(args: argparse.Namespace, case: Case, names: list[str]):
-    """The modelled TPU section: the workload compiled for a compile-only TPU (bf16 unless --dtype says)."""
+def _tpu_model(case: Case, generation: str, names: list[str]):
+    """The modelled TPU section: the workload compiled for a compile-only TPU of ``generation``."""
     from tops_core import bench
     from tops_core.tpu import model as tpu_model
 
-    case = dataclasses.replace(case, dtype=args.dtype or _default_dtype("tpu"))
     with bench.dtype_scope(case):
-        return tpu_model.model(case, args.tpu, names)
+        return tpu_model.model(case, generation, names)
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -354,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG of time against sequence length (needs matplotlib)")
     bench.add_argument("--budget", type=_positive_seconds, default=2.0, help="seconds of timed repeats per measurement (default: %(default)s)")
     bench.add_argument("--tpu", default="v6e", choices=[*GENERATIONS, "none"],
-                       help="off TPU, also model the TPU implementations compiled for this generation (needs libtpu; default: %(default)s)")
+                       help="off TPU, also model the TPU implementations compiled for this generation, and those named by --impl "
+                            "instead of running them (needs libtpu; default: %(default)s)")
     bench.add_argument("--json", action="store_true", help="print every figure of the report (and of the modelled TPU section) as one JSON document")
     bench.set_defaults(run=cmd_bench)
     return parser
