@@ -1,7 +1,9 @@
 """The main job, ``tops bench``, on tiny workloads with in-process implementations."""
 
+import dataclasses
 import io
 import json
+import re
 
 import pytest
 
@@ -120,9 +122,9 @@ def test_cli_bench(installed, capsys):
     assert "Modelled on TPU" not in out
 
 
-def test_cli_bench_adds_the_modelled_tpu_section_off_tpu(installed, capsys, monkeypatch):
-    # The section itself compiles for a compile-only TPU (test_pallas_compile runs it, in a process
-    # of its own); here only that the CLI asks for it, for the generation given, in bf16 by default.
+def _model_without_compiling(monkeypatch) -> list:
+    """Replace the modelled section by a stub that records what it was asked (the section itself compiles
+    for a compile-only TPU, which test_pallas_compile runs in a process of its own)."""
     from tops_core.tpu import model as tpu_model
     from tops_core.tpu.generations import GENERATIONS
 
@@ -133,6 +135,12 @@ def test_cli_bench_adds_the_modelled_tpu_section_off_tpu(installed, capsys, monk
         return tpu_model.TpuModel(case, GENERATIONS[generation], (), (), unavailable="not compiled in this test")
 
     monkeypatch.setattr(tpu_model, "model", model)
+    return asked
+
+
+def test_cli_bench_adds_the_modelled_tpu_section_off_tpu(installed, capsys, monkeypatch):
+    # Only that the CLI asks for the section, for the generation given, in bf16 by default.
+    asked = _model_without_compiling(monkeypatch)
     assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable", "--budget", "0.05", "--tpu", "v5e"]) == 0
     out = capsys.readouterr().out
     assert asked == [("bfloat16", "v5e", ["fake.portable"])]
@@ -140,10 +148,7 @@ def test_cli_bench_adds_the_modelled_tpu_section_off_tpu(installed, capsys, monk
 
 
 def test_cli_bench_json_is_one_document_with_every_figure(installed, capsys, monkeypatch):
-    from tops_core.tpu import model as tpu_model
-    from tops_core.tpu.generations import GENERATIONS
-
-    monkeypatch.setattr(tpu_model, "model", lambda case, generation, names: tpu_model.TpuModel(case, GENERATIONS[generation], (), (), unavailable="not compiled in this test"))
+    _model_without_compiling(monkeypatch)
     assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable,ref.recurrent", "--budget", "0.05", "--tpu", "v5e", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)  # nothing but the document on stdout
     assert document["workload"]["batch"] == 1 and document["workload"]["features"] == ["g_gamma"]
@@ -153,7 +158,8 @@ def test_cli_bench_json_is_one_document_with_every_figure(installed, capsys, mon
     assert rows["fake.portable"]["forward_error"] >= 0
     assert rows["fake.portable"]["forward_share"] > 0 and "forward_share" in rows["ref.recurrent"]
     assert len(document["ceiling"]["timings"]) == 2 and document["ceiling"]["flops"] == 2 * 16 * 2 * 8 * 8
-    assert document["failures"] == []
+    assert document["failures"] == [] and document["not_measured"] == []
+    assert document["accuracy_checked"] is True and document["accuracy_not_checked"] is None
     assert document["modelled_tpu"]["generation"] == "v5e"
     assert document["modelled_tpu"]["unavailable"] == "not compiled in this test"
 
@@ -197,11 +203,124 @@ def test_cli_bench_rejects_bad_arguments_in_one_line_before_any_work(installed, 
     assert captured.err.count("\n") == 1
 
 
-def test_cli_bench_names_why_a_kernel_cannot_run_here(installed, capsys):
+def test_cli_bench_names_why_a_kernel_cannot_run_here_and_what_to_do(installed, capsys):
     fakes.register("tpu_kernel", platforms={"tpu"}, interpretable=True, backward=None, priority={"tpu": 200})
-    assert main(["bench", "--impl", "fake.tpu_kernel"]) == 2
-    assert ("tops: error: fake.tpu_kernel cannot run this workload here: runs on tpu, this call is on cpu "
-            "(interpret mode is off; TOPS_INTERPRET=1 runs it in Pallas' TPU interpreter)") in capsys.readouterr().err
+    assert main(["bench", "--impl", "fake.tpu_kernel", "--tpu", "none"]) == 2
+    assert capsys.readouterr().err == (
+        "tops: error: fake.tpu_kernel cannot run this workload here: runs on tpu, this call is on cpu "
+        "(interpret mode is off; TOPS_INTERPRET=1 runs it in Pallas' TPU interpreter); "
+        "--tpu GEN (v4, v5e, v5p, v6e) models it on a compile-only TPU instead\n")
+
+
+def test_cli_bench_models_a_tpu_kernel_alone_off_tpu(installed, capsys, monkeypatch):
+    fakes.register("tpu_kernel", platforms={"tpu"}, interpretable=True, backward=None, priority={"tpu": 200})
+    asked = _model_without_compiling(monkeypatch)
+    assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.tpu_kernel", "--budget", "0.05", "--tpu", "v5e"]) == 0
+    captured = capsys.readouterr()
+    assert asked == [("bfloat16", "v5e", ["fake.tpu_kernel"])]
+    lines = captured.out.splitlines()
+    assert lines[0] == "tops bench simple_gla: B=1 T=16 H=2 K=8 V=8 float32 on cpu, with g_gamma"
+    assert lines[2] == ("fake.tpu_kernel: not measured here, runs on tpu, this call is on cpu (interpret mode is off; "
+                        "TOPS_INTERPRET=1 runs it in Pallas' TPU interpreter); modelled on TPU v5e below.")
+    assert "selected" not in captured.out and "ref.recurrent" not in captured.out  # no measured table, no reference run
+    assert lines[4].startswith("Modelled on TPU v5e")
+    assert captured.err == ""  # nothing ran: no progress
+    assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.tpu_kernel", "--tpu", "v5e", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["rows"] == [] and document["ceiling"] is None and document["check"] is None
+    assert document["accuracy_checked"] is False and document["accuracy_not_checked"] == "nothing ran on this machine"
+    assert document["not_measured"][0]["implementation"] == "fake.tpu_kernel" and document["modelled_tpu"]["generation"] == "v5e"
+    assert main(["bench", "--impl", "fake.tpu_kernel", "--tpu", "v5e", "--plot", "times.png"]) == 2
+    assert "--plot draws times measured here, and none of --impl fake.tpu_kernel runs here" in capsys.readouterr().err
+
+
+def test_cli_bench_measures_what_runs_here_and_models_the_rest(installed, capsys, monkeypatch):
+    fakes.register("tpu_kernel", platforms={"tpu"}, interpretable=True, backward=None, priority={"tpu": 200})
+    asked = _model_without_compiling(monkeypatch)
+    argv = ["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable,fake.tpu_kernel", "--budget", "0.05", "--tpu", "v5e", "--json"]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert asked == [("bfloat16", "v5e", ["fake.portable", "fake.tpu_kernel"])]
+    assert [row["implementation"] for row in document["rows"]] == ["fake.portable"]
+    assert document["rows"][0]["within_tolerance"] is True
+    assert [entry["implementation"] for entry in document["not_measured"]] == ["fake.tpu_kernel"]
+    assert "runs on tpu, this call is on cpu" in document["not_measured"][0]["why"]
+
+
+def test_cli_bench_without_the_reference_says_nothing_was_checked(registry, capsys, monkeypatch):
+    fakes.register("portable", priority={"cpu": 100})
+    argv = ["bench", "--shape", "1,16,2,8,8", "--budget", "0.05", "--tpu", "none"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    row = next(line for line in captured.out.splitlines() if line.startswith("fake.portable"))
+    assert row.endswith("not checked")
+    assert "against the float64 reference" not in captured.out
+    assert ("Accuracy not checked: the float64 reference (ref.recurrent) is not registered; "
+            "it comes with the reference plugin (pip install -e plugins/tops_plugins_ref).") in captured.out
+    assert "tops: warning: accuracy not checked: the float64 reference (ref.recurrent) is not registered" in captured.err
+    assert main([*argv, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["reference_at_workload"] is False and document["accuracy_checked"] is False
+    assert document["accuracy_not_checked"].startswith("the float64 reference (ref.recurrent) is not registered")
+    assert document["failures"] == [] and document["rows"][0]["within_tolerance"] is None
+
+
+def test_a_workload_too_large_for_this_machine_is_refused_in_one_line_before_any_work(installed, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "host_memory_available", lambda: 2**30)
+    assert main(["bench", "--shape", "64,65536,64,256,256", "--tpu", "none"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert re.match(r"tops: error: B=64 T=65536 H=64 K=256 V=256 float32 needs about [\d.]+ TiB of memory .*, more than the 1 GiB available",
+                    captured.err)
+
+
+def test_the_memory_estimate_counts_the_run_arrays_and_the_float64_test_data():
+    B, T, H, K, V = 2, 200, 3, 16, 8
+    tokens, f32, f64 = B * T * H, 4, 8
+    arrays = tokens * f32 * (
+        2 * (2 * K + V)  # q, k, v and their gradients
+        + 2 * V  # o and do
+        + K + V  # the flat product's tokens and its result
+    ) + K * V * f32  # the flat product's state
+    chunk_states = B * H * 4 * K * V * f32  # ceil(200 / 64) = 4 chunks per sequence and head
+    test_data = tokens * f64 * (2 * K + 2 * V)  # q, k, v and do drawn in float64
+    assert bench.memory_needed(tiny(shape=(B, T, H, K, V), features=[])) == bench.MemoryNeed(arrays + chunk_states, test_data)
+    # The initial state and the final state's cotangent, each with its gradient, and each drawn in float64 too.
+    with_states = bench.memory_needed(tiny(shape=(B, T, H, K, V), features=["initial_state", "output_final_state"]))
+    states = 2 * B * H * K * V
+    assert with_states == bench.MemoryNeed(arrays + chunk_states + 2 * states * f32, test_data + states * f64)
+
+
+def test_memory_is_checked_where_the_arrays_would_be(monkeypatch):
+    case = tiny(shape=(2, 200, 3, 16, 8))
+    need = bench.memory_needed(case)
+    monkeypatch.setattr(bench, "host_memory_available", lambda: need.arrays + need.test_data)
+    monkeypatch.setattr(bench, "device_memory_available", lambda: need.arrays)
+    bench.check_memory(case, "cpu")  # exactly enough
+    bench.check_memory(case, "gpu")
+    monkeypatch.setattr(bench, "host_memory_available", lambda: need.arrays + need.test_data - 1)
+    with pytest.raises(ValueError, match=r"needs about [\d.]+ [KM]iB of memory \(.*\), more than the [\d.]+ [KM]iB available"):
+        bench.check_memory(case, "cpu")
+    bench.check_memory(case, "gpu")  # the arrays are in the GPU's memory, the host only draws the test data
+    monkeypatch.setattr(bench, "device_memory_available", lambda: need.arrays - 1)
+    with pytest.raises(ValueError, match=r"of gpu memory"):
+        bench.check_memory(case, "gpu")
+    monkeypatch.setattr(bench, "host_memory_available", lambda: None)  # unknown: nothing to refuse on
+    bench.check_memory(case, "cpu")
+
+
+def test_the_plot_is_checked_for_memory_at_its_longest_sequence(installed, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    case = tiny(shape=(1, 4096, 2, 64, 64))
+    at_twice = dataclasses.replace(case, seq_len=8192)
+    def total(case):
+        need = bench.memory_needed(case)
+        return need.arrays + need.test_data
+
+    monkeypatch.setattr(bench, "host_memory_available", lambda: (total(case) + total(at_twice)) // 2)
+    argv = ["bench", "--shape", "1,4096,2,64,64", "--tpu", "none", "--impl", "fake.portable"]
+    assert main([*argv, "--plot", "/tmp/never-written.png"]) == 2
+    assert "T=8192" in capsys.readouterr().err
 
 
 def test_unknown_implementation_is_named(installed):
@@ -247,3 +366,25 @@ def test_plot_writes_a_png_with_ticks_at_its_points(installed, tmp_path, monkeyp
     for axis in axes:
         points = sorted(axis.get_lines()[0].get_xdata())
         assert list(axis.get_xticks()) == points == [24, 48, 64]
+
+
+def test_a_modelled_section_with_nothing_to_model_is_one_line():
+    from tops_core.tpu import model as tpu_model
+    from tops_core.tpu.generations import GENERATIONS
+
+    case = tiny(dtype="bfloat16")
+    nothing = tpu_model.TpuModel(case, GENERATIONS["v4"], (), (("xla.chunk", tpu_model.NO_TPU_KERNEL),))
+    assert tpu_model.format_model(nothing) == ("Modelled on TPU v4: nothing to model for simple_gla B=1 T=24 H=2 K=8 V=8 bfloat16: "
+                                               "xla.chunk has no TPU kernel (no Mosaic kernel in its compiled program).")
+    no_candidate = tpu_model.TpuModel(case, GENERATIONS["v4"], (), ())
+    assert tpu_model.format_model(no_candidate).count("\n") == 0
+    assert "no implementation supports it natively on TPU" in tpu_model.format_model(no_candidate)
+
+
+@pytest.mark.parametrize("budget", ["0", "-1", "nan", "inf", "soon"])
+def test_cli_bench_budget_must_be_a_positive_number_of_seconds(installed, capsys, budget):
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", "--shape", "1,16,2,8,8", "--budget", budget, "--tpu", "none"])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument --budget: must be a positive, finite number of seconds, got {budget!r}" in err

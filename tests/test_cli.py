@@ -136,3 +136,37 @@ def test_plugins_lists_in_process_plugins(kernels, capsys):
     main(["plugins"])
     out = capsys.readouterr().out
     assert "fake" in out and "(in-process)" in out and "fake.kernel (simple_gla)" in out
+
+
+def test_list_renders_docstrings_as_plain_one_line_text(registry, capsys):
+    def needs_a_host(spec):
+        """Reject a call without a host: ``jax.pure_callback`` needs one,
+        so the call would fail inside the callback."""
+
+    def by_length(spec):
+        """``T`` decides: 10 below 4096 tokens."""
+        return 10, "short"
+
+    fakes.register("documented", predicate=needs_a_host, priority=by_length)
+    main(["list", "simple_gla"])
+    out = capsys.readouterr().out
+    assert "    further limits: Reject a call without a host: `jax.pure_callback` needs one, so the call would fail inside the callback.\n" in out
+    assert "    priority: depends on the call (`T` decides: 10 below 4096 tokens.)\n" in out
+    assert "``" not in out
+
+
+def test_a_forced_implementation_falling_back_warns_in_one_line(kernels, capsys):
+    assert main(["explain", "simple_gla", "--force", "fake.kernel"]) == 0
+    err = capsys.readouterr().err
+    assert err == ("tops: warning: the forced fake.kernel does not support this call (runs on tpu, this call is on cpu "
+                   "(interpret mode is off; TOPS_INTERPRET=1 runs it in Pallas' TPU interpreter)); fell back by priority\n")
+
+
+@pytest.mark.parametrize("command", ["explain", "bench"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_num_seqs_must_be_a_positive_integer(kernels, capsys, command, value):
+    with pytest.raises(SystemExit) as raised:
+        main([command, "simple_gla", "--shape", "1,64,2,8,8", "--with", "cu_seqlens", "--num-seqs", value])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument --num-seqs: must be a positive integer, got {value!r}" in err and "Traceback" not in err

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import os
 import statistics
 import sys
 import time
@@ -35,8 +37,9 @@ from tops_core.conformance.checks import REFERENCE, compare, evaluate
 from tops_core.dispatch import NoImplementationError
 from tops_core.implementation import Implementation
 from tops_core.ops import op
-from tops_core.ops.base import platform_of
+from tops_core.ops.base import platform_of, state_dtype
 from tops_core.policy import current_policy
+from tops_core.registry import default_registry
 
 DEFAULT_FEATURES = {"simple_gla": ["g_gamma"], "kda": ["use_qk_l2norm"]}
 REFERENCE_MAX_ELEMENTS = 2**24
@@ -78,13 +81,16 @@ class Row:
 @dataclasses.dataclass
 class Report:
     workload: Case
-    check: Case
+    check: Case | None
+    """Where accuracy and the speedup against the reference were measured; None when they were not."""
     platform: str
     reference_at_workload: bool
     rows: list[Row]
     ceiling: list[Timing] = dataclasses.field(default_factory=list)
     """The flat product's timings, one beside each timing at the workload but the reference's."""
     ceiling_flops: float = 0.0
+    accuracy_not_checked: str | None = None
+    """Why no row was checked against the reference; None when every row was."""
 
     def ceiling_rates(self) -> tuple[float, float] | None:
         """The lowest and highest FLOP/s of the flat product in this run."""
@@ -166,6 +172,101 @@ def check_shape(case: Case) -> Case:
 
 def elements(case: Case) -> int:
     return case.batch * case.seq_len * case.heads * case.key_dim * case.value_dim
+
+
+REFERENCE_PLUGIN = "pip install -e plugins/tops_plugins_ref"
+"""How the reference is installed: from this repository (it is not published)."""
+
+
+def reference_unavailable(case: Case, platform: str) -> str | None:
+    """Why ``case`` cannot be checked against the float64 reference here; None when it can."""
+    registry = default_registry()
+    reference = next((impl for impl in registry.implementations(case.op) if impl.name == REFERENCE), None)
+    if reference is not None:
+        reasons = reference.reasons(case.spec(platform, interpret=False), "backward")
+        return f"the float64 reference ({REFERENCE}) does not support this workload here: {'; '.join(reasons)}" if reasons else None
+    why = [f"plugin {plugin.name!r} is quarantined: {plugin.error}" for plugin in registry.quarantined() if plugin.name == "ref"]
+    why += registry.environment_notes()  # TOPS_PLUGINS or TOPS_DISABLE_PLUGIN_AUTOLOAD kept it from loading
+    return (f"the float64 reference ({REFERENCE}) is not registered" + (f" ({'; '.join(why)})" if why else "")
+            + f"; it comes with the reference plugin ({REFERENCE_PLUGIN})")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes a benchmark of a workload holds at once (``memory_needed``): its arrays where it runs, and the
+    float64 test data they are drawn from on the host (on a CPU, the same memory)."""
+
+    arrays: int
+    test_data: int
+
+
+COVERED_BY_THE_MEMORY_ESTIMATE = ("inputs, outputs, gradients and their float64 test data, the flat product and per-chunk states; "
+                                  "an implementation's other working memory comes on top")
+
+
+def memory_needed(case: Case) -> MemoryNeed:
+    """What a benchmark of ``case`` holds at once, estimated before anything is allocated.
+
+    Counted: the inputs, ``o``, ``do`` and the gradients in the workload's dtypes (gates and states in
+    their accumulator dtype); the flat product's operands and result; a chunked algorithm's state per
+    chunk of ``COUNTED_CHUNK`` tokens, sequence and head; and the float64 arrays the test data is drawn
+    in before it is cast (``q``, ``k``, ``v``, ``do``, kda's ``g``, the states). Not counted: whatever else
+    an implementation keeps while it runs. ``xla.chunk``'s benchmark peaked at 63-77% of the sum on a CPU
+    (resident memory above the process's own, simple_gla and kda, float32 and bfloat16, 1-2.6 GiB estimated).
+    """
+    B, T, H, K, V = case.batch, case.seq_len, case.heads, case.key_dim, case.value_dim
+    itemsize, state_itemsize, tokens = jnp.dtype(case.dtype).itemsize, state_dtype(case.dtype).itemsize, B * T * H
+    gates = {"simple_gla": 1 if "g" in case.features else 0, "kda": K + 1}[case.op]  # per token and head; kda: g and beta
+    inputs = tokens * ((2 * K + V) * itemsize + gates * state_itemsize)
+    outputs = tokens * V * itemsize  # o, and do the same
+    sequences = len(case.seqlens) if case.seqlens is not None else B
+    states = len({"initial_state", "output_final_state"} & case.features) * sequences * H * K * V  # h0 or dht, each with its gradient
+    flat = tokens * (K + V) * itemsize + K * V * itemsize
+    chunk_states = B * H * math.ceil(T / COUNTED_CHUNK) * K * V * state_itemsize
+    drawn = tokens * (2 * K + 2 * V + (K if case.op == "kda" else 0)) + states
+    return MemoryNeed(arrays=2 * inputs + 2 * outputs + 2 * states * state_itemsize + flat + chunk_states, test_data=drawn * 8)
+
+
+def host_memory_available() -> int | None:
+    """Bytes this host can still give a process: Linux's MemAvailable, else the free pages; None when unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # a name this system does not know, or not POSIX at all
+        return None
+
+
+def device_memory_available() -> int | None:
+    """Bytes JAX's default device can still allocate, where it says (GPU, TPU); None when it does not (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0) if "bytes_limit" in stats else None
+
+
+def check_memory(case: Case, platform: str) -> None:
+    """Refuse a workload whose ``memory_needed`` is more than this machine has available, before anything is allocated."""
+    need = memory_needed(case)
+    if platform == "cpu":
+        checks = [("memory", need.arrays + need.test_data, host_memory_available())]
+    else:
+        checks = [(f"{platform} memory", need.arrays, device_memory_available()), ("host memory", need.test_data, host_memory_available())]
+    for memory, needed, available in checks:
+        if available is not None and needed > available:
+            raise ValueError(f"{describe_shape(case)} {case.dtype} needs about {_bytes(needed)} of {memory} ({COVERED_BY_THE_MEMORY_ESTIMATE}), "
+                             f"more than the {_bytes(available)} available; choose a smaller shape")
+
+
+def _bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.3g} {unit}"
+        count /= 1024
+    return f"{count:.3g} TiB"
 
 
 def _split(inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -278,8 +379,9 @@ def _run(case: Case, names: Sequence[str] | None, budget: float, max_repeats: in
     implementations, spec = candidates(case, platform, names)
     if not implementations:
         raise NoImplementationError(f"no implementation of {case.op} supports {spec.describe()} here (`tops explain` says why)")
-    reference_at_workload = elements(case) <= REFERENCE_MAX_ELEMENTS
-    check = case if reference_at_workload else check_shape(case)
+    not_checked = reference_unavailable(case, platform)
+    reference_at_workload = not_checked is None and elements(case) <= REFERENCE_MAX_ELEMENTS
+    check = None if not_checked else case if reference_at_workload else check_shape(case)
     policy = current_policy(case.op)
     selected = {"fwd": contract.decide(spec, "forward", policy).implementation.name}
     try:
@@ -297,18 +399,18 @@ def _run(case: Case, names: Sequence[str] | None, budget: float, max_repeats: in
         if impl.name == REFERENCE and not reference_at_workload:
             row.note = "not timed at the workload (a sequential host sweep: seconds to minutes there)"
         rows.append(row)
-    has_reference = any(impl.name == REFERENCE for impl in contract.implementations())
+    checked = check is not None
     shapes = {row.implementation: [] if row.note else [case] for row in rows}
-    if not reference_at_workload:
+    if checked and not reference_at_workload:  # timed at the check shape too, for the speedup against the reference
         for timed in shapes.values():
             timed.append(check)
-    progress = Progress(total=int(has_reference) + sum(
-        len(shapes[row.implementation]) * (1 + row.differentiable) + int(has_reference) for row in rows))
+    progress = Progress(total=int(checked) + sum(
+        len(shapes[row.implementation]) * (1 + row.differentiable) + int(checked) for row in rows))
 
-    report = Report(case, check, platform, reference_at_workload, rows)
+    report = Report(case, check, platform, reference_at_workload, rows, accuracy_not_checked=not_checked)
     flat, flat_args, report.ceiling_flops = flat_product(case)
     reference = None
-    if has_reference:
+    if checked:
         progress.step(f"{REFERENCE} at the check shape")
         reference = evaluate(check, REFERENCE, backward=True)
     for row in rows:
@@ -369,9 +471,14 @@ def _accuracy(row: Row, case: Case, reference: tuple) -> None:
     row.within_tolerance = all(m.passed for m in measurements)
 
 
+def describe_shape(case: Case) -> str:
+    """``B=.. T=.. H=.. K=.. V=..``, as the report writes a shape."""
+    return f"B={case.batch} T={case.seq_len} H={case.heads} K={case.key_dim} V={case.value_dim}"
+
+
 def describe_workload(case: Case, platform: str) -> str:
     """The report's first line: the op, the workload and where it runs."""
-    shape = f"B={case.batch} T={case.seq_len} H={case.heads} K={case.key_dim} V={case.value_dim}"
+    shape = describe_shape(case)
     if case.seqlens is not None:
         shape += f" N={len(case.seqlens)}"
     features = ", ".join(sorted(case.features)) or "no optional inputs"
@@ -387,8 +494,6 @@ def format_report(report: Report, header: bool = True) -> str:
     """The report as text; ``header=False`` leaves out the workload line (printed before the run)."""
     case = report.workload
     lines = [describe_workload(case, report.platform), ""] if header else []
-    check = report.check
-    at = "workload" if report.reference_at_workload else f"B={check.batch} T={check.seq_len} H={check.heads} K={check.key_dim} V={check.value_dim}"
     reference = next((r for r in report.rows if r.implementation == REFERENCE), None)
     header = ("implementation", "selected", "forward", "fwd+bwd", "speedup vs ref (fwd / fwd+bwd)", "of ceiling (fwd / fwd+bwd)",
               "rel. error (out / grad)")
@@ -401,12 +506,17 @@ def format_report(report: Report, header: bool = True) -> str:
             fwdbwd += f" (bwd {row.backward_by})"
         shares = " / ".join("-" if share is None else f"{share:.0%}" for share in (row.forward_share, row.forward_backward_share))
         table.append((label, row.selected or "-", fwd, fwdbwd, _speedup(row, reference, report.reference_at_workload), shares,
-                      _errors(row)))
+                      _errors(row) if report.check else "not checked"))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
     lines.append("")
-    lines.append(f"Speedup and error measured at {at} against the float64 reference ({REFERENCE}); "
-                 "errors are relative RMS, 'ok' = within the tolerance for the dtype (docs/ops.md).")
+    if report.check is None:
+        lines.append(f"Accuracy not checked: {report.accuracy_not_checked}.")
+    else:
+        check = report.check
+        at = "workload" if report.reference_at_workload else describe_shape(check)
+        lines.append(f"Speedup and error measured at {at} against the float64 reference ({REFERENCE}); "
+                     "errors are relative RMS, 'ok' = within the tolerance for the dtype (docs/ops.md).")
     rates = report.ceiling_rates()
     if rates:
         low, high = (f"{rate / 1e9:.3g}" for rate in rates)
@@ -423,12 +533,14 @@ def report_json(report: Report) -> dict[str, Any]:
     """Every figure of the report as JSON values (timings in seconds, relative errors), for ``tops bench --json``."""
     return {
         "workload": case_json(report.workload),
-        "check": case_json(report.check),
+        "check": None if report.check is None else case_json(report.check),
         "platform": report.platform,
+        "accuracy_checked": report.check is not None,
+        "accuracy_not_checked": report.accuracy_not_checked,
         "reference_at_workload": report.reference_at_workload,
         "rows": [dataclasses.asdict(row) for row in report.rows],
         "ceiling": {"flops": report.ceiling_flops, "counted_forward_flops": forward_flops(report.workload),
-                    "timings": [dataclasses.asdict(timing) for timing in report.ceiling]},
+                    "timings": [dataclasses.asdict(timing) for timing in report.ceiling]} if report.rows else None,
     }
 
 
@@ -469,6 +581,13 @@ def pyplot():
     return plt
 
 
+def plot_workloads(case: Case) -> list[Case]:
+    """The workloads ``plot`` times, shortest first: ``T`` a quarter, half (at least 64), once and twice the workload's."""
+    lengths = sorted({max(case.seq_len // 4, 64), max(case.seq_len // 2, 64), case.seq_len, case.seq_len * 2})
+    return [dataclasses.replace(case, seq_len=T, seqlens=None if case.seqlens is None else packed_lengths(len(case.seqlens), T))
+            for T in lengths]
+
+
 def plot(case: Case, names: Sequence[str] | None, path: str, budget: float = 1.0) -> None:
     """A PNG of time against sequence length per implementation, forward and forward+backward."""
     with dtype_scope(case):
@@ -479,20 +598,19 @@ def _plot(case: Case, names: Sequence[str] | None, path: str, budget: float) -> 
     plt = pyplot()
     from matplotlib.ticker import NullLocator
 
-    lengths = sorted({max(case.seq_len // 4, 64), max(case.seq_len // 2, 64), case.seq_len, case.seq_len * 2})
+    workloads = plot_workloads(case)
+    lengths = [at.seq_len for at in workloads]
     implementations, spec = candidates(case, platform_of([]), names)
     implementations = [impl for impl in implementations if impl.name != REFERENCE or elements(case) * 2 <= REFERENCE_MAX_ELEMENTS]
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     progress = Progress(total=2 * len(implementations) * len(lengths))
     for impl in implementations:
         series: dict[str, list[float]] = {"forward": [], "forward+backward": []}
-        for seq_len in lengths:
-            seqlens = packed_lengths(len(case.seqlens), seq_len) if case.seqlens is not None else None
-            at = dataclasses.replace(case, seq_len=seq_len, seqlens=seqlens)
+        for at in workloads:
             forward, forward_backward, forward_args, backward_args = programs(at, impl.name)
-            progress.step(f"{impl.name} T={seq_len} forward")
+            progress.step(f"{impl.name} T={at.seq_len} forward")
             series["forward"].append(time_call(forward, forward_args, budget, 5).median)
-            progress.step(f"{impl.name} T={seq_len} forward+backward")
+            progress.step(f"{impl.name} T={at.seq_len} forward+backward")
             series["forward+backward"].append(time_call(forward_backward, backward_args, budget, 5).median)
         for axis, (direction, values) in zip(axes, series.items()):
             label_name = impl.name + (" [interpreted]" if impl.capabilities.interpreted(spec) else "")

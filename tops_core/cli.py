@@ -6,9 +6,12 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import math
 import os
 import platform as python_platform
+import re
 import sys
+import warnings
 from collections.abc import Sequence
 
 from tops_core.callspec import PLATFORMS, CallSpec
@@ -80,7 +83,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             continue
         print(_table(_support_matrix(contract, implementations), indent="  "))
         for impl in implementations:
-            print(f"\n  {impl.name}: {impl.description or '(no description)'}")
+            print(f"\n  {impl.name}: {_plain(impl.description) or '(no description)'}")
             print(f"    priority: {_describe_priority(impl.priority)}")
             caps = impl.capabilities
             ndims = "; ".join(f"{k}.ndim in {{{', '.join(map(str, sorted(v)))}}}" for k, v in caps.ndims)
@@ -88,7 +91,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             if caps.requires:
                 print(f"    requires: {', '.join(sorted(caps.requires))}")
             if caps.predicate is not None:
-                print(f"    further limits: {(caps.predicate.__doc__ or caps.predicate.__name__).strip()}")
+                print(f"    further limits: {_plain(caps.predicate.__doc__ or caps.predicate.__name__)}")
             print(f"    config: {impl.config!r}")
     print("\ny = supported, i = runs in Pallas' TPU interpreter when interpret mode is on, - = not supported")
     return 0
@@ -113,8 +116,13 @@ def _short_dtype(dtype: str) -> str:
 
 def _describe_priority(priority) -> str:
     if callable(priority):
-        return f"depends on the call ({(priority.__doc__ or priority.__name__).strip()})"
+        return f"depends on the call ({_plain(priority.__doc__ or priority.__name__)})"
     return ", ".join(f"{platform} {value}" for platform, value in sorted(priority.items())) or "0 everywhere"
+
+
+def _plain(text: str) -> str:
+    """A docstring as one line of terminal text: its lines joined, RST's ``literal`` shown as `literal`."""
+    return re.sub(r"``(.+?)``", r"`\1`", " ".join(text.split()))
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -198,23 +206,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     names = _parse_list(",".join(args.impl))
+    generation = args.tpu if args.tpu != "none" and platform != "tpu" else None
+    tpu_case = dataclasses.replace(case, dtype=args.dtype or _default_dtype("tpu"))  # the modelled section's: bf16 unless --dtype says
     with bench.dtype_scope(case):
-        bench.candidates(case, platform, names)  # unknown or unsupported names fail before any work
+        not_measured = _tpu_only(contract, case, tpu_case, platform, names)
+        if not_measured and generation is None:
+            name, why = not_measured[0]
+            raise UsageError(f"{name} cannot run this workload here: {why}; "
+                             f"--tpu GEN ({', '.join(sorted(GENERATIONS))}) models it on a compile-only TPU instead")
+        measured = [name for name in names if name not in dict(not_measured)]
+        measuring = bool(measured) or not names
+        if measuring:
+            bench.candidates(case, platform, measured)  # unknown or unsupported names fail before any work
+            bench.check_memory(case, platform)
     if args.plot:
+        if not measuring:
+            raise UsageError(f"--plot draws times measured here, and none of --impl {','.join(names)} runs here")
         _check_writable(args.plot)
         bench.pyplot()
+        bench.check_memory(bench.plot_workloads(case)[-1], platform)
     if not args.json:
         print(bench.describe_workload(case, platform), flush=True)
-    report = bench.run(case, names, budget=args.budget)
-    if not args.json:
+    if measuring:
+        report = bench.run(case, measured, budget=args.budget)
+    else:
+        report = bench.Report(case, None, platform, False, [], accuracy_not_checked="nothing ran on this machine")
+    if not args.json and report.rows:
         print("\n" + bench.format_report(report, header=False))
+    if not args.json and not_measured:
+        print("\n" + "\n".join(f"{name}: not measured here, {why}; modelled on TPU {generation} below."
+                                for name, why in not_measured))
     if args.plot:
-        bench.plot(case, names, args.plot)
+        bench.plot(case, measured, args.plot)
         if not args.json:
             print(f"\nwrote {args.plot}")
-    model = _tpu_model(args, case, names) if args.tpu != "none" and platform != "tpu" else None
+    model = _tpu_model(tpu_case, generation, names) if generation else None
     if args.json:
-        document = {**bench.report_json(report), "failures": bench.failures(report), "modelled_tpu": None}
+        document = {**bench.report_json(report), "not_measured": [{"implementation": name, "why": why} for name, why in not_measured],
+                    "failures": bench.failures(report), "modelled_tpu": None}
         if model is not None:
             from tops_core.tpu import model as tpu_model
 
@@ -224,11 +253,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from tops_core.tpu import model as tpu_model
 
         print("\n" + tpu_model.format_model(model))
+    if report.rows and report.accuracy_not_checked:
+        _warn(f"accuracy not checked: {report.accuracy_not_checked}")
     failed = bench.failures(report)
     if failed:
         print(f"\nFAIL: {', '.join(failed)} outside the tolerance for {case.dtype}", file=sys.stderr)
         return 1
     return 0
+
+
+def _tpu_only(contract, case: Case, tpu_case: Case, platform: str, names: list[str]) -> list[tuple[str, str]]:
+    """The named implementations that cannot run ``case`` on this platform but run ``tpu_case`` on a TPU, and why not here.
+
+    Off TPU, the modelled section is what a user naming a TPU kernel can have: it is modelled, not measured.
+    """
+    registered = {impl.name: impl for impl in contract.implementations()}
+    here, on_tpu = case.spec(platform, current_policy(contract.name).interpret), tpu_case.spec("tpu", interpret=False)
+    tpu_only = []
+    for name in names:
+        impl = registered.get(name)
+        if impl is not None and impl.reasons(here, "forward") and not impl.reasons(on_tpu, "forward"):
+            tpu_only.append((name, "; ".join(impl.reasons(here, "forward"))))
+    return tpu_only
 
 
 def _check_writable(path: str) -> None:
@@ -240,14 +286,13 @@ def _check_writable(path: str) -> None:
         raise UsageError(f"--plot {path}: the directory {directory} is not writable")
 
 
-def _tpu_model(args: argparse.Namespace, case: Case, names: list[str]):
-    """The modelled TPU section: the workload compiled for a compile-only TPU (bf16 unless --dtype says)."""
+def _tpu_model(case: Case, generation: str, names: list[str]):
+    """The modelled TPU section: the workload compiled for a compile-only TPU of ``generation``."""
     from tops_core import bench
     from tops_core.tpu import model as tpu_model
 
-    case = dataclasses.replace(case, dtype=args.dtype or _default_dtype("tpu"))
     with bench.dtype_scope(case):
-        return tpu_model.model(case, args.tpu, names)
+        return tpu_model.model(case, generation, names)
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -291,7 +336,29 @@ def _call_arguments(parser: argparse.ArgumentParser, default_op: str | None) -> 
     parser.add_argument("--with", dest="with_features", metavar="FEATURES",
                         help="comma-separated optional inputs and options, e.g. g_gamma,initial_state,output_final_state "
                              "(default: g_gamma for simple_gla, use_qk_l2norm for kda)")
-    parser.add_argument("--num-seqs", type=int, metavar="N", help="packed sequences, with cu_seqlens and B = 1 (default: 1)")
+    parser.add_argument("--num-seqs", type=_positive_integer, metavar="N", help="packed sequences, with cu_seqlens and B = 1 (default: 1)")
+
+
+def _positive_integer(text: str) -> int:
+    """argparse type: a count, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a duration in seconds, finite and above 0 (``float`` alone takes nan and inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -322,9 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     _call_arguments(bench, default_op="simple_gla")
     bench.add_argument("--impl", action="append", default=[], metavar="NAME", help="only these implementations (repeatable or comma-separated)")
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG of time against sequence length (needs matplotlib)")
-    bench.add_argument("--budget", type=float, default=2.0, help="seconds of timed repeats per measurement (default: %(default)s)")
+    bench.add_argument("--budget", type=_positive_seconds, default=2.0, help="seconds of timed repeats per measurement (default: %(default)s)")
     bench.add_argument("--tpu", default="v6e", choices=[*GENERATIONS, "none"],
-                       help="off TPU, also model the TPU implementations compiled for this generation (needs libtpu; default: %(default)s)")
+                       help="off TPU, also model the TPU implementations compiled for this generation, and those named by --impl "
+                            "instead of running them (needs libtpu; default: %(default)s)")
     bench.add_argument("--json", action="store_true", help="print every figure of the report (and of the modelled TPU section) as one JSON document")
     bench.set_defaults(run=cmd_bench)
     return parser
@@ -334,7 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     compile_only.quiet_libtpu()  # before anything starts JAX's backends, which loads libtpu where installed
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with warnings.catch_warnings():  # restores Python's display when the command ends
+            warnings.showwarning = _show_warning
+            return args.run(args)
     except BrokenPipeError:
         # `tops list | head`: the reader left; say nothing more, and keep Python's exit-time flush quiet too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -342,6 +412,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError, TypeError, NoImplementationError, PluginError, ContractError) as error:
         print(f"tops: error: {_first_line(error)}", file=sys.stderr)
         return 2
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` for a command: a forced implementation falling back, say, as one ``tops: warning:`` line
+    instead of Python's ``file:line: RuntimeWarning:`` form, which names a line of tops rather than anything the user wrote."""
+    _warn(str(message).removeprefix("tops: "))  # the dispatcher's messages name tops themselves, for Python's form
+
+
+def _warn(text: str) -> None:
+    print(f"tops: warning: {text}", file=sys.stderr)
 
 
 def _first_line(error: Exception) -> str:

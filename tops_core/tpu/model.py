@@ -33,7 +33,8 @@ The floor time reads ``q``, ``k``, ``v`` (kda: and ``g``, ``beta``) and writes `
 constants (bandwidth, peak, clock, MXUs, VLIW slots) and their sources are in
 ``generations``. Not modelled: stalls (a DMA that is late, an MXU result not ready when
 popped), the pipeline's first and last steps beyond their bundles, and anything XLA overlaps across
-ops. An implementation without a Mosaic kernel (jax.numpy) is listed as not modelled.
+ops. An implementation without a Mosaic kernel (jax.numpy) is listed as not modelled; a section with
+nothing modelled is one line saying why.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from tops_core.tpu import compile_only, llo
-from tops_core.bench import case_json
+from tops_core.bench import case_json, describe_shape
 from tops_core.conformance import data
 from tops_core.conformance.cases import Case
 from tops_core.conformance.checks import REFERENCE
@@ -57,6 +58,8 @@ from tops_core.ops.base import state_dtype
 from tops_core.tpu.generations import GENERATIONS, TpuGeneration
 
 LIMITS = ("HBM", "issue", "MXU")
+NO_TPU_KERNEL = "has no TPU kernel (no Mosaic kernel in its compiled program)"
+"""Why an implementation is not modelled when XLA compiles all of it (jax.numpy): there is no kernel to read."""
 CHAINS = 1.5
 """A schedule this many times longer than its busiest unit needs is bound by dependency chains, not slots."""
 
@@ -130,7 +133,7 @@ class TpuModel:
     workload: Case
     generation: TpuGeneration
     rows: tuple[Modelled, ...]
-    not_modelled: tuple[tuple[str, str], ...]  # (implementation, why)
+    not_modelled: tuple[tuple[str, str], ...]  # (implementation, why: a predicate, "does not compile: ...")
     unavailable: str | None = None  # why there is no section at all
     share: float = 1.0  # of the chip's bandwidth and peak one device has (a v4 device is one of two TensorCores)
 
@@ -200,7 +203,7 @@ def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = Non
                 try:
                     alone = compiled("alone")
                     if not alone.kernels:
-                        not_modelled.append((impl.name, "no Mosaic kernel to read"))
+                        not_modelled.append((impl.name, NO_TPU_KERNEL))
                         continue
                     own_backward = impl.backward is not None and not impl.reasons(spec, "backward")
                     dumped = (alone, compiled("in a layer"), compiled("backward") if own_backward else None)
@@ -318,46 +321,49 @@ def format_model(model: TpuModel) -> str:
     case, tpu = model.workload, model.generation
     title = (
         f"Modelled on TPU {tpu.name} (a model, nothing ran; compiled for a compile-only device): {case.op} "
-        f"B={case.batch} T={case.seq_len} H={case.heads} K={case.key_dim} V={case.value_dim} {case.dtype}"
+        f"{describe_shape(case)} {case.dtype}"
     )
     if model.unavailable:
         return f"{title}\n  not available: {model.unavailable}"
+    if not model.rows:
+        why = "; ".join(f"{name} {why}" for name, why in model.not_modelled) or (
+            "no implementation supports it natively on TPU (see `tops explain --platform tpu`)")
+        return f"Modelled on TPU {tpu.name}: nothing to model for {case.op} {describe_shape(case)} {case.dtype}: {why}."
     floor, tokens = model.floor_bytes, model.tokens
     lines = [title, ""]
-    if model.rows:
-        kernels = [("implementation", "pass", "kernel", "B/token", "cycles/token", "MXU rows/token", "HBM", "issue", "MXU", "modelled", "limit")]
-        for row in model.rows:
-            passes = [("forward", kernel) for kernel in row.kernels] + [("backward", kernel) for kernel in row.backward_kernels]
-            for index, (direction, kernel) in enumerate(passes):
-                kernels.append((
-                    row.implementation if index == 0 else "", direction, kernel.name, f"{kernel.hbm_bytes / tokens:.0f}",
-                    f"{kernel.cycles * model.cores / tokens:.2f}", f"{kernel.counts.mxu_rows / tokens:.2f}",
-                    _time(kernel.hbm_seconds), _time(kernel.issue_seconds), _time(kernel.mxu_seconds), _time(kernel.seconds),
-                    kernel.describe_limit(),
-                ))
-        ops = [("implementation", "copies alone / in a layer", "B/token alone", "B/token in a layer", "modelled alone", "modelled in a layer", "XLA's count alone")]
-        for row in model.rows:
-            ops.append((
-                row.implementation, f"{row.alone.copies} / {row.in_a_layer.copies}",
-                f"{row.alone.bytes / tokens:.0f} ({row.alone.bytes / floor:.2f}x)", f"{row.in_a_layer.bytes / tokens:.0f} ({row.in_a_layer.bytes / floor:.2f}x)",
-                f"{_time(row.alone.seconds)} ({row.alone.seconds / model.floor_seconds:.2f}x)",
-                f"{_time(row.in_a_layer.seconds)} ({row.in_a_layer.seconds / model.floor_seconds:.2f}x)",
-                f"{row.xla_bytes / tokens:.0f} B/token, {row.xla_flops / 1e9:.1f} GFLOP",
+    kernels = [("implementation", "pass", "kernel", "B/token", "cycles/token", "MXU rows/token", "HBM", "issue", "MXU", "modelled", "limit")]
+    for row in model.rows:
+        passes = [("forward", kernel) for kernel in row.kernels] + [("backward", kernel) for kernel in row.backward_kernels]
+        for index, (direction, kernel) in enumerate(passes):
+            kernels.append((
+                row.implementation if index == 0 else "", direction, kernel.name, f"{kernel.hbm_bytes / tokens:.0f}",
+                f"{kernel.cycles * model.cores / tokens:.2f}", f"{kernel.counts.mxu_rows / tokens:.2f}",
+                _time(kernel.hbm_seconds), _time(kernel.issue_seconds), _time(kernel.mxu_seconds), _time(kernel.seconds),
+                kernel.describe_limit(),
             ))
-        lines += [*_table(kernels), "", *_table(ops), ""]
-        backwards = [("implementation", "backward: copies alone", "B/token alone", "modelled alone", "its kernels", "forward+backward in a layer")]
-        for row in model.rows:
-            if row.backward is not None:
-                kernels_seconds = row.backward.seconds - row.backward.copy_seconds
-                backwards.append((
-                    row.implementation, str(row.backward.copies),
-                    f"{row.backward.bytes / tokens:.0f} ({row.backward.bytes / model.backward_floor_bytes:.2f}x)",
-                    f"{_time(row.backward.seconds)} ({row.backward.seconds / model.backward_floor_seconds:.2f}x)",
-                    f"{_time(kernels_seconds)} ({kernels_seconds / model.backward_floor_seconds:.2f}x)",
-                    _time(row.in_a_layer.seconds + kernels_seconds),
-                ))
-        if len(backwards) > 1:
-            lines += [*_table(backwards), ""]
+    ops = [("implementation", "copies alone / in a layer", "B/token alone", "B/token in a layer", "modelled alone", "modelled in a layer", "XLA's count alone")]
+    for row in model.rows:
+        ops.append((
+            row.implementation, f"{row.alone.copies} / {row.in_a_layer.copies}",
+            f"{row.alone.bytes / tokens:.0f} ({row.alone.bytes / floor:.2f}x)", f"{row.in_a_layer.bytes / tokens:.0f} ({row.in_a_layer.bytes / floor:.2f}x)",
+            f"{_time(row.alone.seconds)} ({row.alone.seconds / model.floor_seconds:.2f}x)",
+            f"{_time(row.in_a_layer.seconds)} ({row.in_a_layer.seconds / model.floor_seconds:.2f}x)",
+            f"{row.xla_bytes / tokens:.0f} B/token, {row.xla_flops / 1e9:.1f} GFLOP",
+        ))
+    lines += [*_table(kernels), "", *_table(ops), ""]
+    backwards = [("implementation", "backward: copies alone", "B/token alone", "modelled alone", "its kernels", "forward+backward in a layer")]
+    for row in model.rows:
+        if row.backward is not None:
+            kernels_seconds = row.backward.seconds - row.backward.copy_seconds
+            backwards.append((
+                row.implementation, str(row.backward.copies),
+                f"{row.backward.bytes / tokens:.0f} ({row.backward.bytes / model.backward_floor_bytes:.2f}x)",
+                f"{_time(row.backward.seconds)} ({row.backward.seconds / model.backward_floor_seconds:.2f}x)",
+                f"{_time(kernels_seconds)} ({kernels_seconds / model.backward_floor_seconds:.2f}x)",
+                _time(row.in_a_layer.seconds + kernels_seconds),
+            ))
+    if len(backwards) > 1:
+        lines += [*_table(backwards), ""]
     per_core = " per TensorCore" if model.share < 1 else ""
     lines += [
         f"Floor (read {model.floor_reads} and write o once): {floor / tokens:.0f} B/token, {_time(model.floor_seconds)} at "
@@ -374,9 +380,7 @@ def format_model(model: TpuModel) -> str:
             f"do and write dq, dk, dv once): {model.backward_floor_bytes / tokens:.0f} B/token, {_time(model.backward_floor_seconds)}. "
             "Forward+backward in a layer: the forward in a layer and the backward's kernels."
         )
-    lines += [f"{name}: not modelled ({why})." for name, why in model.not_modelled]
-    if not model.rows and not model.not_modelled:
-        lines.append("No implementation supports this workload natively on TPU (see `tops explain --platform tpu`).")
+    lines += [f"{name}: not modelled, {why}." for name, why in model.not_modelled]
     return "\n".join(lines)
 
 
