@@ -41,18 +41,19 @@ def _log_sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 RESET_TOKENS = (0, 37, 38, 100, 128)
-"""Where ``reset_mask`` puts ``-inf`` gates (and at the last token): a sequence's first token, two in a row,
-one inside a chunk of 64 and one on the chunk grid of 64 and 128; token 100 in every row and head."""
+"""Where ``reset_mask`` puts ``-inf`` gates in the first row and head: a sequence's first token, two in a row,
+one inside a chunk of 64 and one on the chunk grid of 64 and 128."""
 
 
 def reset_mask(shape: tuple[int, ...]) -> np.ndarray:
-    """Where a reset case's ``g`` (``[B, T, H]``, or kda's ``[B, T, H, K]``) is ``-inf``: each token of
-    ``RESET_TOKENS`` (and the last) in one row and head (and, for kda, the first half of the keys), token 100 in all."""
+    """Where a reset case's ``g`` (``[B, T, H]``, or kda's ``[B, T, H, K]``) is ``-inf``: ``RESET_TOKENS`` in the
+    first row and head, the last token in the last row and head (kda: the first half of the keys there), and
+    token 100 everywhere."""
     B, T, H = shape[:3]
+    keys = (slice(0, max(1, shape[3] // 2)),) if len(shape) == 4 else ()
     mask = np.zeros(shape, bool)
-    for index, token in enumerate(t for t in (*RESET_TOKENS, T - 1) if t < T):
-        row = mask[index % B, token, index % H]
-        row[..., : max(1, row.size // 2)] = True
+    mask[(0, [t for t in RESET_TOKENS if t < T], 0, *keys)] = True
+    mask[(B - 1, T - 1, H - 1, *keys)] = True
     if T > 100:
         mask[:, 100] = True
     return mask
