@@ -4,6 +4,7 @@ import dataclasses
 import re
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -87,6 +88,41 @@ def test_force_from_each_source(registry, source):
         expected = "forced by TOPS_FORCE"
     assert explanation.forward.implementation.name == "fake.low"
     assert explanation.forward.decided_by == expected
+
+
+def _constant(value):
+    """A fake forward whose output says which implementation ran."""
+    def forward(q, k, v, **kwargs):
+        return jnp.full(v.shape, value, v.dtype), None
+    return forward
+
+
+def test_a_use_block_applies_to_functions_jitted_before_it(registry):
+    fakes.register("one", forward=_constant(1.0), priority={"cpu": 50})
+    fakes.register("two", forward=_constant(2.0), priority={"cpu": 10})
+    q, k, v, _, _ = fakes.inputs()
+    step = jax.jit(lambda q, k, v: sg.forward(q, k, v)[0][0, 0, 0, 0])
+    assert step(q, k, v) == 1
+    with tops_core.use(simple_gla="fake.two"):
+        assert step(q, k, v) == 2  # traced again: the block's scope is part of jit's cache key
+        first_traced_inside = jax.jit(lambda q, k, v: sg.forward(q, k, v)[0][0, 0, 0, 0])
+        assert first_traced_inside(q, k, v) == 2
+    assert step(q, k, v) == 1 and first_traced_inside(q, k, v) == 1
+    with tops_core.use(deny=["fake.one"]):
+        assert step(q, k, v) == 2
+    assert step(q, k, v) == 1
+
+
+def test_the_environment_is_read_when_a_call_is_traced(registry, clean_env):
+    fakes.register("one", forward=_constant(1.0), priority={"cpu": 50})
+    fakes.register("two", forward=_constant(2.0), priority={"cpu": 10})
+    q, k, v, _, _ = fakes.inputs()
+    step = jax.jit(lambda q, k, v: sg.forward(q, k, v)[0][0, 0, 0, 0])
+    assert step(q, k, v) == 1
+    clean_env.setenv("TOPS_FORCE", "simple_gla=fake.two")
+    assert step(q, k, v) == 1  # already traced: os.environ is not part of jit's cache key
+    assert sg.forward(q, k, v)[0][0, 0, 0, 0] == 2  # an eager call is traced now
+    assert jax.jit(lambda q, k, v: sg.forward(q, k, v)[0][0, 0, 0, 0])(q, k, v) == 2
 
 
 def test_argument_beats_context_beats_environment(registry, clean_env):

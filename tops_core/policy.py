@@ -7,16 +7,24 @@ Three sources, strongest first: an ``implementation=`` argument on the call, the
 - ``TOPS_DENY="tpu_pallas.*"``: never select these (names or shell patterns);
 - ``TOPS_STRICT=1``: never fall back past the forced or the highest-priority implementation;
 - ``TOPS_INTERPRET=1``: accept TPU kernels off TPU, run in Pallas' TPU interpreter.
+
+The policy is read when a call is traced: at every eager call, and when ``jax.jit`` traces a
+function. The scope of ``use`` is a JAX user context (``jax.make_user_context``), part of jit's
+tracing and compilation cache keys, so a function jitted before a ``use`` block is traced again
+inside it and runs the block's choice, and after it the old one. The environment is not part of
+those keys: a function already traced keeps the choice it was traced with when ``os.environ``
+changes later; eager calls and new traces see the change.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import fnmatch
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
+
+import jax
 
 from tops_core import environment
 from tops_core.signatures import known_op
@@ -81,7 +89,8 @@ class _Scope:
     interpret: bool | None = None
 
 
-_scope: contextvars.ContextVar[_Scope] = contextvars.ContextVar("tops_policy_scope", default=_Scope())
+_scope = jax.make_user_context(_Scope())
+"""The innermost ``use`` block's scope; its value keys jit's caches (see the module docstring)."""
 
 
 @contextlib.contextmanager
@@ -97,8 +106,12 @@ def use(
     ``tops_core.use(simple_gla="xla.chunk")``, with config overrides
     ``tops_core.use(simple_gla=("tpu_pallas.fused", {"num_steps": 2}))``; ``None`` lifts an
     outer force. Deny patterns accumulate with outer scopes; flags left ``None`` are inherited.
+
+    It applies to every call run inside the block, jitted or not: the scope is part of
+    ``jax.jit``'s cache keys, so a function jitted and run before the block is traced again for
+    it, and runs its earlier choice again after it.
     """
-    outer = _scope.get()
+    outer = _scope.value
     forces = dict(outer.forces)
     for op_name, request in ops.items():
         known_op(op_name, "tops_core.use()")
@@ -115,11 +128,8 @@ def use(
         strict=outer.strict if strict is None else bool(strict),
         interpret=outer.interpret if interpret is None else bool(interpret),
     )
-    token = _scope.set(inner)
-    try:
+    with _scope(inner):
         yield
-    finally:
-        _scope.reset(token)
 
 
 def _env_force(op_name: str) -> Force | None:
@@ -134,13 +144,13 @@ def _env_force(op_name: str) -> Force | None:
 
 def interpret_enabled() -> bool:
     """Whether interpret mode is on in the current scope (``use(interpret=...)``, else TOPS_INTERPRET)."""
-    scope = _scope.get()
+    scope = _scope.value
     return scope.interpret if scope.interpret is not None else environment.flag("TOPS_INTERPRET")
 
 
 def current_policy(op_name: str, implementation: ForceRequest = None) -> Policy:
     """Resolve the policy for one call of ``op_name``."""
-    scope = _scope.get()
+    scope = _scope.value
     force = Force.parse(implementation, "argument")
     if force is None:
         force = dict(scope.forces).get(op_name)
