@@ -10,7 +10,7 @@ import pytest
 
 import tops_core
 from tests import fakes
-from tops_core import CallSpec, NoImplementationError
+from tops_core import CallSpec, NoImplementationError, environment
 
 sg = tops_core.op("simple_gla")
 
@@ -217,6 +217,47 @@ def test_deny_list_from_env_and_context(registry, clean_env):
     assert ("denied by policy",) == next(c for c in decision.candidates if c.name == "fake.second").reasons
 
 
+def test_a_deny_pattern_must_match_a_registered_implementation_of_some_op(registry, clean_env):
+    fakes.register("scan")
+    tops_core.register(dataclasses.replace(fakes.implementation("delta", features={"initial_state"}, ndims={}), op="kda"), plugin="fake")
+    registered = "registered: fake.delta, fake.scan"
+    with pytest.raises(ValueError, match=rf"tops_core.use\(deny=...\): deny pattern 'fake.scna' matches no registered implementation; {registered}"):
+        with tops_core.use(deny=["fake.scan", "fake.scna"]):
+            pass
+    with tops_core.use(deny="fake.delta"):  # kda's: a pattern may deny what only another op has
+        assert sg.decide(spec(), policy=sg.policy()).implementation.name == "fake.scan"
+    clean_env.setenv("TOPS_DENY", "fake.d*,xla.chunck")
+    with pytest.raises(ValueError, match=rf"TOPS_DENY: deny pattern 'xla.chunck' matches no registered implementation; {registered}"):
+        sg.policy()
+    with pytest.raises(TypeError, match="deny patterns must be strings"):
+        with tops_core.use(deny=[3]):
+            pass
+
+
+def test_TOPS_FORCE_forces_one_implementation_per_op(registry, clean_env):
+    clean_env.setenv("TOPS_FORCE", "simple_gla=xla.chunk, kda=ref.recurrent, simple_gla=ref.recurrent")
+    with pytest.raises(ValueError, match=r"TOPS_FORCE names simple_gla twice \(xla.chunk and ref.recurrent\); force one implementation per op"):
+        tops_core.op("kda").policy()
+
+
+def test_an_unknown_TOPS_variable_is_reported_once_naming_the_known_ones(registry, clean_env):
+    fakes.register("scan")
+    clean_env.setattr(environment, "_warned", set())
+    clean_env.setenv("TOPS_FORSE", "simple_gla=fake.scan")
+    clean_env.setenv("TOPS_INTERPRETT", "1")
+    q, k, v, _, _ = fakes.inputs()
+    with pytest.warns(RuntimeWarning) as caught:
+        sg.forward(q, k, v)
+    known = ", ".join(environment.KNOWN)
+    assert [str(w.message) for w in caught] == [
+        f"tops: unknown environment variable TOPS_FORSE is ignored (did you mean TOPS_FORCE?); tops reads {known}",
+        f"tops: unknown environment variable TOPS_INTERPRETT is ignored (did you mean TOPS_INTERPRET?); tops reads {known}",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sg.forward(*fakes.inputs(T=16)[:3])  # decided afresh, warned already
+
+
 def test_interpret_mode_selects_tpu_kernels_off_tpu_and_labels_them(registry, clean_env):
     fakes.register("portable", priority={"cpu": 100, "tpu": 50})
     fakes.register("kernel", platforms={"tpu"}, interpretable=True, priority={"tpu": 200})
@@ -230,10 +271,11 @@ def test_interpret_mode_selects_tpu_kernels_off_tpu_and_labels_them(registry, cl
 
 def test_decisions_are_cached_per_spec_and_policy_and_cleared_on_registration(registry):
     fakes.register("first")
+    fakes.register("spare", priority={"cpu": 1})
     first = sg.decide(spec())
     assert sg.decide(spec()) is first
     assert sg.decide(spec(batch=4)) is not first
-    with tops_core.use(deny=["nothing"]):
+    with tops_core.use(deny=["fake.spare"]):
         assert sg.decide(spec()) is not first
     fakes.register("second", priority={"cpu": 99})
     assert sg.decide(spec()).implementation.name == "fake.second"

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 
 from tops_core import environment
+from tops_core.registry import default_registry
 from tops_core.signatures import known_op
 
 ForceRequest = str | tuple[str, Mapping[str, Any]] | None
@@ -105,7 +106,8 @@ def use(
 
     ``tops_core.use(simple_gla="xla.chunk")``, with config overrides
     ``tops_core.use(simple_gla=("tpu_pallas.fused", {"num_steps": 2}))``; ``None`` lifts an
-    outer force. Deny patterns accumulate with outer scopes; flags left ``None`` are inherited.
+    outer force. Deny patterns accumulate with outer scopes (each must match a registered
+    implementation); flags left ``None`` are inherited.
 
     It applies to every call run inside the block, jitted or not: the scope is part of
     ``jax.jit``'s cache keys, so a function jitted and run before the block is traced again for
@@ -124,12 +126,32 @@ def use(
         deny = [deny]
     inner = _Scope(
         forces=tuple(sorted(forces.items())),
-        deny=outer.deny | frozenset(deny or ()),
+        deny=outer.deny | deny_patterns(deny or (), "tops_core.use(deny=...)"),
         strict=outer.strict if strict is None else bool(strict),
         interpret=outer.interpret if interpret is None else bool(interpret),
     )
     with _scope(inner):
         yield
+
+
+def deny_patterns(patterns: Iterable[str], source: str) -> frozenset[str]:
+    """Deny patterns (names or shell patterns such as ``tpu_pallas.*``) as a set; a ValueError naming
+    ``source``, the pattern and the registered names when one matches no implementation of any op.
+
+    Any op: ``TOPS_DENY="tpu_pallas.*"`` holds for every op, also one that has no such kernel.
+    """
+    patterns = frozenset(patterns)
+    if not patterns:
+        return patterns
+    if not all(isinstance(pattern, str) for pattern in patterns):
+        raise TypeError(f"{source}: deny patterns must be strings, got {sorted(patterns, key=repr)!r}")
+    names = sorted({impl.name for impl in default_registry().all_implementations()})
+    for pattern in sorted(patterns):
+        if not fnmatch.filter(names, pattern):
+            raise ValueError(
+                f"{source}: deny pattern {pattern!r} matches no registered implementation; registered: {', '.join(names) or 'none'}"
+            )
+    return patterns
 
 
 def _env_force(op_name: str) -> Force | None:
@@ -138,7 +160,10 @@ def _env_force(op_name: str) -> Force | None:
         key, sep, impl = item.partition("=")
         if not sep or not key.strip() or not impl.strip():
             raise ValueError(f"TOPS_FORCE entries must look like 'op=plugin.impl', got {item!r}")
-        forces[known_op(key.strip(), "TOPS_FORCE").name] = impl.strip()
+        name = known_op(key.strip(), "TOPS_FORCE").name
+        if name in forces:
+            raise ValueError(f"TOPS_FORCE names {name} twice ({forces[name]} and {impl.strip()}); force one implementation per op")
+        forces[name] = impl.strip()
     return Force(forces[op_name], (), "TOPS_FORCE") if op_name in forces else None
 
 
@@ -158,7 +183,7 @@ def current_policy(op_name: str, implementation: ForceRequest = None) -> Policy:
         force = _env_force(op_name)
     return Policy(
         force=force,
-        deny=scope.deny | frozenset(environment.names("TOPS_DENY")),
+        deny=scope.deny | deny_patterns(environment.names("TOPS_DENY"), "TOPS_DENY"),
         strict=scope.strict if scope.strict is not None else environment.flag("TOPS_STRICT"),
         interpret=interpret_enabled(),
     )
