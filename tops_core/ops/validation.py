@@ -48,6 +48,21 @@ def array(name: str, value: Any, *, required: bool = True, float_dtype: Any = jn
     raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
 
 
+def real_array(name: str, value: Any, float_dtype: Any, *, required: bool = True) -> jax.Array | None:
+    """A floating array for a real-valued input (the gates, ``beta``, ``initial_state``): a jax array
+    of a floating dtype, or numbers on the host, which become floats.
+
+    Integers on the host (``g_gamma=-1``, ``[-1, -2]``, ``np.int64(-1)``, an integer NumPy
+    array) are as unambiguous as the floats they stand for and become ``float_dtype``, as Python
+    floats do. An integer jax array stays a TypeError: it is a device tensor of the user's
+    model, whose dtype says something went wrong upstream, and tops does not cast device arrays.
+    """
+    x = array(name, value, required=required, float_dtype=float_dtype)
+    if x is not None and not isinstance(value, jax.Array) and jnp.issubdtype(x.dtype, jnp.integer):
+        x = x.astype(float_dtype)
+    return None if x is None else floating(name, x)
+
+
 def floating(name: str, x: jax.Array) -> jax.Array:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must have a floating dtype ({FLOATS}), got {x.dtype}")
@@ -111,6 +126,8 @@ def cu_seqlens(value: Any, batch: int, seq_len: int) -> tuple[jax.Array | None, 
     if value is None:
         return None, batch
     cu = array("cu_seqlens", value)
+    if cu.size == 0:  # an empty list has no integer dtype to check: say what is wrong
+        raise ValueError(f"cu_seqlens is empty: it must hold the N + 1 >= 2 boundaries of the packed sequences, e.g. [0, {seq_len}]")
     if not jnp.issubdtype(cu.dtype, jnp.integer):
         raise TypeError(f"cu_seqlens must be an int32 or int64 array, got {cu.dtype}")
     rank("cu_seqlens", cu, 1, "[N + 1]")
