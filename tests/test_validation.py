@@ -192,6 +192,21 @@ def test_head_first_shapes_warn_and_name_the_expected_layout(registry):
         sg.forward(q, k, v)  # T = 8 >= H = 2
 
 
+def test_decode_steps_and_calls_with_a_state_do_not_warn_about_the_layout(registry):
+    fakes.register()
+    step = jnp.ones((2, 1, 8, 4), f32)  # [B, T=1, H=8, K]: a decode step
+    chunk = jnp.ones((2, 4, 8, 4), f32)  # T = 4 < H = 8, beside a state of H = 8 heads
+    state = jnp.zeros((2, 8, 4, 4), f32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sg.forward(step, step, step, g_gamma=-0.1, initial_state=state, output_final_state=True)
+        sg.forward(step, step, step, g_gamma=-0.1)  # the first step, without a state yet
+        sg.forward(chunk, chunk, chunk, g_gamma=-0.1, initial_state=state)
+        kda.prepare(step, step, step, step, jnp.ones((2, 1, 8), f32), None, state, True, None, False, False)
+    with pytest.warns(tops_core.LayoutWarning, match="T = 4 tokens but H = 8 heads"):
+        kda.prepare(chunk, chunk, chunk, chunk, jnp.ones((2, 4, 8), f32), None, None, True, None, False, False)
+
+
 # -- cu_seqlens traced under jit -----------------------------------------------------------------
 
 INVALID_BOUNDARIES = {"decreasing": [0, 5, 3, 8], "not from 0": [1, 3, 5, 8], "past T": [0, 3, 5, 9]}

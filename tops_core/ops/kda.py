@@ -152,7 +152,7 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
 
     def prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, interpret) -> Prepared:
         """Validate a call (docs/ops.md "Invalid input") and derive its call spec."""
-        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v)
+        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v, initial_state_given=initial_state is not None)
         floats = state_dtype(q.dtype)  # the dtype Python numbers and lists become
         g = validation.shape("g", validation.real_array("g", g, floats), (B, T, H, K), "[B, T, H, K]")
         beta = validation.shape("beta", validation.real_array("beta", beta, floats), (B, T, H), "[B, T, H]")

@@ -148,7 +148,7 @@ class SimpleGLA(OpContract, signature=SIMPLE_GLA):
 
     def prepare(self, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, interpret) -> Prepared:
         """Validate a call (docs/ops.md "Invalid input") and derive its call spec."""
-        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v)
+        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v, initial_state_given=initial_state is not None)
         floats = state_dtype(q.dtype)  # the dtype Python numbers and lists become
         g = validation.real_array("g", g, floats, required=False)
         if g is not None:

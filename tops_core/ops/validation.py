@@ -156,15 +156,25 @@ def placeholder_cu_seqlens(num_seqs: int, seq_len: int) -> jax.Array:
     return jnp.where(jnp.arange(num_seqs + 1) == 0, 0, seq_len).astype(jnp.int32)
 
 
-def qkv(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array, tuple[int, int, int, int, int]]:
-    """Check ``q, k: [B, T, H, K]`` and ``v: [B, T, H, V]`` of one floating dtype; returns them and (B, T, H, K, V)."""
+def qkv(
+    q: Any, k: Any, v: Any, *, initial_state_given: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, tuple[int, int, int, int, int]]:
+    """Check ``q, k: [B, T, H, K]`` and ``v: [B, T, H, V]`` of one floating dtype; returns them and (B, T, H, K, V).
+
+    A head-first ``[B, H, T, K]`` array passed by mistake reads as ``H`` tokens of ``T`` heads;
+    models have fewer heads than tokens, so ``1 < T < H`` suggests one, and a ``LayoutWarning``
+    says so. Not for one token: a decode step ``[B, 1, H, K]`` is time-major, and a head-first
+    array reads as one token only for a one-head model. Not with ``initial_state_given``: the
+    state's ``[N, H, K, V]`` shape, checked against ``q``'s ``H``, settles the layout (a swapped
+    call fails that check).
+    """
     q, k, v = (array(name, x, python=False) for name, x in (("q", q), ("k", k), ("v", v)))
     for name, x in (("q", q), ("k", k), ("v", v)):
         floating(name, x)
         rank(name, x, 4, "[B, T, H, K]" if name != "v" else "[B, T, H, V]")
     positive_dims("q", q, "[B, T, H, K]")
     B, T, H, K = q.shape
-    if T < H:
+    if 1 < T < H and not initial_state_given:
         warnings.warn(
             f"q has shape {tuple(q.shape)}: T = {T} tokens but H = {H} heads. tops expects [B, T, H, K] "
             "(time before heads); if these are head-first [B, H, T, K] arrays, pass x.swapaxes(1, 2)",
