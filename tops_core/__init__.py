@@ -42,7 +42,6 @@ __all__ = [
     "default_registry", "hookimpl", "op", "parallel", "register", "register_plugin", "target_chip", "unregister_plugin", "use",
 ]
 
-environment.warn_unknown()
 if environment.flag("TOPS_STRICT_PLUGINS"):
     # A broken plugin is fatal here, at import, rather than at the first call of an op.
     default_registry().ensure_loaded()
