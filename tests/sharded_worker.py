@@ -13,7 +13,9 @@ and answers each with one JSON line:
   sizes), ``split`` (``batch``/``heads``/``sequence`` to the index of a mesh axis, or a list of
   them), the ``op`` (``simple_gla`` unless named) and the data (``B, T, H, K, V, dtype,
   features, seqlens, strong_decay, scalar_gamma``). ``"backward": true`` also compares the
-  explicit ``op.backward``; ``"unplaced": true`` passes unsharded inputs; ``"against":
+  explicit ``op.backward``; ``"unplaced": true`` passes unsharded inputs; ``"explicit": true``
+  makes the mesh's axes explicit in every mode (``jax.make_mesh``'s default); ``"set_mesh": true``
+  runs the split call inside ``jax.set_mesh`` in every mode; ``"against":
   "ref.recurrent"`` computes the single-device results with that implementation, ``"force":
   "ref.recurrent"`` both the single-device and the split results.
 - ``{"collectives": case}``: only compiles the split program and returns its collectives.
@@ -62,7 +64,8 @@ def conformance_case(case: dict) -> Case:
 def make_mesh(case: dict, devices: list) -> Mesh:
     sizes = tuple(case["mesh"])
     names = tuple(f"axis{i}" for i in range(len(sizes)))
-    types = (AxisType.Explicit,) * len(sizes) if case["mode"] == "types" else (AxisType.Auto,) * len(sizes)
+    explicit = case["mode"] == "types" or case.get("explicit", False)
+    types = (AxisType.Explicit if explicit else AxisType.Auto,) * len(sizes)
     return Mesh(np.array(devices[: int(np.prod(sizes))]).reshape(sizes), names, axis_types=types)
 
 
@@ -146,7 +149,7 @@ def inputs_of(case: dict) -> dict:
 
 
 def in_context(case: dict, mesh: Mesh):
-    return jax.set_mesh(mesh) if case["mode"] == "types" else contextlib.nullcontext()
+    return jax.set_mesh(mesh) if case["mode"] == "types" or case.get("set_mesh") else contextlib.nullcontext()
 
 
 def forcing(case: dict, key: str):

@@ -69,6 +69,12 @@ def test_explain_force_strict_deny_and_ndim(kernels, capsys):
     assert "decided by: forced by --force" in capsys.readouterr().out
 
 
+def test_explain_splits_deny_patterns_at_commas_as_TOPS_DENY_does(kernels, capsys):
+    assert main(["explain", "simple_gla", "--platform", "tpu", "--deny", "fake.kernel, fake.port*", "--deny", "fake.kernel"]) == 1
+    out = capsys.readouterr().out
+    assert "deny=fake.kernel, fake.port*;" in out and "x fake.portable" in out and "denied by policy" in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["explain", "simple_gla", "--shape", "2,64"], "--shape must be B,T,H,K,V"),
     (["explain", "simple_gla", "--with", "alibi"], "unknown feature(s) ['alibi']"),
@@ -78,6 +84,9 @@ def test_explain_force_strict_deny_and_ndim(kernels, capsys):
     (["explain", "simple_gla", "--force", "nope.impl"], "unknown implementation 'nope.impl' of simple_gla; registered: fake.kernel, fake.portable"),
     (["explain"], "name the op: OP or --op OP, one of kda, simple_gla"),
     (["explain", "simple_gla", "--op", "kda"], "two ops named: simple_gla and --op kda"),
+    (["explain", "simple_gla", "--deny", "fake.portabel"],
+     "--deny: deny pattern 'fake.portabel' matches no registered implementation; registered: fake.kernel, fake.portable"),
+    (["explain", "simple_gla", "--deny", "fake.kernel,xla.*"], "--deny: deny pattern 'xla.*' matches no registered implementation"),
 ])
 def test_explain_rejects_malformed_descriptions_in_one_line(kernels, capsys, argv, message):
     assert main(argv) == 2

@@ -4,12 +4,13 @@ import dataclasses
 import re
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 import tops_core
 from tests import fakes
-from tops_core import CallSpec, NoImplementationError
+from tops_core import CallSpec, NoImplementationError, environment
 
 sg = tops_core.op("simple_gla")
 
@@ -87,6 +88,41 @@ def test_force_from_each_source(registry, source):
         expected = "forced by TOPS_FORCE"
     assert explanation.forward.implementation.name == "fake.low"
     assert explanation.forward.decided_by == expected
+
+
+def _constant(value):
+    """A fake forward whose output says which implementation ran."""
+    def forward(q, k, v, **kwargs):
+        return jnp.full(v.shape, value, v.dtype), None
+    return forward
+
+
+def test_a_use_block_applies_to_functions_jitted_before_it(registry):
+    fakes.register("one", forward=_constant(1.0), priority={"cpu": 50})
+    fakes.register("two", forward=_constant(2.0), priority={"cpu": 10})
+    q, k, v, _, _ = fakes.inputs()
+    step = jax.jit(lambda q, k, v: sg.forward(q, k, v)[0][0, 0, 0, 0])
+    assert step(q, k, v) == 1
+    with tops_core.use(simple_gla="fake.two"):
+        assert step(q, k, v) == 2  # traced again: the block's scope is part of jit's cache key
+        first_traced_inside = jax.jit(lambda q, k, v: sg.forward(q, k, v)[0][0, 0, 0, 0])
+        assert first_traced_inside(q, k, v) == 2
+    assert step(q, k, v) == 1 and first_traced_inside(q, k, v) == 1
+    with tops_core.use(deny=["fake.one"]):
+        assert step(q, k, v) == 2
+    assert step(q, k, v) == 1
+
+
+def test_the_environment_is_read_when_a_call_is_traced(registry, clean_env):
+    fakes.register("one", forward=_constant(1.0), priority={"cpu": 50})
+    fakes.register("two", forward=_constant(2.0), priority={"cpu": 10})
+    q, k, v, _, _ = fakes.inputs()
+    step = jax.jit(lambda q, k, v: sg.forward(q, k, v)[0][0, 0, 0, 0])
+    assert step(q, k, v) == 1
+    clean_env.setenv("TOPS_FORCE", "simple_gla=fake.two")
+    assert step(q, k, v) == 1  # already traced: os.environ is not part of jit's cache key
+    assert sg.forward(q, k, v)[0][0, 0, 0, 0] == 2  # an eager call is traced now
+    assert jax.jit(lambda q, k, v: sg.forward(q, k, v)[0][0, 0, 0, 0])(q, k, v) == 2
 
 
 def test_argument_beats_context_beats_environment(registry, clean_env):
@@ -181,6 +217,47 @@ def test_deny_list_from_env_and_context(registry, clean_env):
     assert ("denied by policy",) == next(c for c in decision.candidates if c.name == "fake.second").reasons
 
 
+def test_a_deny_pattern_must_match_a_registered_implementation_of_some_op(registry, clean_env):
+    fakes.register("scan")
+    tops_core.register(dataclasses.replace(fakes.implementation("delta", features={"initial_state"}, ndims={}), op="kda"), plugin="fake")
+    registered = "registered: fake.delta, fake.scan"
+    with pytest.raises(ValueError, match=rf"tops_core.use\(deny=...\): deny pattern 'fake.scna' matches no registered implementation; {registered}"):
+        with tops_core.use(deny=["fake.scan", "fake.scna"]):
+            pass
+    with tops_core.use(deny="fake.delta"):  # kda's: a pattern may deny what only another op has
+        assert sg.decide(spec(), policy=sg.policy()).implementation.name == "fake.scan"
+    clean_env.setenv("TOPS_DENY", "fake.d*,xla.chunck")
+    with pytest.raises(ValueError, match=rf"TOPS_DENY: deny pattern 'xla.chunck' matches no registered implementation; {registered}"):
+        sg.policy()
+    with pytest.raises(TypeError, match="deny patterns must be strings"):
+        with tops_core.use(deny=[3]):
+            pass
+
+
+def test_TOPS_FORCE_forces_one_implementation_per_op(registry, clean_env):
+    clean_env.setenv("TOPS_FORCE", "simple_gla=xla.chunk, kda=ref.recurrent, simple_gla=ref.recurrent")
+    with pytest.raises(ValueError, match=r"TOPS_FORCE names simple_gla twice \(xla.chunk and ref.recurrent\); force one implementation per op"):
+        tops_core.op("kda").policy()
+
+
+def test_an_unknown_TOPS_variable_is_reported_once_naming_the_known_ones(registry, clean_env):
+    fakes.register("scan")
+    clean_env.setattr(environment, "_warned", set())
+    clean_env.setenv("TOPS_FORSE", "simple_gla=fake.scan")
+    clean_env.setenv("TOPS_INTERPRETT", "1")
+    q, k, v, _, _ = fakes.inputs()
+    with pytest.warns(RuntimeWarning) as caught:
+        sg.forward(q, k, v)
+    known = ", ".join(environment.KNOWN)
+    assert [str(w.message) for w in caught] == [
+        f"tops: unknown environment variable TOPS_FORSE is ignored (did you mean TOPS_FORCE?); tops reads {known}",
+        f"tops: unknown environment variable TOPS_INTERPRETT is ignored (did you mean TOPS_INTERPRET?); tops reads {known}",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sg.forward(*fakes.inputs(T=16)[:3])  # decided afresh, warned already
+
+
 def test_interpret_mode_selects_tpu_kernels_off_tpu_and_labels_them(registry, clean_env):
     fakes.register("portable", priority={"cpu": 100, "tpu": 50})
     fakes.register("kernel", platforms={"tpu"}, interpretable=True, priority={"tpu": 200})
@@ -194,10 +271,11 @@ def test_interpret_mode_selects_tpu_kernels_off_tpu_and_labels_them(registry, cl
 
 def test_decisions_are_cached_per_spec_and_policy_and_cleared_on_registration(registry):
     fakes.register("first")
+    fakes.register("spare", priority={"cpu": 1})
     first = sg.decide(spec())
     assert sg.decide(spec()) is first
     assert sg.decide(spec(batch=4)) is not first
-    with tops_core.use(deny=["nothing"]):
+    with tops_core.use(deny=["fake.spare"]):
         assert sg.decide(spec()) is not first
     fakes.register("second", priority={"cpu": 99})
     assert sg.decide(spec()).implementation.name == "fake.second"

@@ -11,7 +11,7 @@ import pytest
 
 import tops_core
 from tests import fakes
-from tops_core import PluginError
+from tops_core import PluginError, environment
 from tops_core.registry import Registry
 
 GOOD = '''
@@ -105,6 +105,13 @@ def test_allow_list_and_disabled_autoload(site, clean_env):
     assert Registry().plugins() == []
     clean_env.setenv("TOPS_PLUGINS", "good")
     assert [p.name for p in Registry().plugins()] == ["good"]
+
+
+def test_a_misspelt_plugin_variable_is_reported_when_the_plugins_load(site, clean_env):
+    clean_env.setattr(environment, "_warned", set())
+    clean_env.setenv("TOPS_PLUGIN", "good")
+    with pytest.warns(RuntimeWarning, match="unknown environment variable TOPS_PLUGIN is ignored \\(did you mean TOPS_PLUGINS\\?\\)"):
+        Registry().plugins()
 
 
 def test_installed_plugins_are_discovered_through_their_entry_points(clean_env):

@@ -48,6 +48,16 @@ CASES = [
          features=["initial_state", "output_final_state"]),
 ]
 
+# Unsharded inputs split over explicit mesh axes (jax.make_mesh's default): shard_map refuses an
+# input whose type does not match its in_specs there, so the op reshards them to the split. The
+# reshard is the core's, whatever the kernel: kda's runs the reference, which compiles in no time.
+UNSHARDED_OVER_EXPLICIT_AXES = [
+    dict(BASE, name="sequence-4-explicit-unplaced", mode="shard", explicit=True, unplaced=True, mesh=[4], split={"sequence": 0},
+         B=2, T=64, backward=True),
+    dict(BASE, op="kda", name="kda-batch-heads-explicit-unplaced", mode="shard", explicit=True, unplaced=True, mesh=[2, 4],
+         split={"batch": 0, "heads": 1}, B=2, T=32, features=["initial_state", "output_final_state"], backward=True, force="ref.recurrent"),
+]
+
 
 def _expected_results(case: dict) -> set[str]:
     features = set(case["features"])
@@ -96,7 +106,10 @@ def assert_within_tolerance(case: dict, answer: dict) -> None:
 SLOW = {"kda-batch-heads-shard", "kda-heads-packed"}  # kda's splits beyond the one the default run keeps
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case["name"] in SLOW else case for case in CASES], ids=lambda case: case["name"])
+@pytest.mark.parametrize(
+    "case", [pytest.param(case, marks=pytest.mark.slow) if case["name"] in SLOW else case for case in CASES + UNSHARDED_OVER_EXPLICIT_AXES],
+    ids=lambda case: case["name"],
+)
 def test_a_split_call_equals_one_device_forward_and_every_gradient(worker, case):
     answer = worker.ask("compare", case)
     results = _expected_results(case)
@@ -148,6 +161,15 @@ def test_kda_refuses_a_split_sequence_with_the_reason(worker):
     case = dict(CASES[-1], name="kda-sequence", mesh=[4], split={"sequence": 0})
     error = worker.ask("compare", case, failing=True)["error"]
     assert "cannot split the sequence over mesh axis 'axis0': kda has no sequence-parallel algorithm; shard the batch or the heads" in error
+
+
+def test_a_call_inside_set_mesh_with_unsharded_inputs_runs_whole(worker):
+    # The partitioner then hands custom_partitioning's callback an empty mesh, which has no platform.
+    case = dict(BASE, name="set-mesh-unplaced", mode="auto", set_mesh=True, explicit=True, unplaced=True, mesh=[4], split={"batch": 0},
+                B=4, T=32)
+    answer = worker.ask("compare", case)
+    assert_within_tolerance(case, answer)
+    assert answer["o_spec"] == [None] * 4
 
 
 def test_an_implementation_on_the_host_runs_whole_under_sharded_inputs(worker):

@@ -41,6 +41,10 @@ SIMPLE_GLA_CASES = [
     ("cu end", dict(q=q1, k=k1, v=v1, cu_seqlens=jnp.array([0, 7])), ValueError, "cu_seqlens must end at T = 8"),
     ("cu rank", dict(q=q1, k=k1, v=v1, cu_seqlens=jnp.array([[0, 8]])), ValueError, "cu_seqlens must have rank 1"),
     ("cu too short", dict(q=q1, k=k1, v=v1, cu_seqlens=jnp.array([0])), ValueError, "at least 2 boundaries"),
+    ("cu empty list", dict(q=q1, k=k1, v=v1, cu_seqlens=[]), ValueError, "cu_seqlens is empty: it must hold the N + 1 >= 2 boundaries"),
+    ("cu empty array", dict(q=q1, k=k1, v=v1, cu_seqlens=np.array([])), ValueError, "cu_seqlens is empty"),
+    ("integer jax g_gamma", dict(g_gamma=jnp.array([-1, -2])), TypeError, "g_gamma must have a floating dtype"),
+    ("integer jax h0", dict(initial_state=jnp.zeros((2, 2, 4, 3), jnp.int32)), TypeError, "initial_state must have a floating dtype"),
     ("h0 N with cu", dict(q=q1, k=k1, v=v1, cu_seqlens=jnp.array([0, 3, 8]), initial_state=jnp.zeros((1, 2, 4, 3))), ValueError, "initial_state must have shape [N, H, K, V] = (2, 2, 4, 3)"),
 ]
 
@@ -150,6 +154,25 @@ def test_python_numbers_follow_float64_inputs(registry):
         x = q1.astype(jnp.float64)
         prepared = sg.prepare(x, x, x, None, -0.1, None, None, False, None, False)
         assert prepared.arrays["g_gamma"].dtype == jnp.float64
+        assert sg.prepare(x, x, x, None, [-1, -2], None, None, False, None, False).arrays["g_gamma"].dtype == jnp.float64
+
+
+@pytest.mark.parametrize("integers", [-1, [-1, -1], np.int64(-1), np.array([-1, -1])], ids=["int", "list", "numpy scalar", "numpy array"])
+def test_integer_gates_on_the_host_are_taken_as_floats(registry, integers):
+    # docs/ops.md writes g_gamma = -1; an integer jax array stays a TypeError (SIMPLE_GLA_CASES)
+    fakes.register(priority={"cpu": 10})
+    want, _ = sg.forward(q1, k1, v1, g_gamma=-1.0)
+    prepared = sg.prepare(q1, k1, v1, None, integers, None, None, False, None, False)
+    assert prepared.arrays["g_gamma"].dtype == f32
+    np.testing.assert_array_equal(sg.forward(q1, k1, v1, g_gamma=integers)[0], want)
+
+
+def test_integer_kda_gates_beta_and_state_on_the_host_are_taken_as_floats(registry):
+    zeros = np.zeros((1, 8, 2, 4), np.int64)
+    prepared = kda.prepare(q1, k1, v1, zeros, np.ones((1, 8, 2), int), None, np.zeros((1, 2, 4, 3), int), False, None, False, False)
+    assert {name: prepared.arrays[name].dtype for name in ("g", "beta", "initial_state")} == dict.fromkeys(("g", "beta", "initial_state"), f32)
+    prepared = sg.prepare(q1, k1, v1, zeros[..., 0], None, None, np.zeros((1, 2, 4, 3), int), False, None, False)
+    assert prepared.arrays["g"].dtype == prepared.arrays["initial_state"].dtype == f32
 
 
 def test_a_traced_scale_is_a_clear_error(registry):
@@ -167,6 +190,21 @@ def test_head_first_shapes_warn_and_name_the_expected_layout(registry):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sg.forward(q, k, v)  # T = 8 >= H = 2
+
+
+def test_decode_steps_and_calls_with_a_state_do_not_warn_about_the_layout(registry):
+    fakes.register()
+    step = jnp.ones((2, 1, 8, 4), f32)  # [B, T=1, H=8, K]: a decode step
+    chunk = jnp.ones((2, 4, 8, 4), f32)  # T = 4 < H = 8, beside a state of H = 8 heads
+    state = jnp.zeros((2, 8, 4, 4), f32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sg.forward(step, step, step, g_gamma=-0.1, initial_state=state, output_final_state=True)
+        sg.forward(step, step, step, g_gamma=-0.1)  # the first step, without a state yet
+        sg.forward(chunk, chunk, chunk, g_gamma=-0.1, initial_state=state)
+        kda.prepare(step, step, step, step, jnp.ones((2, 1, 8), f32), None, state, True, None, False, False)
+    with pytest.warns(tops_core.LayoutWarning, match="T = 4 tokens but H = 8 heads"):
+        kda.prepare(chunk, chunk, chunk, chunk, jnp.ones((2, 4, 8), f32), None, None, True, None, False, False)
 
 
 # -- cu_seqlens traced under jit -----------------------------------------------------------------

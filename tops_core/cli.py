@@ -20,7 +20,7 @@ from tops_core.conformance.cases import Case
 from tops_core.dispatch import NoImplementationError, pairing_note
 from tops_core.ops import CONTRACTS, op
 from tops_core.ops.base import ContractError, platform_of
-from tops_core.policy import Force, current_policy
+from tops_core.policy import Force, current_policy, deny_patterns
 from tops_core.registry import PluginError, default_registry
 from tops_core.tpu import compile_only
 from tops_core.tpu.generations import GENERATIONS
@@ -132,7 +132,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     policy = dataclasses.replace(
         policy,
         force=Force(args.force, (), "--force") if args.force else policy.force,
-        deny=policy.deny | frozenset(args.deny),
+        deny=policy.deny | deny_patterns(_parse_list(",".join(args.deny)), "--deny"),
         strict=policy.strict or args.strict,
         interpret=policy.interpret or args.interpret,
     )
@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--chip", choices=sorted(GENERATIONS), help="with --platform tpu: the TPU generation the call is lowered for (kernels size VMEM for it; default: unknown)")
     explain.add_argument("--interpret", action="store_true", help="interpret mode: accept TPU kernels off TPU")
     explain.add_argument("--force", metavar="IMPL", help="force an implementation, e.g. xla.chunk")
-    explain.add_argument("--deny", action="append", default=[], metavar="PATTERN", help="never select these implementations")
+    explain.add_argument("--deny", action="append", default=[], metavar="PATTERNS",
+                         help="never select these implementations (names or shell patterns; repeatable or comma-separated, as TOPS_DENY)")
     explain.add_argument("--strict", action="store_true", help="no fallback past the forced or highest-priority implementation")
     explain.set_defaults(run=cmd_explain)
 

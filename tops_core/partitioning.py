@@ -76,7 +76,7 @@ class Split:
     @property
     def platform(self) -> str | None:
         """The call-spec platform of the mesh's devices, when the mesh knows it."""
-        if isinstance(self.mesh, jax.sharding.Mesh):
+        if isinstance(self.mesh, jax.sharding.Mesh) and not self.mesh.empty:
             platform = self.mesh.devices.flat[0].platform
         elif getattr(self.mesh, "abstract_device", None) is not None:
             platform = self.mesh.abstract_device.platform
@@ -167,6 +167,7 @@ class Plan:
     def mapped(self, split: Split, operands: Sequence[jax.Array]) -> list[jax.Array]:
         """The call split over ``split`` in a ``shard_map`` over the whole mesh."""
         self.check(split, operands[0].shape[self.operand_dims[0].index("t")])
+        operands = [_typed_for(x, split.mesh, split.spec(dims)) for x, dims in zip(operands, self.operand_dims)]
         run = jax.shard_map(
             functools.partial(self._local, split, split.platform),
             mesh=split.mesh,
@@ -213,6 +214,24 @@ class Plan:
             over = tuple(a for f in sorted(split_factors - set(dims)) for a in split[f])
             shared.append(jax.lax.psum(result, over) if over else result)
         return shared
+
+
+def _typed_for(x: jax.Array, mesh: Any, spec: PartitionSpec) -> jax.Array:
+    """``x`` resharded to ``spec`` over the mesh's explicit axes (``AxisType.Explicit``, ``jax.make_mesh``'s default).
+
+    ``jax.shard_map`` requires an input's type to match its ``in_specs`` over explicit axes (an
+    unsharded input would be refused); over Auto axes it reshards the input itself, and
+    ``reshard`` may not name them, so they are left out of the spec here.
+    """
+    explicit = set(mesh.explicit_axes)
+    if not explicit:
+        return x
+
+    def kept(entry: Any) -> Any:
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in explicit)
+        return axes or None
+
+    return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*(kept(entry) for entry in spec))))
 
 
 def partitioned(plan: Plan, operands: Sequence[jax.Array], body: Callable[..., Any], split: Split | None) -> Any:

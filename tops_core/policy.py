@@ -7,18 +7,27 @@ Three sources, strongest first: an ``implementation=`` argument on the call, the
 - ``TOPS_DENY="tpu_pallas.*"``: never select these (names or shell patterns);
 - ``TOPS_STRICT=1``: never fall back past the forced or the highest-priority implementation;
 - ``TOPS_INTERPRET=1``: accept TPU kernels off TPU, run in Pallas' TPU interpreter.
+
+The policy is read when a call is traced: at every eager call, and when ``jax.jit`` traces a
+function. The scope of ``use`` is a JAX user context (``jax.make_user_context``), part of jit's
+tracing and compilation cache keys, so a function jitted before a ``use`` block is traced again
+inside it and runs the block's choice, and after it the old one. The environment is not part of
+those keys: a function already traced keeps the choice it was traced with when ``os.environ``
+changes later; eager calls and new traces see the change.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import fnmatch
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import jax
+
 from tops_core import environment
+from tops_core.registry import default_registry
 from tops_core.signatures import known_op
 
 ForceRequest = str | tuple[str, Mapping[str, Any]] | None
@@ -81,7 +90,8 @@ class _Scope:
     interpret: bool | None = None
 
 
-_scope: contextvars.ContextVar[_Scope] = contextvars.ContextVar("tops_policy_scope", default=_Scope())
+_scope = jax.make_user_context(_Scope())
+"""The innermost ``use`` block's scope; its value keys jit's caches (see the module docstring)."""
 
 
 @contextlib.contextmanager
@@ -96,9 +106,14 @@ def use(
 
     ``tops_core.use(simple_gla="xla.chunk")``, with config overrides
     ``tops_core.use(simple_gla=("tpu_pallas.fused", {"num_steps": 2}))``; ``None`` lifts an
-    outer force. Deny patterns accumulate with outer scopes; flags left ``None`` are inherited.
+    outer force. Deny patterns accumulate with outer scopes (each must match a registered
+    implementation); flags left ``None`` are inherited.
+
+    It applies to every call run inside the block, jitted or not: the scope is part of
+    ``jax.jit``'s cache keys, so a function jitted and run before the block is traced again for
+    it, and runs its earlier choice again after it.
     """
-    outer = _scope.get()
+    outer = _scope.value
     forces = dict(outer.forces)
     for op_name, request in ops.items():
         known_op(op_name, "tops_core.use()")
@@ -111,15 +126,32 @@ def use(
         deny = [deny]
     inner = _Scope(
         forces=tuple(sorted(forces.items())),
-        deny=outer.deny | frozenset(deny or ()),
+        deny=outer.deny | deny_patterns(deny or (), "tops_core.use(deny=...)"),
         strict=outer.strict if strict is None else bool(strict),
         interpret=outer.interpret if interpret is None else bool(interpret),
     )
-    token = _scope.set(inner)
-    try:
+    with _scope(inner):
         yield
-    finally:
-        _scope.reset(token)
+
+
+def deny_patterns(patterns: Iterable[str], source: str) -> frozenset[str]:
+    """Deny patterns (names or shell patterns such as ``tpu_pallas.*``) as a set; a ValueError naming
+    ``source``, the pattern and the registered names when one matches no implementation of any op.
+
+    Any op: ``TOPS_DENY="tpu_pallas.*"`` holds for every op, also one that has no such kernel.
+    """
+    patterns = frozenset(patterns)
+    if not patterns:
+        return patterns
+    if not all(isinstance(pattern, str) for pattern in patterns):
+        raise TypeError(f"{source}: deny patterns must be strings, got {sorted(patterns, key=repr)!r}")
+    names = sorted({impl.name for impl in default_registry().all_implementations()})
+    for pattern in sorted(patterns):
+        if not fnmatch.filter(names, pattern):
+            raise ValueError(
+                f"{source}: deny pattern {pattern!r} matches no registered implementation; registered: {', '.join(names) or 'none'}"
+            )
+    return patterns
 
 
 def _env_force(op_name: str) -> Force | None:
@@ -128,19 +160,22 @@ def _env_force(op_name: str) -> Force | None:
         key, sep, impl = item.partition("=")
         if not sep or not key.strip() or not impl.strip():
             raise ValueError(f"TOPS_FORCE entries must look like 'op=plugin.impl', got {item!r}")
-        forces[known_op(key.strip(), "TOPS_FORCE").name] = impl.strip()
+        name = known_op(key.strip(), "TOPS_FORCE").name
+        if name in forces:
+            raise ValueError(f"TOPS_FORCE names {name} twice ({forces[name]} and {impl.strip()}); force one implementation per op")
+        forces[name] = impl.strip()
     return Force(forces[op_name], (), "TOPS_FORCE") if op_name in forces else None
 
 
 def interpret_enabled() -> bool:
     """Whether interpret mode is on in the current scope (``use(interpret=...)``, else TOPS_INTERPRET)."""
-    scope = _scope.get()
+    scope = _scope.value
     return scope.interpret if scope.interpret is not None else environment.flag("TOPS_INTERPRET")
 
 
 def current_policy(op_name: str, implementation: ForceRequest = None) -> Policy:
     """Resolve the policy for one call of ``op_name``."""
-    scope = _scope.get()
+    scope = _scope.value
     force = Force.parse(implementation, "argument")
     if force is None:
         force = dict(scope.forces).get(op_name)
@@ -148,7 +183,7 @@ def current_policy(op_name: str, implementation: ForceRequest = None) -> Policy:
         force = _env_force(op_name)
     return Policy(
         force=force,
-        deny=scope.deny | frozenset(environment.names("TOPS_DENY")),
+        deny=scope.deny | deny_patterns(environment.names("TOPS_DENY"), "TOPS_DENY"),
         strict=scope.strict if scope.strict is not None else environment.flag("TOPS_STRICT"),
         interpret=interpret_enabled(),
     )

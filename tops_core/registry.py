@@ -102,6 +102,7 @@ class Registry:
 
     def load_entry_points(self) -> None:
         """Load every plugin of the ``tops`` entry-point group that the environment allows."""
+        environment.warn_unknown()
         allow = set(environment.names("TOPS_PLUGINS"))
         disabled = environment.flag("TOPS_DISABLE_PLUGIN_AUTOLOAD")
         entry_points, seen = [], set()

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from tops_core import parallel
+from tops_core import environment, parallel
 from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.dispatch import Decision, NoImplementationError, pairing_note, select
 from tops_core.lowering import Choice, stage_per_platform
@@ -248,6 +248,7 @@ class OpContract:
         if spec.op != self.name:
             raise ValueError(f"call spec is for {spec.op!r}, not {self.name!r}")
         policy = self.policy() if policy is None else policy
+        environment.warn_unknown()
         registry = default_registry()
         registry.warn_quarantined()
         key = (spec, direction, policy, warn)

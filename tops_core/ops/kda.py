@@ -152,16 +152,14 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
 
     def prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, interpret) -> Prepared:
         """Validate a call (docs/ops.md "Invalid input") and derive its call spec."""
-        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v)
+        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v, initial_state_given=initial_state is not None)
         floats = state_dtype(q.dtype)  # the dtype Python numbers and lists become
-        g = validation.floating("g", validation.array("g", g, float_dtype=floats))
-        validation.shape("g", g, (B, T, H, K), "[B, T, H, K]")
-        beta = validation.floating("beta", validation.array("beta", beta, float_dtype=floats))
-        validation.shape("beta", beta, (B, T, H), "[B, T, H]")
+        g = validation.shape("g", validation.real_array("g", g, floats), (B, T, H, K), "[B, T, H, K]")
+        beta = validation.shape("beta", validation.real_array("beta", beta, floats), (B, T, H), "[B, T, H]")
         cu_seqlens, N = validation.cu_seqlens(cu_seqlens, B, T)
-        initial_state = validation.array("initial_state", initial_state, required=False, float_dtype=floats)
+        initial_state = validation.real_array("initial_state", initial_state, floats, required=False)
         if initial_state is not None:
-            validation.shape("initial_state", validation.floating("initial_state", initial_state), (N, H, K, V), "[N, H, K, V]")
+            validation.shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
         options = (
             ("scale", validation.scale(scale, K)),
             ("output_final_state", validation.flag("output_final_state", output_final_state)),

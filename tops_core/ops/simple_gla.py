@@ -148,20 +148,18 @@ class SimpleGLA(OpContract, signature=SIMPLE_GLA):
 
     def prepare(self, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, interpret) -> Prepared:
         """Validate a call (docs/ops.md "Invalid input") and derive its call spec."""
-        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v)
+        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v, initial_state_given=initial_state is not None)
         floats = state_dtype(q.dtype)  # the dtype Python numbers and lists become
-        g = validation.array("g", g, required=False, float_dtype=floats)
+        g = validation.real_array("g", g, floats, required=False)
         if g is not None:
-            validation.shape("g", validation.floating("g", g), (B, T, H), "[B, T, H]")
-        g_gamma = validation.array("g_gamma", g_gamma, required=False, float_dtype=floats)
-        if g_gamma is not None:
-            validation.floating("g_gamma", g_gamma)
-            if g_gamma.ndim != 0:
-                validation.shape("g_gamma", g_gamma, (H,), "[H] (or a scalar)")
+            validation.shape("g", g, (B, T, H), "[B, T, H]")
+        g_gamma = validation.real_array("g_gamma", g_gamma, floats, required=False)
+        if g_gamma is not None and g_gamma.ndim != 0:
+            validation.shape("g_gamma", g_gamma, (H,), "[H] (or a scalar)")
         cu_seqlens, N = validation.cu_seqlens(cu_seqlens, B, T)
-        initial_state = validation.array("initial_state", initial_state, required=False, float_dtype=floats)
+        initial_state = validation.real_array("initial_state", initial_state, floats, required=False)
         if initial_state is not None:
-            validation.shape("initial_state", validation.floating("initial_state", initial_state), (N, H, K, V), "[N, H, K, V]")
+            validation.shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
         output_final_state = validation.flag("output_final_state", output_final_state)
         arrays = dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=initial_state, cu_seqlens=cu_seqlens)
         options = (("scale", validation.scale(scale, K)), ("output_final_state", output_final_state))

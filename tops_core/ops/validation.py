@@ -48,6 +48,21 @@ def array(name: str, value: Any, *, required: bool = True, float_dtype: Any = jn
     raise TypeError(f"{name} must be {accepted}, got {type(value).__name__}")
 
 
+def real_array(name: str, value: Any, float_dtype: Any, *, required: bool = True) -> jax.Array | None:
+    """A floating array for a real-valued input (the gates, ``beta``, ``initial_state``): a jax array
+    of a floating dtype, or numbers on the host, which become floats.
+
+    Integers on the host (``g_gamma=-1``, ``[-1, -2]``, ``np.int64(-1)``, an integer NumPy
+    array) are as unambiguous as the floats they stand for and become ``float_dtype``, as Python
+    floats do. An integer jax array stays a TypeError: it is a device tensor of the user's
+    model, whose dtype says something went wrong upstream, and tops does not cast device arrays.
+    """
+    x = array(name, value, required=required, float_dtype=float_dtype)
+    if x is not None and not isinstance(value, jax.Array) and jnp.issubdtype(x.dtype, jnp.integer):
+        x = x.astype(float_dtype)
+    return None if x is None else floating(name, x)
+
+
 def floating(name: str, x: jax.Array) -> jax.Array:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must have a floating dtype ({FLOATS}), got {x.dtype}")
@@ -111,6 +126,8 @@ def cu_seqlens(value: Any, batch: int, seq_len: int) -> tuple[jax.Array | None, 
     if value is None:
         return None, batch
     cu = array("cu_seqlens", value)
+    if cu.size == 0:  # an empty list has no integer dtype to check: say what is wrong
+        raise ValueError(f"cu_seqlens is empty: it must hold the N + 1 >= 2 boundaries of the packed sequences, e.g. [0, {seq_len}]")
     if not jnp.issubdtype(cu.dtype, jnp.integer):
         raise TypeError(f"cu_seqlens must be an int32 or int64 array, got {cu.dtype}")
     rank("cu_seqlens", cu, 1, "[N + 1]")
@@ -139,15 +156,25 @@ def placeholder_cu_seqlens(num_seqs: int, seq_len: int) -> jax.Array:
     return jnp.where(jnp.arange(num_seqs + 1) == 0, 0, seq_len).astype(jnp.int32)
 
 
-def qkv(q: Any, k: Any, v: Any) -> tuple[jax.Array, jax.Array, jax.Array, tuple[int, int, int, int, int]]:
-    """Check ``q, k: [B, T, H, K]`` and ``v: [B, T, H, V]`` of one floating dtype; returns them and (B, T, H, K, V)."""
+def qkv(
+    q: Any, k: Any, v: Any, *, initial_state_given: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, tuple[int, int, int, int, int]]:
+    """Check ``q, k: [B, T, H, K]`` and ``v: [B, T, H, V]`` of one floating dtype; returns them and (B, T, H, K, V).
+
+    A head-first ``[B, H, T, K]`` array passed by mistake reads as ``H`` tokens of ``T`` heads;
+    models have fewer heads than tokens, so ``1 < T < H`` suggests one, and a ``LayoutWarning``
+    says so. Not for one token: a decode step ``[B, 1, H, K]`` is time-major, and a head-first
+    array reads as one token only for a one-head model. Not with ``initial_state_given``: the
+    state's ``[N, H, K, V]`` shape, checked against ``q``'s ``H``, settles the layout (a swapped
+    call fails that check).
+    """
     q, k, v = (array(name, x, python=False) for name, x in (("q", q), ("k", k), ("v", v)))
     for name, x in (("q", q), ("k", k), ("v", v)):
         floating(name, x)
         rank(name, x, 4, "[B, T, H, K]" if name != "v" else "[B, T, H, V]")
     positive_dims("q", q, "[B, T, H, K]")
     B, T, H, K = q.shape
-    if T < H:
+    if 1 < T < H and not initial_state_given:
         warnings.warn(
             f"q has shape {tuple(q.shape)}: T = {T} tokens but H = {H} heads. tops expects [B, T, H, K] "
             "(time before heads); if these are head-first [B, H, T, K] arrays, pass x.swapaxes(1, 2)",
