@@ -258,6 +258,81 @@ def test_empty_sequences_without_initial_state_end_in_zeros(x64):
     np.testing.assert_allclose(ht[2], np.einsum("thk,thv->hkv", k[0, 1:3], v[0, 1:3]), rtol=1e-13)
 
 
+# -- gates of -inf ------------------------------------------------------------------------------
+
+
+def test_a_gate_of_minus_inf_cuts_the_sequence_in_two(x64):
+    """``g = -inf`` at token ``t``: the tokens before it are a call of their own (whose final state
+    nothing reads), the tokens from it a call from a zero state; dg at the cut is 0."""
+    T, t = 6, 2
+    rng = np.random.default_rng(10)
+    primals, cotangents = random_call(rng, B=1, T=T)
+    primals["initial_state"] = primals["initial_state"][:1]
+    cotangents["dht"] = cotangents["dht"][:1]
+    primals["g"][:, t] = -np.inf
+    o, ht = forward(**as_jax(**primals), scale=SCALE, output_final_state=True)
+    grads = backward(**as_jax(**primals, **cotangents), scale=SCALE)
+
+    def part(tokens, initial_state, dht):
+        one = dict(q=primals["q"][:, tokens], k=primals["k"][:, tokens], v=primals["v"][:, tokens],
+                   g=np.where(np.isinf(primals["g"][:, tokens]), 0.0, primals["g"][:, tokens]),
+                   g_gamma=primals["g_gamma"], initial_state=initial_state)
+        outputs = forward(**as_jax(**one), scale=SCALE, output_final_state=True)
+        return outputs, backward(**as_jax(**one), do=jnp.asarray(cotangents["do"][:, tokens]), dht=jnp.asarray(dht), scale=SCALE)
+
+    (o_before, _), before = part(slice(0, t), primals["initial_state"], np.zeros_like(cotangents["dht"]))
+    (o_after, ht_after), after = part(slice(t, T), np.zeros_like(primals["initial_state"]), cotangents["dht"])
+    np.testing.assert_allclose(o, np.concatenate([o_before, o_after], axis=1), rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(ht, ht_after, rtol=1e-13, atol=1e-15)
+    for name in ("dq", "dk", "dv"):
+        joined = np.concatenate([getattr(before, name), getattr(after, name)], axis=1)
+        np.testing.assert_allclose(getattr(grads, name), joined, rtol=1e-13, atol=1e-15)
+    np.testing.assert_array_equal(grads.dg[:, t], 0.0)
+    np.testing.assert_allclose(grads.dg[:, :t], before.dg, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(grads.dg[:, t + 1:], after.dg[:, 1:], rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(grads.dinitial_state, before.dinitial_state, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(grads.dg_gamma, np.asarray(before.dg_gamma) + np.asarray(after.dg_gamma), rtol=1e-13)
+
+
+def test_a_g_gamma_of_minus_inf_keeps_only_each_token_s_own_write(x64):
+    """Head 0's ``g_gamma = -inf`` resets its state at every token: ``S_t = k_t^T v_t``, so
+    ``o_t = scale (q_t . k_t) v_t`` and the final state is the last token's write, with the
+    gradients of those closed forms and none for the decay or the initial state. Head 1 (finite)
+    equals a call of its own."""
+    T = 5
+    rng = np.random.default_rng(11)
+    primals, cotangents = random_call(rng, B=1, T=T)
+    del primals["g"]
+    primals["initial_state"], cotangents["dht"] = primals["initial_state"][:1], cotangents["dht"][:1]
+    primals["g_gamma"] = np.array([-np.inf, -0.4])
+    o, ht = forward(**as_jax(**primals), scale=SCALE, output_final_state=True)
+    grads = backward(**as_jax(**primals, **cotangents), scale=SCALE)
+
+    q, k, v = (primals[name][0, :, 0] for name in ("q", "k", "v"))
+    do, dht = cotangents["do"][0, :, 0], cotangents["dht"][0, 0]
+    qk, v_do = np.sum(q * k, axis=-1, keepdims=True), np.sum(v * do, axis=-1, keepdims=True)
+    np.testing.assert_allclose(o[0, :, 0], SCALE * qk * v, rtol=1e-13)
+    np.testing.assert_allclose(ht[0, 0], np.outer(k[-1], v[-1]), rtol=1e-13)
+    last = np.arange(T)[:, None] == T - 1
+    np.testing.assert_allclose(grads.dq[0, :, 0], SCALE * v_do * k, rtol=1e-13)
+    np.testing.assert_allclose(grads.dk[0, :, 0], SCALE * v_do * q + last * (v @ dht.T), rtol=1e-13)
+    np.testing.assert_allclose(grads.dv[0, :, 0], SCALE * qk * do + last * (k @ dht), rtol=1e-13)
+    np.testing.assert_array_equal(grads.dinitial_state[0, 0], 0.0)
+    assert grads.dg_gamma[0] == 0.0
+
+    head = {name: x[..., 1:2, :] if name in ("q", "k", "v") else x for name, x in primals.items()}
+    head.update(g_gamma=primals["g_gamma"][1:], initial_state=primals["initial_state"][:, 1:])
+    o1, ht1 = forward(**as_jax(**head), scale=SCALE, output_final_state=True)
+    grads1 = backward(**as_jax(**head), do=jnp.asarray(cotangents["do"][..., 1:2, :]),
+                      dht=jnp.asarray(cotangents["dht"][:, 1:]), scale=SCALE)
+    np.testing.assert_allclose(o[..., 1:2, :], o1, rtol=1e-13)
+    np.testing.assert_allclose(ht[:, 1:], ht1, rtol=1e-13)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_allclose(getattr(grads, name)[..., 1:2, :], getattr(grads1, name), rtol=1e-13)
+    np.testing.assert_allclose(grads.dinitial_state[:, 1:], grads1.dinitial_state, rtol=1e-13)
+    np.testing.assert_allclose(grads.dg_gamma[1:], grads1.dg_gamma, rtol=1e-13)
+
+
 # -- transformations --------------------------------------------------------------------------
 
 

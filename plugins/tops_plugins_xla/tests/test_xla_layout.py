@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tops_plugins_xla.chunk_layout import dense_layout, packed_layout
+from tops_plugins_xla.chunk_layout import dense_layout, packed_layout, sequence_starts, token_sequence
 
 BOUNDARIES = [
     [0, 300],
@@ -87,3 +87,15 @@ def test_dense_layout_pads_only_the_end(T):
 def test_packed_layout_is_never_one_sequence_per_row():
     layout = packed_layout(jnp.asarray([0, 100]), 100, 64)
     assert not layout.one_sequence_per_row
+
+
+@pytest.mark.parametrize("cu", BOUNDARIES)
+def test_sequence_starts_and_token_sequence_under_jit(cu):
+    T = cu[-1]
+    starts, sequence = jax.jit(lambda cu_seqlens: (sequence_starts(cu_seqlens, T), token_sequence(cu_seqlens, T)))(
+        jnp.asarray(cu, jnp.int32))
+    want_sequence = np.concatenate([np.full(end - start, n) for n, (start, end) in enumerate(zip(cu[:-1], cu[1:]))])
+    np.testing.assert_array_equal(sequence, want_sequence)
+    want_starts = np.zeros(T, bool)
+    want_starts[[start for start, end in zip(cu[:-1], cu[1:]) if end > start]] = True
+    np.testing.assert_array_equal(starts, want_starts)

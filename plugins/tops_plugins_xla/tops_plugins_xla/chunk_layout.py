@@ -1,12 +1,14 @@
-"""Chunk-aligned token layouts: pure index math, shared by every chunked kernel.
+"""Chunk-aligned token layouts and packed sequences' boundaries: pure index math.
 
-A chunked kernel wants each sequence to start on a chunk boundary, so that a chunk never holds
-tokens of two sequences. Without ``cu_seqlens`` each batch row is one sequence and only its end
-needs padding. With ``cu_seqlens`` (``B == 1``, ``N`` packed sequences) every sequence is moved to
-its own run of chunks, ``max(1, ceil(L / C))`` of them, padded with empty slots; a sequence of
-length 0 still owns one (empty) chunk, so every sequence has a first and a last chunk and needs
-no special case. ``num_chunks = T // C + N`` bounds the total, so shapes stay static while
-``cu_seqlens`` may be a traced value under ``jit``; chunks past the last sequence are empty.
+``dense_layout``: each batch row is one sequence in regular chunks; only its end needs padding.
+``packed_layout`` (``cu_seqlens``, ``B == 1``, ``N`` packed sequences) moves every sequence to its
+own run of chunks, ``max(1, ceil(L / C))`` of them, padded with empty slots, so that a chunk never
+holds tokens of two sequences; a sequence of length 0 still owns one (empty) chunk, so every
+sequence has a first and a last chunk and needs no special case. ``num_chunks = T // C + N``
+bounds the total, so shapes stay static while ``cu_seqlens`` may be a traced value under ``jit``;
+chunks past the last sequence are empty. kda's sweeps run in it; simple_gla runs packed tokens in
+the dense layout, cutting the state at ``sequence_starts``, and groups tokens by sequence in a
+``packed_layout`` of short pieces.
 
 Padded slots hold zeros and must not decay the state (``token_mask`` tells them apart).
 """
@@ -90,6 +92,20 @@ def dense_layout(num_tokens: int, chunk_size: int) -> ChunkLayout:
     )
 
 
+def sequence_starts(cu_seqlens: Array, num_tokens: int) -> Array:
+    """``[num_tokens]`` bool: True at the first token of every non-empty packed sequence."""
+    # Empty sequences share their start with the next one; those at the end start at num_tokens.
+    starts = jnp.zeros(num_tokens + 1, bool).at[cu_seqlens[:-1]].set(True)
+    return starts[:num_tokens]
+
+
+def token_sequence(cu_seqlens: Array, num_tokens: int) -> Array:
+    """``[num_tokens]`` int32: the packed sequence each token belongs to."""
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    # side="right" skips the empty sequences that share a boundary with the token's own.
+    return jnp.searchsorted(cu_seqlens.astype(jnp.int32), tokens, side="right").astype(jnp.int32) - 1
+
+
 def packed_layout(cu_seqlens: Array, num_tokens: int, chunk_size: int) -> ChunkLayout:
     """Packed sequences (``B == 1``) at ``cu_seqlens`` (``[N + 1]``, may be traced): each starts a chunk."""
     num_sequences = cu_seqlens.shape[0] - 1
@@ -104,15 +120,13 @@ def packed_layout(cu_seqlens: Array, num_tokens: int, chunk_size: int) -> ChunkL
     chunks = jnp.arange(num_chunks, dtype=jnp.int32)
     # Chunks past the last sequence's last chunk land on the last sequence, as padding.
     chunk_sequence = jnp.searchsorted(first_chunk, chunks, side="right").astype(jnp.int32) - 1
-    slots = jnp.arange(num_chunks * chunk_size, dtype=jnp.int32)
-    slot_sequence = chunk_sequence[slots // chunk_size]
-    offset = slots - first_chunk[slot_sequence] * chunk_size
-    slot_token = jnp.where(offset < lengths[slot_sequence], starts[slot_sequence] + offset, num_tokens)
-
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    # side="right" skips the empty sequences that share a boundary with the token's own.
-    token_sequence = jnp.searchsorted(cu, tokens, side="right").astype(jnp.int32) - 1
-    token_slot = first_chunk[token_sequence] * chunk_size + tokens - starts[token_sequence]
+    sequence = token_sequence(cu, num_tokens)
+    token_slot = first_chunk[sequence] * chunk_size + tokens - starts[sequence]
+    # Scattered, slot_token is computed once: as an expression of the slot, XLA fused it into the
+    # gathers that read it and recomputed it for every element gathered (K of them per slot),
+    # which took longer than the gathers themselves.
+    slot_token = jnp.full(num_chunks * chunk_size, num_tokens, jnp.int32).at[token_slot].set(tokens, unique_indices=True)
 
     return ChunkLayout(
         num_tokens=num_tokens,
@@ -122,6 +136,6 @@ def packed_layout(cu_seqlens: Array, num_tokens: int, chunk_size: int) -> ChunkL
         chunk_sequence=chunk_sequence,
         chunk_is_first=first_chunk[chunk_sequence] == chunks,
         chunk_is_last=last_chunk[chunk_sequence] == chunks,
-        slot_token=slot_token.astype(jnp.int32),
+        slot_token=slot_token,
         token_slot=token_slot.astype(jnp.int32),
     )

@@ -17,6 +17,19 @@ gradient of the state after the chunk::
     dv    = ((q k^T) * D)^T do + exp(G - b) * (k dS)
     dS_in = exp(G) dS + (exp(b) * q)^T do
 
+**Cuts.** A gate of ``-inf`` resets the state (``exp(-inf) = 0``), and so does, for packed
+sequences, every sequence start. ``b`` sums the finite gates only and ``r_i`` counts the cuts in
+the chunk up to token ``i``; a decay across a cut is 0, so ``D_ij = exp(b_i - b_j)`` only where
+``r_i == r_j``, ``exp(b_i)`` only where ``r_i == 0``, ``exp(G - b_j)`` only where
+``r_j == r_C`` and ``exp(G)`` only where ``r_C == 0``: each exponent is masked to ``-inf`` before
+``exp``, so no ``-inf - (-inf)`` is ever formed, and the gradient of a cut's gate is 0.
+
+**Packed sequences** (``cu_seqlens``) run as one stream in regular chunks, each start a cut, from
+zero states, so the cost does not depend on the number of sequences; what initial and final states
+add is linear and computed apart (``packed``). With states and few sequences (``N C <= T``) each
+sequence runs in chunks of its own instead (``packed_layout``, ``T / C + N`` chunks), where the
+sweeps carry the states: there that costs less than the states' terms.
+
 Both sweeps loop over chunks, all rows and heads of a chunk at once, and write their outputs in
 place: every temporary stays the size of one chunk. On CPU that matters more than arithmetic,
 because every freshly allocated page costs a fault. Memory is O(T (K + V) + (T / C) K V).
@@ -32,7 +45,8 @@ import jax.numpy as jnp
 
 from tops_core import SimpleGLAGrads
 from tops_core.ops.base import state_dtype
-from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
+from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout, sequence_starts
+from tops_plugins_xla.simple_gla.packed import PackedStates, packed_states
 from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
 
 Array = jax.Array
@@ -52,35 +66,69 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size"))
 def _forward(q, k, v, g, g_gamma, initial_state, cu_seqlens, *, scale, output_final_state, chunk_size):
-    x = _chunked(q, k, v, g, g_gamma, initial_state, cu_seqlens, scale, chunk_size)
-    o, final, _ = _forward_sweep(x, output_dtype=v.dtype, record_states=False)
-    final_state = flat_states(final) if output_final_state else None
-    return x.layout.unpack(o), final_state
+    with_states = initial_state is not None or output_final_state
+    x = _chunked(q, k, v, g, g_gamma, initial_state, cu_seqlens, scale, chunk_size, with_states)
+    if x.packed is None:
+        o, final, _ = _forward_sweep(x, output_dtype=v.dtype, record_states=False)
+        return x.layout.unpack(o), flat_states(final) if output_final_state else None
+
+    # Packed: the stream from zero states, then what the states add (in the compute dtype, rounded once).
+    h0 = None if initial_state is None else initial_state.astype(x.dtype)
+    o, _, _ = _forward_sweep(x, output_dtype=v.dtype if h0 is None else x.dtype, record_states=False)
+    o = x.layout.unpack(o)
+    if h0 is not None:
+        o = o + x.packed.initial_state_outputs(q.astype(x.dtype) * scale, h0)
+    final_state = x.packed.final_states(k.astype(x.dtype), v.astype(x.dtype), h0) if output_final_state else None
+    return o.astype(v.dtype), final_state
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size"))
 def _backward(q, k, v, do, g, g_gamma, initial_state, dht, cu_seqlens, *, scale, chunk_size):
-    x = _chunked(q, k, v, g, g_gamma, initial_state, cu_seqlens, scale, chunk_size)
+    x = _chunked(q, k, v, g, g_gamma, initial_state, cu_seqlens, scale, chunk_size, initial_state is not None or dht is not None)
     layout = x.layout
     _, final, states = _forward_sweep(x, output_dtype=None, record_states=True)
-    if dht is not None:
-        dht = dht.astype(x.dtype).reshape(final.shape)
-    dq, dk, dv, dlog_decay, dh0 = _reverse_sweep(x, layout.pack(do), dht, states, final)
+    if x.packed is None:
+        if dht is not None:
+            dht = dht.astype(x.dtype).reshape(final.shape)
+        *grads, dh0 = _reverse_sweep(x, layout.pack(do), dht, states)
+        dq, dk, dv, dlog_decay = (layout.unpack(d) for d in grads)
+        dh0 = flat_states(dh0)
+    else:
+        dq, dk, dv, dlog_decay, dh0 = _packed_backward(x, q, k, v, do, initial_state, dht, states)
     dg = dg_gamma = dinitial_state = None
-    if g is not None or g_gamma is not None:
-        dlog_decay = layout.unpack(dlog_decay)
-        if g is not None:
-            dg = dlog_decay.astype(g.dtype)
-        if g_gamma is not None:
-            # A scalar g_gamma is shared by the heads too.
-            summed = (0, 1) if g_gamma.ndim else (0, 1, 2)
-            dg_gamma = jnp.sum(dlog_decay, axis=summed).astype(g_gamma.dtype)
+    if g is not None:
+        dg = dlog_decay.astype(g.dtype)
+    if g_gamma is not None:
+        # A scalar g_gamma is shared by the heads too.
+        summed = (0, 1) if g_gamma.ndim else (0, 1, 2)
+        dg_gamma = jnp.sum(dlog_decay, axis=summed).astype(g_gamma.dtype)
     if initial_state is not None:
-        dinitial_state = flat_states(dh0).astype(initial_state.dtype)
+        dinitial_state = dh0.astype(initial_state.dtype)
     return SimpleGLAGrads(
-        dq=layout.unpack(dq), dk=layout.unpack(dk), dv=layout.unpack(dv),
+        dq=dq.astype(q.dtype), dk=dk.astype(k.dtype), dv=dv.astype(v.dtype),
         dg=dg, dg_gamma=dg_gamma, dinitial_state=dinitial_state,
     )
+
+
+def _packed_backward(x: _Chunked, q, k, v, do, initial_state, dht, states):
+    """``dq, dk, dv, da, dh0`` of a packed call: the stream's, from the reverse sweep (which nothing
+    carries across a sequence start), plus the gradients of what the states add."""
+    with_states = initial_state is not None or dht is not None
+    # With states, the sweep's gradients stay in the compute dtype until the states' terms are added.
+    grads = _reverse_sweep(x, x.layout.pack(do), None, states, grad_dtype=x.dtype if with_states else None)
+    dq, dk, dv, da = (x.layout.unpack(d) for d in grads[:4])
+    if not with_states:
+        return dq, dk, dv, da, None
+    f = x.dtype
+    h0 = None if initial_state is None else initial_state.astype(f)
+    dht = None if dht is None else dht.astype(f)
+    dq_states, dk_states, dv_states, da_states, dh0 = x.packed.backward(
+        q.astype(f) * x.scale, k.astype(f), v.astype(f), do.astype(f), h0, dht)
+    if dq_states is not None:
+        dq = dq + dq_states * x.scale
+    if dk_states is not None:
+        dk, dv = dk + dk_states, dv + dv_states
+    return dq, dk, dv, da + da_states, dh0
 
 
 # -- the call, in its chunk layout ------------------------------------------------------------
@@ -90,9 +138,9 @@ def _backward(q, k, v, do, g, g_gamma, initial_state, dht, cu_seqlens, *, scale,
 class _Chunked:
     """A call moved into its chunk layout.
 
-    ``q, k, v`` are ``[R, P, H, .]`` in their own dtype (``R`` rows of ``P`` slots). The decays
-    are ``[num_chunks, R, H, C]`` (``[num_chunks, R, H]`` for the whole chunk), so a step reads
-    one contiguous block of each.
+    ``q, k, v`` are ``[R, P, H, .]`` in their own dtype (``R`` rows of ``P`` slots; packed
+    sequences are one row). The decays are ``[num_chunks, R, H, C]`` (``[num_chunks, R, H]`` for
+    the whole chunk), so a step reads one contiguous block of each; each is 0 across a cut.
     """
 
     layout: ChunkLayout
@@ -107,10 +155,15 @@ class _Chunked:
     """``exp(G)``: across the whole chunk."""
     gate: Array | None
     """``b`` when the decay varies per token (``g`` given); None when ``intra`` holds ``D``."""
+    cuts: Array | None
+    """``r``, the cuts in the chunk up to each token (int32), where a cut can fall inside a chunk
+    (``g`` given, or packed sequences); None where ``intra`` already holds every cut."""
     intra: Array | None
     """``[1 or H, C, C]``: ``D`` when the decay is a constant per head (no ``g``), the same in every chunk."""
     initial_state: Array | None
-    """``[R, sequences_per_row, H, K, V]`` in the compute dtype, or None."""
+    """``[R, sequences_per_row, H, K, V]`` in the compute dtype, or None (always None in the stream)."""
+    packed: PackedStates | None
+    """Packed sequences in one stream: what their states add; None otherwise."""
     scale: float
 
     @property
@@ -119,51 +172,83 @@ class _Chunked:
         return state_dtype(self.q.dtype)
 
 
-def _chunked(q, k, v, g, g_gamma, initial_state, cu_seqlens, scale, chunk_size) -> _Chunked:
+def _chunked(q, k, v, g, g_gamma, initial_state, cu_seqlens, scale, chunk_size, with_states: bool) -> _Chunked:
     B, T, H, _ = q.shape
     C = chunk_size
-    layout = dense_layout(T, C) if cu_seqlens is None else packed_layout(cu_seqlens, T, C)
+    stream = cu_seqlens is not None and not _sequences_own_chunks(T, cu_seqlens.shape[0] - 1, C, with_states)
+    layout = packed_layout(cu_seqlens, T, C) if cu_seqlens is not None and not stream else dense_layout(T, C)
     dtype = state_dtype(q.dtype)
-    rows = B if cu_seqlens is None else 1
-    log_decay = jnp.zeros((rows, layout.num_slots, H), dtype)
+    log_decay = jnp.zeros((B, T, H), dtype)
     if g is not None:
-        log_decay += layout.pack(g.astype(dtype))
+        log_decay += g.astype(dtype)
     if g_gamma is not None:
-        # Padded slots must not decay the state: the final state is exact.
-        real = layout.token_mask()[None, :, None]
-        log_decay += jnp.where(real, g_gamma.astype(dtype), 0)
-    gate = jnp.cumsum(log_decay.reshape(rows, layout.num_chunks, C, H), axis=2)
-    gate = jnp.transpose(gate, (1, 0, 3, 2))  # [num_chunks, R, H, C]
-    total = gate[..., -1]
+        log_decay += g_gamma.astype(dtype)
+    cut = log_decay == -jnp.inf
+    packed = None
+    if stream:
+        cut |= sequence_starts(cu_seqlens, T)[None, :, None]
+        packed = packed_states(log_decay, cu_seqlens)
+
+    # Padded slots (zeros) neither decay nor cut the state: the final state is exact.
+    def chunk_major(x):  # [R, T, H] -> [num_chunks, R, H, C], summed along each chunk
+        x = jnp.cumsum(layout.pack(x).reshape(B, layout.num_chunks, C, H), axis=2)
+        return jnp.transpose(x, (1, 0, 3, 2))
+
+    gate = chunk_major(jnp.where(cut, 0, log_decay))
+    cuts = chunk_major(cut.astype(jnp.int32))
+    total, cuts_total = gate[..., -1:], cuts[..., -1:]
 
     intra = None
     if g is None:
-        # Slots of a chunk are its sequence's tokens in order, then padding whose q, k, v and do
-        # are zero, so D = exp(gamma (i - j)) is right wherever it matters, in every chunk.
+        # Slots of a chunk are tokens in order, then padding whose q, k, v and do are zero, so
+        # D = exp(gamma (i - j)) is right wherever it matters, in every chunk.
         gamma = jnp.zeros((1,), dtype) if g_gamma is None else jnp.reshape(g_gamma.astype(dtype), (-1,))
         steps = jnp.arange(C, dtype=dtype)
-        intra = _masked_exp(gamma[:, None, None] * (steps[:, None] - steps[None, :]))
+        distance = steps[:, None] - steps[None, :]
+        # The diagonal decays over no token (exp(0) = 1), also where gamma * 0 would be nan (gamma = -inf).
+        exponent = jnp.where(distance == 0, 0, gamma[:, None, None] * distance)
+        intra = _masked_exp(exponent, distance >= 0)
 
     h0 = None
-    if initial_state is not None:
-        h0 = initial_state.astype(dtype).reshape(rows, layout.sequences_per_row, *initial_state.shape[1:])
+    if initial_state is not None and not stream:
+        h0 = initial_state.astype(dtype).reshape(B, layout.sequences_per_row, *initial_state.shape[1:])
     return _Chunked(
         layout=layout, q=layout.pack(q), k=layout.pack(k), v=layout.pack(v),
-        decay_to_token=jnp.exp(gate), decay_to_end=jnp.exp(total[..., None] - gate),
-        decay_whole=jnp.exp(total), gate=gate if g is not None else None, intra=intra,
-        initial_state=h0, scale=scale,
+        decay_to_token=_masked_exp(gate, cuts == 0),
+        decay_to_end=_masked_exp(total - gate, cuts == cuts_total),
+        decay_whole=_masked_exp(total[..., 0], cuts_total[..., 0] == 0),
+        gate=gate if g is not None else None,
+        cuts=cuts if g is not None or stream else None,
+        intra=intra, initial_state=h0, packed=packed, scale=scale,
     )
 
 
-def _masked_exp(diff: Array) -> Array:
-    """``exp`` of ``diff[..., i, j]`` on and below the diagonal, 0 above it.
+def _sequences_own_chunks(num_tokens: int, num_sequences: int, chunk_size: int, with_states: bool) -> bool:
+    """Whether packed sequences run in chunks of their own (``packed_layout``) rather than as one stream.
 
-    The exponent is masked before ``exp``: above the diagonal it can be large and positive, and
-    ``exp`` of it would overflow into ``inf * 0 = nan``.
+    Their own chunks cost ``T / C + N`` chunks (``1 + N C / T`` times the stream's), and the
+    sweeps carry the states through them. In the stream the states' terms cost about ``K V``
+    per token and term (``packed``): worth it without states (nothing to add), and with states
+    once ``N C / T`` exceeds about 1.
     """
-    C = diff.shape[-1]
+    return with_states and num_sequences * chunk_size <= num_tokens
+
+
+def _masked_exp(exponent: Array, keep: Array) -> Array:
+    """``exp(exponent)`` where ``keep``, else 0.
+
+    The exponent is masked before ``exp``: where it is not kept it can be large and positive
+    (above a decay matrix's diagonal) or ``nan`` (``-inf - (-inf)``), and ``exp`` of it times 0
+    would be ``nan``.
+    """
+    return jnp.exp(jnp.where(keep, exponent, -jnp.inf))
+
+
+def _uncut(cuts: Array) -> Array:
+    """``[.., C, C]``: True where ``i >= j`` and no cut falls in ``(j, i]`` (``r_i == r_j``)."""
+    C = cuts.shape[-1]
     causal = jnp.tril(jnp.ones((C, C), bool))
-    return jnp.exp(jnp.where(causal, diff, -jnp.inf))
+    return causal & (cuts[..., :, None] == cuts[..., None, :])
 
 
 # -- one chunk ----------------------------------------------------------------------------------
@@ -189,9 +274,13 @@ class _Chunk:
 
 def _take_chunk(x: _Chunked, n: Array) -> _Chunk:
     C = x.layout.chunk_size
-    if x.intra is None:
+    if x.gate is not None:
         b = x.gate[n]
-        intra = _masked_exp(b[..., :, None] - b[..., None, :])
+        intra = _masked_exp(b[..., :, None] - b[..., None, :], _uncut(x.cuts[n]))
+    elif x.cuts is not None:
+        # Packed sequences start inside chunks. D is finite or (for a growing decay) inf, never nan:
+        # selecting 0 outside the runs is exact.
+        intra = jnp.where(_uncut(x.cuts[n]), x.intra[None], 0)
     else:
         intra = x.intra[None]
     return _Chunk(
@@ -213,7 +302,7 @@ def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
 
     ``o`` (``[R, P, H, V]``) only when ``output_dtype`` is given; ``states``
     (``[num_chunks, R, H, K, V]``, the state before each chunk) only when ``record_states``.
-    With one sequence per row the state starts from the initial state and is never reset.
+    Each row's state starts from its initial state (zeros when packed); the decays cut it.
     """
     layout = x.layout
     R, P, H, K = x.q.shape
@@ -233,8 +322,10 @@ def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
     return forward_sweep(layout, x.initial_state, jnp.zeros((R, H, K, V), x.dtype), step, o, record_states=record_states)
 
 
-def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array, finals: Array):
+def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array, *, grad_dtype=None):
     """Walk the chunks backwards carrying the state gradient; returns ``dq, dk, dv, da, dh0``.
+
+    ``dq, dk, dv`` are in ``grad_dtype``, or in their inputs' dtypes when it is None.
 
     ``da`` (``[R, P, H]``) is the gradient of each slot's log decay. The decay ``a_t`` scales
     every product between a token ``j < t`` and a token ``i >= t`` of its sequence, so ``da_t``
@@ -251,9 +342,9 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array, fin
     C = layout.chunk_size
     at_or_after = jnp.tril(jnp.ones((C, C), x.dtype))
     before = jnp.triu(jnp.ones((C, C), x.dtype), 1)
-    dq = jnp.zeros((R, P, H, K), x.q.dtype)
-    dk = jnp.zeros((R, P, H, K), x.k.dtype)
-    dv = jnp.zeros((R, P, H, V), x.v.dtype)
+    dq = jnp.zeros((R, P, H, K), grad_dtype or x.q.dtype)
+    dk = jnp.zeros((R, P, H, K), grad_dtype or x.k.dtype)
+    dv = jnp.zeros((R, P, H, V), grad_dtype or x.v.dtype)
     da = jnp.zeros((R, P, H), x.dtype)
 
     def step(n, dstate, grads):
