@@ -1,0 +1,19 @@
+"""Decays as ``exp`` of an exponent masked *before* ``exp``, for every op's chunk math (docs/architecture.md "Numerics").
+
+Where a decay must be 0 (above a chunk's diagonal, or across a gate of ``-inf``) its exponent may be
+large and positive, ``-inf - -inf = NaN`` or a masked sum's ``0 * -inf = NaN``; ``exp`` of it, masked
+afterwards, leaves an inf or a NaN behind (``inf * 0`` is NaN). The exponent is replaced first instead.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MASKED_EXPONENT = -1e30
+"""What a decay's exponent becomes where the decay must be 0: finite, so no ``inf - inf``, and ``exp`` underflows it to exactly 0."""
+
+
+def masked_exp(exponent: jax.Array, kept: jax.Array | None) -> jax.Array:
+    """``exp(exponent)`` where ``kept`` (None: everywhere), exactly 0 elsewhere."""
+    return jnp.exp(exponent if kept is None else jnp.where(kept, exponent, MASKED_EXPONENT))
