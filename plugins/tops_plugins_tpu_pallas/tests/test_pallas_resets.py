@@ -18,7 +18,7 @@ import tops_core
 from tops_core.conformance.compare import measure, tolerance
 
 from tops_plugins_tpu_pallas.kda import chunkwise as kda_chunkwise
-from tops_plugins_tpu_pallas.simple_gla import chunkwise
+from tops_plugins_tpu_pallas.simple_gla import chunkwise, fused
 
 sg = tops_core.op("simple_gla")
 
@@ -69,6 +69,24 @@ def test_gates_are_the_definitions_and_exactly_zero_across_a_reset(size, valid_r
         got = np.asarray(got, np.float64)
         np.testing.assert_array_equal(got == 0, want == 0, err_msg=name)  # zeros exactly where a reset (or the causal mask) is
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=0, err_msg=name)  # float32 differences of sums up to -15
+
+
+@pytest.mark.parametrize(("size", "valid_rows"), [(128, None), (256, None), (256, 201)])
+def test_reset_counts_held_in_bfloat16_give_the_same_gates_bit_for_bit(size, valid_rows):
+    # fused.resets_dtype: v6e's forward holds R's column in bfloat16 for the masks; a count of at most 256 is exact there.
+    g = _gates_with_resets(size, [t for t in RESETS if t < min(size, valid_rows or size)] + list(range(140, min(size, 200))))
+    if valid_rows is not None:
+        g[valid_rows:] = 0.0
+    valid = None if valid_rows is None else jnp.int32(valid_rows)
+    held = [chunkwise.ChunkGates.along_lanes(jnp.float32(-0.01), jnp.asarray(g)[None, :], valid, size, dtype) for dtype in (jnp.float32, jnp.bfloat16)]
+    for name in ("decays", "query", "chunk"):
+        np.testing.assert_array_equal(getattr(held[1], name), getattr(held[0], name), err_msg=name)
+
+
+def test_the_forward_holds_reset_counts_in_bfloat16_where_it_measured_faster():
+    assert fused.resets_dtype("v6e") == jnp.bfloat16
+    for chip in ("v4", "v5e", "v5p", None):
+        assert fused.resets_dtype(chip) == jnp.float32
 
 
 @pytest.mark.parametrize("valid_rows", [None, 90])

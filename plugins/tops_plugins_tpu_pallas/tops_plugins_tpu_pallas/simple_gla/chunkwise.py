@@ -181,14 +181,17 @@ class ChunkGates:
         )
 
     @classmethod
-    def along_lanes(cls, decay: jax.Array, g: jax.Array, valid_rows: jax.Array | None, chunk_size: int) -> ChunkGates:
+    def along_lanes(
+        cls, decay: jax.Array, g: jax.Array, valid_rows: jax.Array | None, chunk_size: int, resets_dtype=jnp.float32,
+    ) -> ChunkGates:
         """A chunk's gates from its ``g`` as a ``(1, C)`` row (``g`` laid out ``[B, H, T]``), ``key`` left to ``key_row``.
 
         ``LogDecays.compute`` and ``of`` work on ``(C, 1)`` columns, which take one vector register per
         8 rows for every operation; here the cumulative sums and ``exp(b)`` run on the row (2 registers
         at chunk 256), and one ``(8, C) -> (C, 8)`` transpose makes the three columns the chunk needs
         (``exp(b)``, ``B`` and ``R``).
-        ``valid_rows`` as there; ``g`` must be 0 past it.
+        ``valid_rows`` as there; ``g`` must be 0 past it. ``resets_dtype``: what ``R``'s column is held in for the
+        decays' masks, whose lane broadcasts bfloat16 halves (exact: ``R`` is a count of at most 256 tokens).
         """
         cumulative, resets_row = cumulative_sum_along_lanes(g)
         row = decay * _positions(chunk_size, 1, valid_rows) + cumulative
@@ -196,7 +199,7 @@ class ChunkGates:
         query_row = masked_exp(row, resets_row == 0)
         columns = jnp.where(sublanes == 0, query_row, jnp.where(sublanes == 1, row, resets_row)).T
         query = columns[:, 0:1]
-        log = LogDecays(column=columns[:, 1:2], row=row, resets_column=columns[:, 2:3], resets_row=resets_row)
+        log = LogDecays(column=columns[:, 1:2], row=row, resets_column=columns[:, 2:3].astype(resets_dtype), resets_row=resets_row)
         # exp(b_C) is the last query decay: one value of one lane, no lanes of two columns to bring together.
         return cls(decays=causal_decays(log), query=query, key=None, chunk=query[-1:, :])
 
@@ -222,7 +225,10 @@ def causal_decays(log: LogDecays) -> jax.Array:
         strip = []
         for j in range(0, size, block):
             exponent = log.column[i : i + block] - log.row[:, j : j + block]
-            kept = None if log.resets_column is None else log.resets_column[i : i + block] == log.resets_row[:, j : j + block]
+            kept = None
+            if log.resets_column is not None:  # broadcast in the column's own dtype (ChunkGates.along_lanes), compared in float32
+                resets = jnp.broadcast_to(log.resets_column[i : i + block], (block, block)).astype(_F32)
+                kept = resets == log.resets_row[:, j : j + block]
             if j < i:
                 strip.append(masked_exp(exponent, kept))
             elif j == i:
@@ -340,15 +346,17 @@ def constant_gates(refs: dict, head: jax.Array, geometry: Geometry, attention: b
 
 def chunk_gates(
     chunk: Chunk, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None, attention: bool = True,
-    along_lanes: bool = False,
+    along_lanes: bool = False, resets_dtype=jnp.float32,
 ) -> ChunkGates:
     """``chunk``'s gates: ``constant`` (the step's, without ``g``) for a whole chunk; with ``along_lanes`` (``g``
-    laid out ``[B, H, T]``), ``ChunkGates.along_lanes`` of the head's row; else exponentiated from ``log``
-    (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``."""
+    laid out ``[B, H, T]``), ``ChunkGates.along_lanes`` of the head's row (``resets_dtype`` as there); else
+    exponentiated from ``log`` (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``."""
     if constant is not None and chunk.valid_rows is None:
         return constant
     if along_lanes:
-        return ChunkGates.along_lanes(constant_decay(refs, head), chunk.head_row(refs["g"], head), chunk.valid_rows, chunk.rows.size)
+        return ChunkGates.along_lanes(
+            constant_decay(refs, head), chunk.head_row(refs["g"], head), chunk.valid_rows, chunk.rows.size, resets_dtype,
+        )
     return ChunkGates.of(log_decays(chunk, refs, head) if log is None else log, attention)
 
 
