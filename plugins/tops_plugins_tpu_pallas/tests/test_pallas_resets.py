@@ -136,7 +136,7 @@ def test_chunk_math_with_resets_never_makes_a_nan():
 # -- the kernels, forward and every gradient, against the reference ----------------------------------
 
 
-def _inputs(B, T, H, dtype, *, resets, g=True, g_gamma=None, seed=0, N=None):
+def _inputs(B, T, H, dtype, *, resets, g_gamma=None, seed=0, N=None):
     """Kernel inputs (``q, k, v`` in ``dtype``, the rest float32) with ``g = -inf`` at ``resets`` (``(b, t, h)`` tuples)."""
     rng = np.random.default_rng(seed)
     K = V = 128
@@ -146,11 +146,10 @@ def _inputs(B, T, H, dtype, *, resets, g=True, g_gamma=None, seed=0, N=None):
         "v": jnp.asarray(rng.standard_normal((B, T, H, V)), dtype),
         "initial_state": jnp.asarray(rng.standard_normal((N or B, H, K, V)), jnp.float32),
     }
-    if g:
-        gates = -np.logaddexp(0.0, -rng.standard_normal((B, T, H))) / 16
-        for b, t, h in resets:
-            gates[b, t, h] = -np.inf
-        inputs["g"] = jnp.asarray(gates, jnp.float32)
+    gates = -np.logaddexp(0.0, -rng.standard_normal((B, T, H))) / 16
+    for b, t, h in resets:
+        gates[b, t, h] = -np.inf
+    inputs["g"] = jnp.asarray(gates, jnp.float32)
     if g_gamma is not None:
         inputs["g_gamma"] = jnp.asarray(g_gamma, jnp.float32)
     return inputs
@@ -239,8 +238,7 @@ def test_kda_decays_are_exactly_zero_across_a_reset_of_their_key():
     g = -rng.exponential(0.05, (size, keys)).astype(np.float32)
     g[[0, 10, 11, 40], :64] = -np.inf  # the first half of the keys resets at these tokens
     decays = kda_chunkwise.Decays.compute(jnp.asarray(g))
-    with np.errstate(invalid="ignore"):
-        b = np.cumsum(g.astype(np.float64), axis=0)  # -inf from a key's first reset on
+    b = np.cumsum(g.astype(np.float64), axis=0)  # -inf from a key's first reset on
     np.testing.assert_allclose(decays.to_token, np.exp(b), rtol=2e-6, atol=0)
     whole = np.exp(np.sum(g.astype(np.float64), axis=0))
     np.testing.assert_array_equal(np.asarray(decays.whole)[:, 0] == 0, whole == 0)

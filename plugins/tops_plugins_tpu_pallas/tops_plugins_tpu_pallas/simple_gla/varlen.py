@@ -162,16 +162,17 @@ class Piece:
         inside = (rows >= start) & (rows < end)
         before, last = (_at_row(log.column, rows, row) for row in (start - 1, end - 1))
         if log.resets_column is None:
-            query_kept, key_kept, chunk_kept = inside, inside, None
+            # No gate can be -inf (no g): masked before and after exp, the form this kernel schedules best without resets.
+            query, key = (jnp.where(inside, jnp.exp(jnp.where(inside, x, 0.0)), 0.0) for x in (log.column - before, last - log.column))
+            chunk = jnp.exp(last - before)
         else:
             resets_before, resets_last = (_at_row(log.resets_column, rows, row) for row in (start - 1, end - 1))
-            query_kept = inside & unreset(log.resets_column, resets_before)
-            key_kept = inside & unreset(log.resets_column, resets_last)
-            chunk_kept = unreset(resets_last, resets_before)
+            query = masked_exp(log.column - before, inside & unreset(log.resets_column, resets_before))
+            key = masked_exp(last - log.column, inside & unreset(log.resets_column, resets_last))
+            chunk = masked_exp(last - before, unreset(resets_last, resets_before))
         return cls(
-            sequence=sequence, start=start, end=end, continuing=begins < first, ending=ends <= first + C, inside=inside,
-            query=masked_exp(log.column - before, query_kept), key=masked_exp(last - log.column, key_kept),
-            chunk=masked_exp(last - before, chunk_kept),
+            sequence=sequence, start=start, end=end, continuing=begins < first, ending=ends <= first + C,
+            inside=inside, query=query, key=key, chunk=chunk,
         )
 
     @property
