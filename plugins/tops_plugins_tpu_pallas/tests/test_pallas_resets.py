@@ -17,6 +17,7 @@ import pytest
 import tops_core
 from tops_core.conformance.compare import measure, tolerance
 
+from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.kda import chunkwise as kda_chunkwise
 from tops_plugins_tpu_pallas.simple_gla import chunkwise, fused
 
@@ -126,7 +127,7 @@ def test_chunk_math_with_resets_never_makes_a_nan():
         for gates in (
             chunkwise.ChunkGates.compute(jnp.float32(-1.0), g[:, None], None, size),
             chunkwise.ChunkGates.along_lanes(jnp.float32(-1.0), g[None, :], None, size),
-            chunkwise.ChunkGates.compute(jnp.float32(chunkwise.RESET_DECAY), g[:, None], None, size),
+            chunkwise.ChunkGates.compute(jnp.float32(RESET_LOG_DECAY), g[:, None], None, size),
         ):
             o = chunkwise.output_from_state(chunkwise.intra_chunk_output(q, k, v, gates), q, state, gates, 0.1)
             new_state = chunkwise.advance_state(state, k.T, v, gates, keys_transposed=True)

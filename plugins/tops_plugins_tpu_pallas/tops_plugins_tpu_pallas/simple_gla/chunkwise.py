@@ -20,7 +20,7 @@ two exact parts (``LogDecays``): ``B``, the cumulative sum with every ``-inf`` g
 ``R``, how many ``-inf`` gates the sum has passed (0/1 indicators, exact in the same bf16 MXU pass as
 ``g``'s parts). ``exp(b_i - b_j)`` is then ``exp(B_i - B_j)`` where ``R_i == R_j`` and exactly 0 elsewhere,
 the exponent masked before ``exp`` like the one above the diagonal; ``exp(b_i)`` needs ``R_i == 0``. A
-``g_gamma`` of ``-inf`` (a reset at every token) needs no mask: it is taken as ``RESET_DECAY``.
+``g_gamma`` of ``-inf`` (a reset at every token) needs no mask: it is taken as ``RESET_LOG_DECAY`` (``constant_decay``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tops_plugins_tpu_pallas.exponents import masked_exp
+from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY, masked_exp
 from tops_plugins_tpu_pallas.grid import Chunk, Work
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 from tops_plugins_tpu_pallas.mxu import (
@@ -322,19 +322,15 @@ def chunk_body_vmem(geometry: Geometry) -> int:
     return 4 * (2 * C * K + 4 * C * C + 2 * K * Vb + 2 * C * Vb)
 
 
-RESET_DECAY = -(2.0**100)
-"""What a constant log decay of ``-inf`` (``g_gamma``: the state reset at every token) is taken as (``constant_decay``).
-
-``decay * positions`` stays finite, and exact, a power of two times a small integer: each position's
-difference with itself is exactly 0 in both layouts, even where the backend fuses the product into the
-subtraction (a decay like ``-1e30`` rounds differently there, and ``exp`` of the rounding is inf), and every
-other difference is at most ``-2**100``, whose ``exp`` is exactly 0, the reference's ``exp(-inf)``. So a
-``g_gamma`` of ``-inf`` needs nothing else, and costs nothing."""
-
-
 def constant_decay(refs: dict, head: jax.Array) -> jax.Array:
-    """Head ``head``'s constant log decay, a scalar from SMEM (``g_gamma``, or 0), ``-inf`` (or below) as ``RESET_DECAY``."""
-    return jnp.maximum(refs["decay"][head], RESET_DECAY)
+    """Head ``head``'s constant log decay, a scalar from SMEM (``g_gamma``, or 0), ``-inf`` (or below) as ``RESET_LOG_DECAY``.
+
+    ``decay * positions`` is then exact, so each position's difference with itself is exactly 0 in both
+    layouts, even where the backend fuses the product into the subtraction (a decay like ``-1e30`` rounds
+    differently there, and ``exp`` of the rounding is inf), and every other difference is at most
+    ``-2**100``: a ``g_gamma`` of ``-inf`` needs nothing else, and costs nothing.
+    """
+    return jnp.maximum(refs["decay"][head], RESET_LOG_DECAY)
 
 
 def constant_gates(refs: dict, head: jax.Array, geometry: Geometry, attention: bool = True) -> ChunkGates | None:
