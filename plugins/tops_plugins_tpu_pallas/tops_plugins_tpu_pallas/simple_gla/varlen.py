@@ -41,8 +41,8 @@ from tops_plugins_tpu_pallas.exponents import masked_exp
 from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, step_chunks
 from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    LogDecays, advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
-    gate_computations, gates_work, log_decays, unreset,
+    LogDecays, advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output_work, constant_decay,
+    constant_gates, gate_computations, gates_work, log_decays, unreset,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES
 from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
@@ -238,12 +238,12 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     columns = lax.broadcasted_iota(jnp.int32, (C, C), 1)
     states = SequenceStates(refs, head, block, Vb, refs["state"].shape)
 
-    constant = constant_gates(refs, head, geometry)
+    constant, decay = constant_gates(refs, head, geometry), constant_decay(refs, head)
     state = refs["state"][...]  # unset at step 0, where the first sequence starts and never reads it
     for chunk in step_chunks(geometry, step):
         number = step * geometry.chunks_per_step + chunk.index
         first = number * C  # the chunk's first token in the packed sequence
-        log = log_decays(chunk, refs, head)
+        log = log_decays(chunk, refs, head, decay)
         gates = chunk_gates(chunk, refs, head, constant, log)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         operands = mxu_operand_dtype(q.dtype)
