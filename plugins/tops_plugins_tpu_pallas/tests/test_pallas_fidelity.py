@@ -31,6 +31,15 @@ SEEDS = (0, 1, 2)
 LAUNCHES = {"fused": 1, "chunk": 2}
 GRADIENT_LAUNCHES = {"fused": 1 + 2, "chunk": 2 + 3}  # forward and backward
 
+def _gates_with_resets(B: int, T: int, H: int) -> np.ndarray:
+    """docs/ops.md's gates with ``-inf`` (a reset) at a sequence's first token, two in a row, on and beside the chunk
+    grid of 128 and at the last token in the last head, and at token 100 in every head."""
+    g = -np.logaddexp(0.0, -np.random.default_rng(5).standard_normal((B, T, H))) / 16
+    g[:, [0, 37, 38, 127, 128, T - 1], H - 1] = -np.inf
+    g[:, 100, :] = -np.inf
+    return g
+
+
 # B, T, H, K, V, dtype, inputs, config. K and V multiples of 128 are read in place, the others go
 # through the lane padding copy; every case has a ragged last block or several (batch, head, tile) points.
 CASES = {
@@ -39,6 +48,8 @@ CASES = {
     "in-place-bf16-no-decay-KV256-ragged": ((1, 70, 2, 256, 256), jnp.bfloat16, dict(), dict(chunk_size=64, num_steps=1)),
     "lane-padded-bf16-g-K100-ragged": ((1, 130, 2, 100, 100), jnp.bfloat16, dict(g=True), dict(chunk_size=64, num_steps=4)),
     "lane-padded-f32-strong-decay-C128-ragged": ((2, 200, 1, 64, 200), jnp.float32, dict(g_gamma=-1.0, initial_state=True), dict(chunk_size=128, num_steps=4)),
+    # Gates of -inf: g's resets masked in every chunk's decays, and g_gamma = -inf on head 0 (a reset at every token).
+    "in-place-f32-resets-C128-ragged": ((1, 300, 2, 128, 128), jnp.float32, dict(g=_gates_with_resets(1, 300, 2), g_gamma=[-np.inf, -0.05], initial_state=True), dict(chunk_size=128, num_steps=2)),
     # v6e's forward chunk; fused only (ChunkConfig has no chunk 256).
     "in-place-f32-g-alibi-h0-C256-ragged": ((1, 600, 2, 128, 128), jnp.float32, dict(g=True, g_gamma="alibi", initial_state=True), dict(chunk_size=256, num_steps=2)),
 }

@@ -27,6 +27,11 @@ the chunk: ``b_i`` (from the chunk start), ``b_C - b_j`` (after ``j`` to the end
 with ``g``; none is a difference of two large cumulative sums, so a decay near 1 keeps float32
 accuracy however large ``|b|`` grows. Rows a mask leaves empty get exponent 0, never a positive one.
 
+**Resets.** A gate of ``-inf`` (``exp(-inf) = 0``: the key's row of the state is reset) would make the
+masks' zeros times ``-inf`` NaN. It is taken as ``exponents.RESET_LOG_DECAY`` (``-2**100``) instead:
+exponents here are only ever sums, never differences, so a run that holds it sums to ``-2**100`` or
+below, whose ``exp`` is exactly 0, and every other run is untouched.
+
 **The inverse**, exactly, along the same levels: with ``D_s`` the inverse of ``I + diag(beta) Akk``
 restricted to blocks of ``s`` tokens (``D_1 = I``) and ``P_s`` the level-``s`` pairs of
 ``diag(beta) Akk``, ``D_2s = D_s - D_s P_s D_s`` (the inverse of ``[[A, 0], [C, D]]`` is
@@ -42,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tops_core.ops.kda import L2NORM_EPSILON
+from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, matmul, mxu_operand_dtype, row_and_column_iotas
 from tops_plugins_tpu_pallas.layout import Geometry
@@ -93,8 +99,9 @@ class Decays:
 
     @classmethod
     def compute(cls, g: jax.Array) -> Decays:
-        """From the chunk's log decays ``g`` (float32 ``(C, K)``, zero in rows past the end of the sequence)."""
+        """From the chunk's log decays ``g`` (float32 ``(C, K)``, zero in rows past the end of the sequence, ``-inf`` a reset)."""
         C = g.shape[0]
+        g = jnp.maximum(g, RESET_LOG_DECAY)
         decays = jnp.exp(matmul(_run_masks(C), g, _F32))
         sections = [decays[n * C : (n + 1) * C] for n in range(decays.shape[0] // C)]
         whole = jnp.exp(matmul(g, jnp.ones((C, 1), _F32), _F32, COLUMNS_BY_COLUMNS))

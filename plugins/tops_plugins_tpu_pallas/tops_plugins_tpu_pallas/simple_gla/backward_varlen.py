@@ -39,7 +39,7 @@ from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, gradients, varlen
 from tops_plugins_tpu_pallas.grid import Work, step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    advance_state, advance_state_work, chunk_gates, constant_gates, gates_work, log_decays,
+    advance_state, advance_state_work, chunk_gates, constant_decay, constant_gates, gates_work, log_decays,
 )
 from tops_plugins_tpu_pallas.plan import DmaSemaphores, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
@@ -121,9 +121,9 @@ def _sequence_states(refs: dict, head, geometry: Geometry) -> varlen.SequenceSta
     return varlen.SequenceStates(refs, head, 0, geometry.padded_value_dim, (geometry.padded_key_dim, geometry.padded_value_dim))
 
 
-def _advance(refs: dict, states: varlen.SequenceStates, chunk, number, state, head) -> jax.Array:
+def _advance(refs: dict, states: varlen.SequenceStates, chunk, number, state, head, decay) -> jax.Array:
     """The state leaving chunk ``number``: its last piece's, the only one whose state goes on past the chunk."""
-    log = log_decays(chunk, refs, head)
+    log = log_decays(chunk, refs, head, decay)
     piece = varlen.Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * chunk.rows.size, log)
     entering = jnp.where(piece.continuing, state, states.load("initial_state", "loaded", piece.sequence, ~piece.continuing))
     k = chunk.read(refs["k"])
@@ -133,7 +133,7 @@ def _advance(refs: dict, states: varlen.SequenceStates, chunk, number, state, he
 def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
-    states = _sequence_states(refs, head, geometry)
+    states, decay = _sequence_states(refs, head, geometry), constant_decay(refs, head)
 
     @pl.when(step == 0)
     def _start():  # the first sequence starts at token 0 and never reads it; zeros keep the first checkpoint finite
@@ -142,7 +142,7 @@ def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     state = refs["state"][...]
     refs["checkpoints"][0] = state
     for chunk in step_chunks(geometry, step):
-        state = _advance(refs, states, chunk, step * geometry.chunks_per_step + chunk.index, state, head)
+        state = _advance(refs, states, chunk, step * geometry.chunks_per_step + chunk.index, state, head, decay)
     refs["state"][...] = state
 
 
@@ -158,7 +158,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
     lanes = lax.broadcasted_iota(jnp.int32, (1, C), 1)
 
     forward_step = geometry.time_steps - 1 - step
-    constant = constant_gates(refs, head, geometry)
+    constant, decay = constant_gates(refs, head, geometry), constant_decay(refs, head)
     chunks = step_chunks(geometry, forward_step)
 
     def number_of(chunk) -> jax.Array:
@@ -167,7 +167,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
     state = refs["checkpoints"][0]
     refs["states"][0] = state
     for chunk in chunks[:-1]:
-        state = _advance(refs, states, chunk, number_of(chunk), state, head)
+        state = _advance(refs, states, chunk, number_of(chunk), state, head, decay)
         refs["states"][chunk.index + 1] = state
 
     # dS entering the next segment's first piece: unset at the first reverse step, whose last piece ends at T and takes dht.
@@ -175,7 +175,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
     for chunk in reversed(chunks):
         number = number_of(chunk)
         first = number * C  # the chunk's first token in the packed sequence
-        log = log_decays(chunk, refs, head)
+        log = log_decays(chunk, refs, head, decay)
         gates = chunk_gates(chunk, refs, head, constant, log)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
         last = refs["last_sequence"][number]

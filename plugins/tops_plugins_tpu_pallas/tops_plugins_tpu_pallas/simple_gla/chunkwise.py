@@ -7,12 +7,20 @@ to and including token ``i`` and ``S`` the state entering the chunk::
     S_out = exp(b_C) * S + sum_j exp(b_C - b_j) k_j^T v_j
 
 Numerics (docs/architecture.md "Numerics"): only differences of cumulative gates are
-exponentiated, never ``exp(-b)``; above the diagonal the exponent is replaced by ``MASKED_EXPONENT``
+exponentiated, never ``exp(-b)``; above the diagonal the exponent is replaced by ``exponents.MASKED_EXPONENT``
 *before* ``exp`` (there ``b_i - b_j`` is positive and overflows for strong decays at chunk 128), and
 ``exp`` of it is exactly 0; every matmul
 accumulates in float32, with operands in the dtype ``mxu_operand_dtype`` picks. Rows of a ragged
 last chunk that lie past the end of the sequence are zeroed with ``where`` as they are read
 (``Chunk.read``), and stop the constant decay, so they add nothing and decay nothing.
+
+**Resets.** A gate of ``-inf`` is a legal way to cut a sequence: ``exp(-inf) = 0``. A ``g`` summed as
+it is would put ``-inf`` in ``b`` and ``-inf - -inf = NaN`` in ``b_i - b_j``. So with ``g``, ``b`` is kept in
+two exact parts (``LogDecays``): ``B``, the cumulative sum with every ``-inf`` gate counted as 0, and
+``R``, how many ``-inf`` gates the sum has passed (0/1 indicators, exact in the same bf16 MXU pass as
+``g``'s parts). ``exp(b_i - b_j)`` is then ``exp(B_i - B_j)`` where ``R_i == R_j`` and exactly 0 elsewhere,
+the exponent masked before ``exp`` like the one above the diagonal; ``exp(b_i)`` needs ``R_i == 0``. A
+``g_gamma`` of ``-inf`` (a reset at every token) needs no mask: it is taken as ``RESET_LOG_DECAY`` (``constant_decay``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY, masked_exp
 from tops_plugins_tpu_pallas.grid import Chunk, Work
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 from tops_plugins_tpu_pallas.mxu import (
@@ -30,8 +39,6 @@ from tops_plugins_tpu_pallas.mxu import (
 )
 
 _F32 = jnp.float32
-MASKED_EXPONENT = -1e30
-"""What a decay's exponent becomes where the decay must be 0: finite, so no ``inf - inf``, and ``exp`` underflows it to exactly 0."""
 
 
 def _column_to_row(column: jax.Array) -> jax.Array:
@@ -40,36 +47,53 @@ def _column_to_row(column: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(rows == cols, column, 0.0), axis=0, keepdims=True)
 
 
-def cumulative_sum(g: jax.Array) -> jax.Array:
-    """The chunk-local cumulative sum of ``g`` ``(C, 1)`` (float32) as one bf16 MXU pass, exact as a float32 HIGHEST product.
+def cumulative_sum(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The chunk-local cumulative sums ``(B, R)`` of ``g`` ``(C, 1)`` (float32) as one bf16 MXU pass, each exact as a float32
+    HIGHEST product: ``B`` sums the gates with every ``-inf`` counted as 0, ``R`` counts the ``-inf`` gates (module docstring).
 
     Mosaic has no cumsum, so it is a lower-triangular 0/1 matrix times ``g``. The 0/1 matrix is exact
     in bf16, and ``g`` splits exactly into three bf16 parts (8 + 8 + 8 bits of its 24-bit
-    significand); laid in lanes 0, 1, 2 of one ``(C, 128)`` operand, they go through the MXU in one
-    bf16 pass (exact products, float32 accumulation), and a lane sum adds the three partial sums.
-    A float32 operand at HIGHEST precision would take six passes of a ``(C, 1)`` column, which
-    was most of a gated chunk's MXU pushes.
+    significand); laid in lanes 0, 1, 2 of one ``(C, 128)`` operand with the resets' 0/1 indicators in
+    lane 3, they go through the MXU in one bf16 pass (exact products, float32 accumulation), and a
+    lane sum adds the three partial sums. A float32 operand at HIGHEST precision would take six
+    passes of a ``(C, 1)`` column, which was most of a gated chunk's MXU pushes.
     """
     rows, cols = row_and_column_iotas(g.shape[0])
-    partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), _three_parts_along(g, 1, LANES), jnp.bfloat16)
-    return jnp.sum(partial_sums, axis=1, keepdims=True)
+    partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), _parts_and_resets_along(g, 1, LANES), jnp.bfloat16)
+    return _sums_of_parts_and_resets(partial_sums, 1)
 
 
-def cumulative_sum_along_lanes(g: jax.Array) -> jax.Array:
-    """``cumulative_sum`` for ``g`` as a ``(1, C)`` row: its three bf16 parts in sublanes 0, 1, 2 of one ``(8, C)``
-    operand times an upper-triangular 0/1 matrix, one bf16 MXU pass of 8 rows, and a sublane sum."""
+def cumulative_sum_along_lanes(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``cumulative_sum`` for ``g`` as a ``(1, C)`` row: its three bf16 parts and the resets in sublanes 0 to 3 of one
+    ``(8, C)`` operand times an upper-triangular 0/1 matrix, one bf16 MXU pass of 8 rows, and sublane sums."""
     rows, cols = row_and_column_iotas(g.shape[1])
-    partial_sums = matmul(_three_parts_along(g, 0, 8), (rows <= cols).astype(jnp.bfloat16), jnp.bfloat16)
-    return jnp.sum(partial_sums, axis=0, keepdims=True)
+    partial_sums = matmul(_parts_and_resets_along(g, 0, 8), (rows <= cols).astype(jnp.bfloat16), jnp.bfloat16)
+    return _sums_of_parts_and_resets(partial_sums, 0)
 
 
-def _three_parts_along(g: jax.Array, axis: int, width: int) -> jax.Array:
-    """``g``'s three exact bf16 parts (``bf16_parts``) at indices 0, 1, 2 of ``axis``, widened to ``width``, zeros elsewhere."""
+_RESETS = 3
+"""Where along the parts' axis ``_parts_and_resets_along`` puts the resets' indicators, after ``g``'s three parts."""
+
+
+def _parts_and_resets_along(g: jax.Array, axis: int, width: int) -> jax.Array:
+    """``g``'s three exact bf16 parts (``bf16_parts``, every ``-inf`` as 0) at indices 0, 1, 2 of ``axis`` and its
+    ``-inf`` gates as 1 at index ``_RESETS``, widened to ``width``, zeros elsewhere."""
     shape = list(g.shape)
     shape[axis] = width
     index = lax.broadcasted_iota(jnp.int32, tuple(shape), axis)
-    high, middle, low = bf16_parts(g, 3)
-    return jnp.where(index == 0, high, jnp.where(index == 1, middle, jnp.where(index == 2, low, 0.0)))
+    resets = g == -jnp.inf
+    high, middle, low = bf16_parts(jnp.where(resets, 0.0, g), 3)
+    parts = jnp.where(index == 0, high, jnp.where(index == 1, middle, jnp.where(index == 2, low, 0.0)))
+    return jnp.where(index == _RESETS, resets.astype(_F32), parts)
+
+
+def _sums_of_parts_and_resets(partial_sums: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """``(B, R)`` from the partial sums of ``_parts_and_resets_along``'s operand: its three parts added, and its resets.
+    Both are masked sums (reading the resets' lane or sublane where it lies costs the backward's kernels about 15% more cycles)."""
+    index = lax.broadcasted_iota(jnp.int32, partial_sums.shape, axis)
+    finite = jnp.sum(jnp.where(index < _RESETS, partial_sums, 0.0), axis=axis, keepdims=True)
+    resets = jnp.sum(jnp.where(index == _RESETS, partial_sums, 0.0), axis=axis, keepdims=True)
+    return finite, resets
 
 
 def _positions(chunk_size: int, axis: int, valid_rows: jax.Array | None) -> jax.Array:
@@ -84,30 +108,44 @@ def _positions(chunk_size: int, axis: int, valid_rows: jax.Array | None) -> jax.
 
 @dataclasses.dataclass(frozen=True)
 class LogDecays:
-    """A chunk's cumulative log decays ``b`` (float32), in the two layouts the chunk needs.
+    """A chunk's cumulative log decays ``b`` (float32) in two exact parts, ``B`` and ``R`` (module docstring), each in the two
+    layouts the chunk needs: ``b_i - b_j`` is ``B_i - B_j`` where ``R_i == R_j``, and ``-inf`` elsewhere.
 
     Kept apart from ``ChunkGates`` for a kernel whose decays start somewhere inside the chunk
     (a packed sequence's boundary), which exponentiates its own differences of ``b``.
     """
 
-    column: jax.Array  # (C, 1): b_i along sublanes, scales rows
+    column: jax.Array  # (C, 1): B_i along sublanes, scales rows
     row: jax.Array  # (1, C): the same values along lanes, for the (i, j) decay matrix
+    resets_column: jax.Array | None  # (C, 1): R_i, the -inf gates up to and including token i, float32; None without g
+    resets_row: jax.Array | None  # (1, C)
 
     @classmethod
     def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int) -> LogDecays:
-        """From the per-head constant ``decay`` (0 without g_gamma) and per-token ``g`` ``(C, 1)``.
+        """From the per-head constant ``decay`` (0 without g_gamma; finite: ``constant_decay``) and per-token ``g`` ``(C, 1)``.
 
         ``valid_rows`` (None: all) stops the constant decay at the last real token, so the rows past
         the end of the sequence leave the final state exact; their ``g`` must already be 0.
         """
-        # Same float32 products in both layouts, so b_i - b_i is exactly 0 on the diagonal.
+        # Same float32 products in both layouts, so B_i - B_i is exactly 0 on the diagonal.
         column = decay * _positions(chunk_size, 0, valid_rows)
         row = decay * _positions(chunk_size, 1, valid_rows)
-        if g is not None:
-            cumulative = cumulative_sum(g)
-            column = column + cumulative
-            row = row + _column_to_row(cumulative)
-        return cls(column=column, row=row)
+        if g is None:
+            return cls(column=column, row=row, resets_column=None, resets_row=None)
+        cumulative, resets = cumulative_sum(g)
+        return cls(
+            column=column + cumulative, row=row + _column_to_row(cumulative), resets_column=resets, resets_row=_column_to_row(resets),
+        )
+
+    @property
+    def total(self) -> tuple[jax.Array, jax.Array | None]:
+        """``(B_C, R_C)`` of the whole chunk, ``(1, 1)`` each (``R_C`` None without g)."""
+        return self.column[-1:, :], None if self.resets_column is None else self.resets_column[-1:, :]
+
+
+def unreset(resets: jax.Array | None, since) -> jax.Array | None:
+    """Where no reset lies between two tokens, ``resets == since`` (their ``R``), or None (no mask) without resets."""
+    return None if resets is None else resets == since
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +158,7 @@ class ChunkGates:
     them once per grid step.
     """
 
-    decays: jax.Array | None  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal; None without attention
+    decays: jax.Array | None  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal and across a reset; None without attention
     query: jax.Array  # (C, 1): exp(b_i), how the state entering the chunk decays up to row i
     key: jax.Array | None  # (C, 1): exp(b_C - b_j), how row j's key-value product decays to the chunk's end; None: use key_row
     chunk: jax.Array  # (1, 1): exp(b_C), how the state decays over the whole chunk
@@ -134,26 +172,36 @@ class ChunkGates:
     def of(cls, log: LogDecays, attention: bool = True) -> ChunkGates:
         """The gates from ``log``; ``attention=False`` (a kernel that only advances the state) leaves out
         the ``C x C`` decays, a ``C x C`` exp the kernel would not use."""
-        chunk_size = log.column.shape[0]
-        total = log.column[chunk_size - 1 :, :]
-        decays = causal_decays(log.column, log.row) if attention else None
-        return cls(decays=decays, query=jnp.exp(log.column), key=jnp.exp(total - log.column), chunk=jnp.exp(total))
+        total, total_resets = log.total
+        return cls(
+            decays=causal_decays(log) if attention else None,
+            query=masked_exp(log.column, unreset(log.resets_column, 0.0)),
+            key=masked_exp(total - log.column, unreset(log.resets_column, total_resets)),
+            chunk=masked_exp(total, unreset(total_resets, 0.0)),
+        )
 
     @classmethod
-    def along_lanes(cls, decay: jax.Array, g: jax.Array, valid_rows: jax.Array | None, chunk_size: int) -> ChunkGates:
+    def along_lanes(
+        cls, decay: jax.Array, g: jax.Array, valid_rows: jax.Array | None, chunk_size: int, resets_dtype=jnp.float32,
+    ) -> ChunkGates:
         """A chunk's gates from its ``g`` as a ``(1, C)`` row (``g`` laid out ``[B, H, T]``), ``key`` left to ``key_row``.
 
         ``LogDecays.compute`` and ``of`` work on ``(C, 1)`` columns, which take one vector register per
-        8 rows for every operation; here the cumulative sum and ``exp(b)`` run on the row (2 registers
-        at chunk 256), and one ``(8, C) -> (C, 8)`` transpose makes both columns the chunk needs.
-        ``valid_rows`` as there; ``g`` must be 0 past it.
+        8 rows for every operation; here the cumulative sums and ``exp(b)`` run on the row (2 registers
+        at chunk 256), and one ``(8, C) -> (C, 8)`` transpose makes the three columns the chunk needs
+        (``exp(b)``, ``B`` and ``R``).
+        ``valid_rows`` as there; ``g`` must be 0 past it. ``resets_dtype``: what ``R``'s column is held in for the
+        decays' masks, whose lane broadcasts bfloat16 halves (exact: ``R`` is a count of at most 256 tokens).
         """
-        row = decay * _positions(chunk_size, 1, valid_rows) + cumulative_sum_along_lanes(g)
+        cumulative, resets_row = cumulative_sum_along_lanes(g)
+        row = decay * _positions(chunk_size, 1, valid_rows) + cumulative
         sublanes = lax.broadcasted_iota(jnp.int32, (8, chunk_size), 0)
-        columns = jnp.where(sublanes == 0, row, jnp.exp(row)).T
-        column, query = columns[:, 0:1], columns[:, 1:2]
-        total = column[chunk_size - 1 :, :]
-        return cls(decays=causal_decays(column, row), query=query, key=None, chunk=jnp.exp(total))
+        query_row = masked_exp(row, resets_row == 0)
+        columns = jnp.where(sublanes == 0, query_row, jnp.where(sublanes == 1, row, resets_row)).T
+        query = columns[:, 0:1]
+        log = LogDecays(column=columns[:, 1:2], row=row, resets_column=columns[:, 2:3].astype(resets_dtype), resets_row=resets_row)
+        # exp(b_C) is the last query decay: one value of one lane, no lanes of two columns to bring together.
+        return cls(decays=causal_decays(log), query=query, key=None, chunk=query[-1:, :])
 
     @property
     def key_row(self) -> jax.Array:
@@ -161,14 +209,14 @@ class ChunkGates:
         return self.decays[-1:, :]
 
 
-def causal_decays(column: jax.Array, row: jax.Array) -> jax.Array:
-    """``exp(b_i - b_j)`` for ``j <= i``, exactly 0 above the diagonal, ``(C, C)`` float32 from ``b``'s two layouts.
+def causal_decays(log: LogDecays) -> jax.Array:
+    """``exp(b_i - b_j)`` for ``j <= i`` and no reset between them (``R_i == R_j``), exactly 0 elsewhere, ``(C, C)`` float32.
 
     Built in 128 x 128 blocks: a block above the diagonal is a constant 0 and one below it needs no
-    mask, so only the diagonal blocks select; at chunk 256 that is a quarter of the exps and half of
-    the selects fewer (on v6e, with ``g``, about 2% of the forward's cycles).
+    causal mask, so only the diagonal blocks select on it; at chunk 256 that is a quarter of the exps
+    fewer (on v6e, with ``g``, about 2% of the forward's cycles). With ``g``, every block masks its resets.
     """
-    size = column.shape[0]
+    size = log.column.shape[0]
     block = min(size, LANES)
     rows, cols = row_and_column_iotas(block)
     causal = rows >= cols
@@ -176,11 +224,15 @@ def causal_decays(column: jax.Array, row: jax.Array) -> jax.Array:
     for i in range(0, size, block):
         strip = []
         for j in range(0, size, block):
-            exponent = column[i : i + block] - row[:, j : j + block]
+            exponent = log.column[i : i + block] - log.row[:, j : j + block]
+            kept = None
+            if log.resets_column is not None:  # broadcast in the column's own dtype (ChunkGates.along_lanes), compared in float32
+                resets = jnp.broadcast_to(log.resets_column[i : i + block], (block, block)).astype(_F32)
+                kept = resets == log.resets_row[:, j : j + block]
             if j < i:
-                strip.append(jnp.exp(exponent))
+                strip.append(masked_exp(exponent, kept))
             elif j == i:
-                strip.append(jnp.exp(jnp.where(causal, exponent, MASKED_EXPONENT)))
+                strip.append(masked_exp(exponent, causal if kept is None else causal & kept))
             else:
                 strip.append(jnp.zeros((block, block), _F32))
         strips.append(jnp.concatenate(strip, axis=1) if len(strip) > 1 else strip[0])
@@ -270,28 +322,45 @@ def chunk_body_vmem(geometry: Geometry) -> int:
     return 4 * (2 * C * K + 4 * C * C + 2 * K * Vb + 2 * C * Vb)
 
 
+def constant_decay(refs: dict, head: jax.Array) -> jax.Array:
+    """Head ``head``'s constant log decay, a scalar from SMEM (``g_gamma``, or 0), ``-inf`` (or below) as ``RESET_LOG_DECAY``.
+
+    ``decay * positions`` is then exact, so each position's difference with itself is exactly 0 in both
+    layouts, even where the backend fuses the product into the subtraction (a decay like ``-1e30`` rounds
+    differently there, and ``exp`` of the rounding is inf), and every other difference is at most
+    ``-2**100``: a ``g_gamma`` of ``-inf`` needs nothing else, and costs nothing.
+    """
+    return jnp.maximum(refs["decay"][head], RESET_LOG_DECAY)
+
+
 def constant_gates(refs: dict, head: jax.Array, geometry: Geometry, attention: bool = True) -> ChunkGates | None:
     """A whole chunk's gates when the decay is constant (no ``g``), computed once for the grid step; None with ``g``."""
     if "g" in refs:
         return None
-    return ChunkGates.compute(refs["decay"][head], None, None, geometry.chunk_size, attention)
+    return ChunkGates.compute(constant_decay(refs, head), None, None, geometry.chunk_size, attention)
 
 
 def chunk_gates(
     chunk: Chunk, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None, attention: bool = True,
-    along_lanes: bool = False,
+    along_lanes: bool = False, resets_dtype=jnp.float32,
 ) -> ChunkGates:
     """``chunk``'s gates: ``constant`` (the step's, without ``g``) for a whole chunk; with ``along_lanes`` (``g``
-    laid out ``[B, H, T]``), ``ChunkGates.along_lanes`` of the head's row; else exponentiated from ``log``
-    (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``."""
+    laid out ``[B, H, T]``), ``ChunkGates.along_lanes`` of the head's row (``resets_dtype`` as there); else
+    exponentiated from ``log`` (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``."""
     if constant is not None and chunk.valid_rows is None:
         return constant
     if along_lanes:
-        return ChunkGates.along_lanes(refs["decay"][head], chunk.head_row(refs["g"], head), chunk.valid_rows, chunk.rows.size)
+        return ChunkGates.along_lanes(
+            constant_decay(refs, head), chunk.head_row(refs["g"], head), chunk.valid_rows, chunk.rows.size, resets_dtype,
+        )
     return ChunkGates.of(log_decays(chunk, refs, head) if log is None else log, attention)
 
 
-def log_decays(chunk: Chunk, refs: dict, head: jax.Array) -> LogDecays:
-    """``chunk``'s cumulative log decays from a kernel's refs: ``decay`` in SMEM and, when given, the all-heads ``g`` block."""
+def log_decays(chunk: Chunk, refs: dict, head: jax.Array, decay: jax.Array | None = None) -> LogDecays:
+    """``chunk``'s cumulative log decays from a kernel's refs: ``decay`` in SMEM and, when given, the all-heads ``g`` block.
+
+    ``decay``: the head's ``constant_decay`` when the kernel reads it once per grid step (None: read here); a
+    kernel that takes every chunk's log decays without ``g`` (varlen's) issues 1.7% fewer cycles so (v5e backward).
+    """
     g = chunk.head_column(refs["g"], head) if "g" in refs else None
-    return LogDecays.compute(refs["decay"][head], g, chunk.valid_rows, chunk.rows.size)
+    return LogDecays.compute(constant_decay(refs, head) if decay is None else decay, g, chunk.valid_rows, chunk.rows.size)

@@ -181,7 +181,20 @@ def gates_along_lanes(gated: bool, chunk_size: int) -> bool:
     return gated and chunk_size >= LANES
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention_first: bool, operands):
+def resets_dtype(chip: str | None):
+    """What the fused forward holds each chunk's reset counts in for its decay masks (``ChunkGates.along_lanes``): bfloat16
+    on a 256-wide MXU's chip (v6e), float32 elsewhere.
+
+    With ``g`` the masks compare each row's count with each column's, and broadcasting the rows' counts
+    along lanes is most of what exact ``-inf`` gates cost; in bfloat16 a register holds 16 rows, so half
+    as many broadcasts. Cycles one TensorCore issues for a 4096-row grid step (bf16 K=V=128 with ``g``,
+    16 heads), float32 -> bfloat16: v6e (chunk 256) 6244 -> 5621; v5e (chunk 128) 7201 -> 7245 and at
+    chunk 256 9360 -> 9816, v5p 4064 -> 4058; on v4 the step would no longer fit its 16 MiB of VMEM.
+    """
+    return jnp.bfloat16 if _wide_mxu(chip) else jnp.float32
+
+
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention_first: bool, operands, resets_dtype):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
@@ -190,7 +203,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
     chunks = []
     for chunk in step_chunks(geometry, step):
-        gates = chunk_gates(chunk, refs, head, constant, along_lanes=along_lanes)
+        gates = chunk_gates(chunk, refs, head, constant, along_lanes=along_lanes, resets_dtype=resets_dtype)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         k = k.T if along_lanes else k  # keys transposed: their decays are the decay matrix's last row
         chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands, along_lanes) if attention_first else None))
@@ -221,7 +234,7 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     chip = launch.Target.lowered_for().chip
     config = resolved(config, q.shape[-1], chip)
     first = attention_first(config, q.dtype, q.shape[-1], chip)
-    kernel = functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype))
+    kernel = functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype), resets_dtype=resets_dtype(chip))
     along_lanes = g is not None and gates_along_lanes(True, config.chunk_size)
     return grid.run(
         kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,

@@ -37,11 +37,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
+from tops_plugins_tpu_pallas.exponents import masked_exp
 from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, step_chunks
 from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    LogDecays, advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
-    gate_computations, gates_work, log_decays,
+    LogDecays, advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output_work, constant_decay,
+    constant_gates, gate_computations, gates_work, log_decays, unreset,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES
 from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
@@ -147,8 +148,8 @@ class Piece:
     continuing: jax.Array  # the sequence started before the chunk: its state is carried in
     ending: jax.Array  # the sequence ends inside the chunk (at its last row at the latest): its final state leaves here
     inside: jax.Array  # (C, 1): the piece's rows
-    query: jax.Array  # (C, 1): exp(b_i - b_{start-1}) on the piece's rows, 0 elsewhere
-    key: jax.Array  # (C, 1): exp(b_{end-1} - b_j) on the piece's rows, 0 elsewhere
+    query: jax.Array  # (C, 1): exp(b_i - b_{start-1}) on the piece's rows, 0 elsewhere (and after a reset)
+    key: jax.Array  # (C, 1): exp(b_{end-1} - b_j) on the piece's rows, 0 elsewhere (and before a reset)
     chunk: jax.Array  # (1, 1): exp(b_{end-1} - b_{start-1}), the decay over the whole piece
 
     @classmethod
@@ -159,12 +160,19 @@ class Piece:
         begins, ends = cu_seqlens[sequence], cu_seqlens[sequence + 1]
         start, end = jnp.clip(begins - first, 0, C), jnp.clip(ends - first, 0, C)
         inside = (rows >= start) & (rows < end)
-        before, last = _at_row(log.column, rows, start - 1), _at_row(log.column, rows, end - 1)
-        query = jnp.where(inside, jnp.exp(jnp.where(inside, log.column - before, 0.0)), 0.0)
-        key = jnp.where(inside, jnp.exp(jnp.where(inside, last - log.column, 0.0)), 0.0)
+        before, last = (_at_row(log.column, rows, row) for row in (start - 1, end - 1))
+        if log.resets_column is None:
+            # No gate can be -inf (no g): masked before and after exp, the form this kernel schedules best without resets.
+            query, key = (jnp.where(inside, jnp.exp(jnp.where(inside, x, 0.0)), 0.0) for x in (log.column - before, last - log.column))
+            chunk = jnp.exp(last - before)
+        else:
+            resets_before, resets_last = (_at_row(log.resets_column, rows, row) for row in (start - 1, end - 1))
+            query = masked_exp(log.column - before, inside & unreset(log.resets_column, resets_before))
+            key = masked_exp(last - log.column, inside & unreset(log.resets_column, resets_last))
+            chunk = masked_exp(last - before, unreset(resets_last, resets_before))
         return cls(
             sequence=sequence, start=start, end=end, continuing=begins < first, ending=ends <= first + C,
-            inside=inside, query=query, key=key, chunk=jnp.exp(last - before),
+            inside=inside, query=query, key=key, chunk=chunk,
         )
 
     @property
@@ -230,12 +238,12 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     columns = lax.broadcasted_iota(jnp.int32, (C, C), 1)
     states = SequenceStates(refs, head, block, Vb, refs["state"].shape)
 
-    constant = constant_gates(refs, head, geometry)
+    constant, decay = constant_gates(refs, head, geometry), constant_decay(refs, head)
     state = refs["state"][...]  # unset at step 0, where the first sequence starts and never reads it
     for chunk in step_chunks(geometry, step):
         number = step * geometry.chunks_per_step + chunk.index
         first = number * C  # the chunk's first token in the packed sequence
-        log = log_decays(chunk, refs, head)
+        log = log_decays(chunk, refs, head, decay)
         gates = chunk_gates(chunk, refs, head, constant, log)
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         operands = mxu_operand_dtype(q.dtype)
