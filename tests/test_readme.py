@@ -42,7 +42,8 @@ def console_samples() -> list[tuple[str, str]]:
 def test_the_python_samples_run_as_written(tmp_path):
     script = "\n\n".join(body for language, body in fenced_blocks(README.read_text()) if language == "python")
     environment = {name: value for name, value in os.environ.items() if not name.startswith("TOPS_")}
-    environment.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()  # over the conftest's
+    environment.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

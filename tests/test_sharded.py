@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,9 @@ class Worker:
 
     def __init__(self, *arguments: str):
         script = str(Path(__file__).with_name("sharded_worker.py"))
-        self.process = compile_only.LineWorker([script, *arguments], {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+        # Over the caller's flags (the root conftest's compile settings), not instead of them.
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+        self.process = compile_only.LineWorker([script, *arguments], {"XLA_FLAGS": flags})
         self.answers: dict[str, dict] = {}
 
     def ask(self, kind: str, case: dict, *, failing: bool = False) -> dict:

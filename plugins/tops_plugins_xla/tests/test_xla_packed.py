@@ -123,7 +123,14 @@ def test_packed_without_states_runs_one_stream_of_regular_chunks():
     T, N, C = 256, 100, 16
     q = jnp.zeros((1, T, 1, 4))
     cu_seqlens = jnp.asarray(np.linspace(0, T, N + 1).astype(np.int32))
-    x = chunk._chunked(q, q, q, None, jnp.zeros((1,)), None, cu_seqlens, 1.0, C, with_states=False)
+    layouts = []
+
+    def prepare(cu_seqlens):  # traced, not run: only the static layout is read
+        layouts.append(chunk._chunked(q, q, q, None, jnp.zeros((1,)), None, cu_seqlens, 1.0, C, with_states=False))
+        return cu_seqlens
+
+    jax.make_jaxpr(prepare)(cu_seqlens)
+    x, = layouts
     assert x.layout.num_chunks == T // C
     assert x.packed is not None
 
