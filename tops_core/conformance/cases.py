@@ -20,8 +20,11 @@ HEAD_DIMS = (64, 100, 128)
 OUT_OF_RANGE_DIMS = (64, 100, 128, 256, 32, 96, 512)
 GATES = {"simple_gla": ("g", "g_gamma"), "kda": ()}
 # Boundaries inside a chunk and on one (64), at token 0, empty sequences first, inside and last, one-token
-# sequences, a sequence over several chunks; cases that change T resize the last sequence.
-PACKINGS = ((0, 1, 70, 57), (130, 0, 3), (64, 200, 1, 0))
+# sequences, a sequence over several chunks; cases that change T resize the last sequence. The first
+# packing holds every one of these and runs by default; the others, each a few of them, with -m slow.
+# An implementation that requires cu_seqlens takes the second as its base case's packing.
+PACKINGS = ((0, 1, 70, 0, 57, 130, 3, 0), (0, 1, 70, 57), (130, 0, 3), (64, 200, 1, 0))
+BASE_PACKING = PACKINGS[1]
 SCALE = 0.37
 """The base case's ``scale``: not ``K ** -0.5`` for any head dim of the grid, so an implementation that
 ignores the argument (or recomputes the default) fails. Every case derived from the base keeps it."""
@@ -67,12 +70,18 @@ class Case:
             features=self.features, ndims=self.ndims, interpret=interpret,
         )
 
+    @property
+    def program_key(self) -> str:
+        """What the programs compiled for this case depend on (not its data): cases with equal keys share them."""
+        return f"{self.dtype}:{self.batch}x{self.seq_len}x{self.heads}x{self.key_dim}x{self.value_dim}:" \
+               f"{'+'.join(sorted(self.features))}:{self.ndims}:{self.seqlens}:{self.scale}:{self.config}"
+
     def with_features(self, name: str, features: frozenset[str], **changes: Any) -> Case:
         ndims = tuple((k, v) for k, v in self.ndims if k in features)
         if "g_gamma" in features and "g_gamma" not in dict(ndims):
             ndims += (("g_gamma", 1),)
         if "cu_seqlens" in features and self.seqlens is None:
-            changes = {"batch": 1, "seqlens": PACKINGS[0], "seq_len": sum(PACKINGS[0])} | changes
+            changes = {"batch": 1, "seqlens": BASE_PACKING, "seq_len": sum(BASE_PACKING)} | changes
         if "cu_seqlens" not in features:
             changes = {"seqlens": None} | changes
         return dataclasses.replace(self, name=name, features=frozenset(features), ndims=ndims, **changes)
@@ -133,9 +142,10 @@ def grid(impl: Implementation) -> Grid:
         for seq_len in (1, 128, 130):
             supported.append(dataclasses.replace(base, name=f"T={seq_len}", seq_len=seq_len, batch=1 if seq_len > 100 else 2, slow=seq_len != 130))
     if "cu_seqlens" in declared:
-        for seqlens in PACKINGS:
+        for index, seqlens in enumerate(PACKINGS):
             name = "varlen=" + "+".join(map(str, seqlens))
-            supported.append(base.with_features(name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens)))
+            supported.append(base.with_features(
+                name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens), slow=index > 0))
     strong = _strong_decay_cases(base, base_features, gate_options, gates)
     supported += strong
     supported += _reset_cases(base, base_features, gate_options, gates)
@@ -170,14 +180,15 @@ def _strong_decay_cases(base: Case, base_features: frozenset[str], gate_options:
 
 def _reset_cases(base: Case, base_features: frozenset[str], gate_options: list, gates: frozenset[str]) -> list[Case]:
     """Gates of ``-inf`` (a legal way to cut a sequence: the state is reset): the results are finite, and the
-    reference's, forward and gradients. T = 200 puts resets in the first, a middle and the last chunk of 64."""
+    reference's, forward and gradients. The strong cases' shape (B = 1, T = 256: resets in the first, a middle
+    and the last chunk of 64), so that a reset case reuses the strong case's compiled programs."""
     cases = []
     for gate in ("g", "g_gamma"):
         options = [s for s in gate_options if gate in s]
         if options:
-            cases.append(base.with_features(f"reset-{gate}", (base_features - gates) | min(options, key=len), reset=True, seq_len=200))
+            cases.append(base.with_features(f"reset-{gate}", (base_features - gates) | min(options, key=len), reset=True, seq_len=256, batch=1))
     if not gates:
-        cases.append(dataclasses.replace(base, name="reset-g", reset=True, seq_len=200))
+        cases.append(dataclasses.replace(base, name="reset-g", reset=True, seq_len=256, batch=1))
     return cases
 
 
