@@ -70,12 +70,6 @@ class Case:
             features=self.features, ndims=self.ndims, interpret=interpret,
         )
 
-    @property
-    def program_key(self) -> str:
-        """What the programs compiled for this case depend on (not its data): cases with equal keys share them."""
-        return f"{self.dtype}:{self.batch}x{self.seq_len}x{self.heads}x{self.key_dim}x{self.value_dim}:" \
-               f"{'+'.join(sorted(self.features))}:{self.ndims}:{self.seqlens}:{self.scale}:{self.config}"
-
     def with_features(self, name: str, features: frozenset[str], **changes: Any) -> Case:
         ndims = tuple((k, v) for k, v in self.ndims if k in features)
         if "g_gamma" in features and "g_gamma" not in dict(ndims):
@@ -157,8 +151,9 @@ def grid(impl: Implementation) -> Grid:
     for overrides in impl.config_sweep:
         label = "config=" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
         config = tuple(sorted(overrides.items()))
-        # T=600 crosses chunks of up to 256 twice and ends ragged; the strong cases fill a whole chunk of 256.
-        crossing = [dataclasses.replace(base, name=f"T={seq_len}", seq_len=seq_len, batch=1) for seq_len in (130, 600)]
+        # T=600 crosses chunks of up to 256 twice and ends ragged (T=130, with -m slow, once); the strong cases
+        # fill a whole chunk of 256.
+        crossing = [dataclasses.replace(base, name=f"T={seq_len}", seq_len=seq_len, batch=1, slow=seq_len == 130) for seq_len in (130, 600)]
         for case in [base, *crossing, *strong]:
             supported.append(dataclasses.replace(case, name=f"{label}-{case.name}", config=config))
 
@@ -181,7 +176,7 @@ def _strong_decay_cases(base: Case, base_features: frozenset[str], gate_options:
 def _reset_cases(base: Case, base_features: frozenset[str], gate_options: list, gates: frozenset[str]) -> list[Case]:
     """Gates of ``-inf`` (a legal way to cut a sequence: the state is reset): the results are finite, and the
     reference's, forward and gradients. The strong cases' shape (B = 1, T = 256: resets in the first, a middle
-    and the last chunk of 64), so that a reset case reuses the strong case's compiled programs."""
+    and the last chunk of 64): a process that runs both compiles their programs once."""
     cases = []
     for gate in ("g", "g_gamma"):
         options = [s for s in gate_options if gate in s]

@@ -39,8 +39,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: the conformance kit's wider breadth (more head dims, aligned and one-token T)")
-    # pytest-xdist's own marker, declared for runs without it (the kit groups cases that share programs).
-    config.addinivalue_line("markers", "xdist_group(name): run the tests of one group in one worker (pytest-xdist --dist loadgroup)")
     config.pluginmanager.register(_Summary(), "tops-conformance-summary")
 
 
@@ -110,10 +108,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             itself = kind == "supported" and impl.name == metafunc.config.getoption("tops_reference")
             for case in getattr(grid(impl), kind):
                 slow = case.slow or (itself and case.name != "base")
-                # Cases that differ only in their data (a strong decay, resets) share compiled programs when one
-                # worker runs them (pytest-xdist's --dist loadgroup).
-                marks = [pytest.mark.xdist_group(f"{impl.op}:{impl.name}:{case.program_key}")] + [pytest.mark.slow] * slow
-                params.append(pytest.param((impl, case), marks=marks))
+                params.append(pytest.param((impl, case), marks=pytest.mark.slow) if slow else (impl, case))
                 ids.append(f"{impl.op}:{impl.name}:{case.name}")
         metafunc.parametrize(fixture, params, ids=ids)
 
