@@ -272,8 +272,9 @@ def _tpu_only(contract, case: Case, tpu_case: Case, platform: str, names: list[s
     tpu_only = []
     for name in names:
         impl = registered.get(name)
-        if impl is not None and impl.reasons(here, "forward") and not impl.reasons(on_tpu, "forward"):
-            tpu_only.append((name, "; ".join(impl.reasons(here, "forward"))))
+        reasons = impl.reasons(here, "forward") if impl is not None else []
+        if reasons and not impl.reasons(on_tpu, "forward"):
+            tpu_only.append((name, "; ".join(reasons)))
     return tpu_only
 
 

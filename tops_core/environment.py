@@ -48,8 +48,8 @@ def warn_unknown() -> None:
     """A ``RuntimeWarning`` for each ``TOPS_*`` variable that tops does not read (a typo of one it does),
     naming it and the known ones; once per name and process.
 
-    Called when the plugins are loaded and whenever a call is decided (not at every read:
-    scanning ``os.environ`` costs about a microsecond a variable).
+    Called when the plugins are loaded and whenever a call is decided afresh (not at every read
+    or every call: scanning ``os.environ`` costs about a microsecond a variable).
     """
     for name in sorted(os.environ):
         if name.startswith("TOPS_") and name not in KNOWN and name not in _warned:

@@ -248,12 +248,12 @@ class OpContract:
         if spec.op != self.name:
             raise ValueError(f"call spec is for {spec.op!r}, not {self.name!r}")
         policy = self.policy() if policy is None else policy
-        environment.warn_unknown()
         registry = default_registry()
         registry.warn_quarantined()
         key = (spec, direction, policy, warn)
         decision = registry.decisions.get(key)
         if decision is None:
+            environment.warn_unknown()  # here, not on every call: it scans os.environ (about 12 us)
             decision = select(registry.implementations(self.name), spec, direction, policy, warn)
             registry.decisions[key] = decision
         return decision
