@@ -1,13 +1,16 @@
 """kda: Kimi Delta Attention (docs/ops.md "kda").
 
-For each sequence and head, with ``S_0 = initial_state`` (zeros if None)::
+For each sequence and value head, with ``S_0 = initial_state`` (zeros if None)::
 
     S_t' = diag(exp(g_t)) S_{t-1}                          # decay each key row
     S_t  = S_t' + beta_t * k_t^T (v_t - k_t S_t')           # delta rule
     o_t  = scale * q_t S_t
 
-with ``q, k`` L2-normalised over ``K`` first when ``use_qk_l2norm``. Implementations follow
-``Forward`` and ``Backward`` below; the arguments arrive validated, as for simple_gla.
+with ``q, k`` L2-normalised over ``K`` first when ``use_qk_l2norm``. Value head ``j`` of ``HV`` reads
+query/key head ``j // (HV // H)`` (grouped value heads). ``g`` is the log decay itself, or with
+``use_gate`` the raw input of ``gate`` below; ``beta`` is the write strength, or with
+``use_beta_sigmoid`` its logits (``beta_activation``). Implementations follow ``Forward`` and
+``Backward`` below; the arguments arrive validated, as for simple_gla.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from tops_core.ops import validation
 from tops_core.ops.base import Explanation, OpContract, Prepared, state_dtype
@@ -28,10 +32,40 @@ L2NORM_EPSILON = 1e-6
 """``use_qk_l2norm``'s epsilon, flash-linear-attention's: ``x / sqrt(sum over K of x^2 + L2NORM_EPSILON)``."""
 
 
+def gate(g: Array, A_log: Array | None, dt_bias: Array | None, lower_bound: float | None) -> Array:
+    """The log decay ``use_gate`` computes from the raw gate ``g`` (flash-linear-attention's KDA gate).
+
+    ``-exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound``
+    ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (without ``A_log``:
+    ``lower_bound * sigmoid(g + dt_bias)``), in float32 (float64 for float64 inputs). Elementwise:
+    ``A_log`` and ``dt_bias`` come shaped to broadcast against ``g`` (per head ``[HV, 1]`` and
+    ``[HV, K]`` for a ``[..., HV, K]`` gate), so kernels apply it to the blocks they hold.
+    """
+    dtype = state_dtype(g.dtype)
+    x = g.astype(dtype)
+    if dt_bias is not None:
+        x = x + dt_bias.astype(dtype)
+    if lower_bound is None:
+        return -jnp.exp(A_log.astype(dtype)) * jax.nn.softplus(x)
+    if A_log is not None:
+        x = jnp.exp(A_log.astype(dtype)) * x
+    return lower_bound * jax.nn.sigmoid(x)
+
+
+def beta_activation(beta: Array, allow_neg_eigval: bool) -> Array:
+    """The write strength ``use_beta_sigmoid`` computes from logits: ``sigmoid(beta)``, twice that with
+    ``allow_neg_eigval`` (a strength in ``(0, 2)``: the delta rule's eigenvalue ``1 - beta`` may be negative)."""
+    strength = jax.nn.sigmoid(beta.astype(state_dtype(beta.dtype)))
+    return 2 * strength if allow_neg_eigval else strength
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KDAGrads:
-    """Gradients of kda; ``dinitial_state`` is None exactly when no initial state was given."""
+    """Gradients of kda; ``dinitial_state``, ``dA_log`` and ``ddt_bias`` are None exactly when their input was not given.
+
+    ``dg`` and ``dbeta`` are those of the arguments as given: of the raw gate with ``use_gate``, of the
+    logits with ``use_beta_sigmoid``."""
 
     dq: Array
     dk: Array
@@ -39,6 +73,8 @@ class KDAGrads:
     dg: Array
     dbeta: Array
     dinitial_state: Array | None = None
+    dA_log: Array | None = None
+    ddt_bias: Array | None = None
 
 
 class Forward(Protocol):
@@ -55,9 +91,15 @@ class Forward(Protocol):
         output_final_state: bool,
         cu_seqlens: Array | None,
         use_qk_l2norm: bool,
+        use_gate: bool,
+        A_log: Array | None,
+        dt_bias: Array | None,
+        lower_bound: float | None,
+        use_beta_sigmoid: bool,
+        allow_neg_eigval: bool,
         config: Any,
     ) -> tuple[Array, Array | None]:
-        """Return ``o`` ``[B, T, H, V]`` (dtype of ``v``) and the final state ``[N, H, K, V]`` or None."""
+        """Return ``o`` ``[B, T, HV, V]`` (dtype of ``v``) and the final state ``[N, HV, K, V]`` or None."""
 
 
 class Backward(Protocol):
@@ -75,6 +117,12 @@ class Backward(Protocol):
         dht: Array | None,
         cu_seqlens: Array | None,
         use_qk_l2norm: bool,
+        use_gate: bool,
+        A_log: Array | None,
+        dt_bias: Array | None,
+        lower_bound: float | None,
+        use_beta_sigmoid: bool,
+        allow_neg_eigval: bool,
         config: Any,
     ) -> KDAGrads:
         """Return the exact VJP for cotangents ``do`` and ``dht`` (None: no final-state cotangent)."""
