@@ -99,13 +99,28 @@ def test_nan_inputs_propagate_instead_of_raising(registry):
 KDA_G = jnp.zeros((2, 8, 2, 4), f32)
 KDA_BETA = jnp.full((2, 8, 2), 0.5, f32)
 KDA_CASES = [
-    ("g shape", dict(g=KDA_G[..., :2]), ValueError, "g must have shape [B, T, H, K]"),
+    ("g shape", dict(g=KDA_G[..., :2]), ValueError, "g must have shape [B, T, HV, K]"),
     ("g missing", dict(g=None), TypeError, "g is required"),
     ("beta shape", dict(beta=KDA_BETA[..., None]), ValueError, "beta must have rank 3"),
     ("beta int", dict(beta=KDA_BETA.astype(jnp.int32)), TypeError, "beta must have a floating dtype"),
     ("l2norm flag", dict(use_qk_l2norm=1), TypeError, "use_qk_l2norm must be a bool"),
     ("cu with B>1", dict(cu_seqlens=jnp.array([0, 8])), ValueError, "cu_seqlens requires B == 1"),
     ("h0 shape", dict(initial_state=jnp.zeros((2, 2, 3, 3))), ValueError, "initial_state must have shape"),
+    ("value heads not a multiple", dict(v=jnp.zeros((2, 8, 3, 3), f32)), ValueError, "v has HV = 3 value heads, not a multiple of q's H = 2"),
+    ("value heads fewer", dict(v=jnp.zeros((2, 8, 1, 3), f32)), ValueError, "v has HV = 1 value heads, not a multiple of q's H = 2"),
+    ("g per query head with grouped values", dict(v=jnp.zeros((2, 8, 4, 3), f32)), ValueError, "g must have shape [B, T, HV, K] = (2, 8, 4, 4)"),
+    ("use_gate without A_log", dict(use_gate=True), ValueError, "use_gate=True needs A_log"),
+    ("A_log without use_gate", dict(A_log=jnp.zeros(2)), ValueError, "A_log is a parameter of the gate computed in the op: pass use_gate=True"),
+    ("dt_bias without use_gate", dict(dt_bias=jnp.zeros(8)), ValueError, "dt_bias is a parameter of the gate computed in the op"),
+    ("A_log shape", dict(use_gate=True, A_log=jnp.zeros(4)), ValueError, "A_log must have shape [HV]"),
+    ("dt_bias size", dict(use_gate=True, A_log=jnp.zeros(2), dt_bias=jnp.zeros(2)), ValueError, "dt_bias must have shape [HV * K] = [2 * 4]"),
+    ("use_gate flag", dict(use_gate=1), TypeError, "use_gate must be a bool"),
+    ("lower_bound positive", dict(lower_bound=1.0), ValueError, "lower_bound must be a finite number below 0, got 1.0"),
+    ("lower_bound zero", dict(lower_bound=0), ValueError, "lower_bound must be a finite number below 0"),
+    ("lower_bound string", dict(lower_bound="-5"), TypeError, "lower_bound must be a real number"),
+    ("g below lower_bound", dict(g=KDA_G.at[1, 2, 0, 3].set(-6.0), lower_bound=-5.0), ValueError, "g must lie in [lower_bound, 0] = [-5.0, 0]"),
+    ("g above 0 with lower_bound", dict(g=KDA_G.at[0, 0, 0, 0].set(0.5), lower_bound=-5.0), ValueError, "got values in [0.0, 0.5]"),
+    ("allow_neg_eigval alone", dict(allow_neg_eigval=True), ValueError, "allow_neg_eigval=True scales sigmoid(beta) to (0, 2) and needs use_beta_sigmoid=True"),
 ]
 
 
@@ -119,9 +134,19 @@ def test_kda_rejects_invalid_input(registry, label, overrides, error, message):
 
 def test_kda_call_spec_names_its_features(registry):
     spec = kda.prepare(q1, k1, v1, KDA_G[:1], KDA_BETA[:1], None, jnp.zeros((2, 2, 4, 3)), True,
-                       jnp.array([0, 3, 8]), True, False).spec
+                       jnp.array([0, 3, 8]), True, False, None, None, None, False, False, False).spec
     assert spec.op == "kda" and spec.num_seqs == 2
     assert spec.features == {"initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm"}
+    values = jnp.zeros((1, 8, 4, 3), f32)
+    spec = kda.prepare(q1, k1, values, jnp.zeros((1, 8, 4, 4)), KDA_BETA[:1].repeat(2, axis=2), None, None, False, None, False,
+                       True, None, jnp.zeros(16), -5.0, True, True, False).spec
+    assert spec.heads == 2 and spec.value_heads == 4
+    assert spec.features == {"grouped_value_heads", "use_gate", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval"}
+
+
+def test_lower_bound_must_be_static(registry):
+    with pytest.raises(TypeError, match="lower_bound must be a static number"):
+        jax.jit(lambda bound: kda.forward(q, k, v, KDA_G, KDA_BETA, lower_bound=bound))(-5.0)
 
 
 def test_default_scale_is_inverse_sqrt_key_dim():
@@ -265,3 +290,22 @@ def test_kda_invalid_traced_boundaries_make_every_output_and_gradient_nan(name):
     for result in (value, *grads):
         assert np.isnan(np.asarray(result)).all()
     assert np.isfinite(jax.jit(loss)(q1, gates, beta, jnp.array([0, 3, 5, 8])))
+
+
+@pytest.mark.parametrize("name", [impl.name for impl in kda.implementations() if "lower_bound" in impl.capabilities.features
+                                  and "cpu" in impl.capabilities.platforms])
+def test_kda_traced_gates_outside_lower_bound_make_every_output_and_gradient_nan(name):
+    beta = jnp.full((1, 8, 2), 0.5, f32)
+
+    def loss(q, gates):
+        o, ht = kda.forward(q, k1, v1, gates, beta, output_final_state=True, lower_bound=-1.0, implementation=name)
+        return jnp.sum(o) + jnp.sum(ht)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    inside = -jnp.ones((1, 8, 2, 4), f32) / 8
+    for outside in (inside.at[0, 5, 1, 2].set(-1.5), inside.at[0, 0, 0, 0].set(0.25)):
+        value, grads = run(q1, outside)
+        for result in (value, *grads):
+            assert np.isnan(np.asarray(result)).all()
+    value, grads = run(q1, inside.at[0, 5, 1, 2].set(-1.0))  # on the bound: valid
+    assert np.isfinite(value) and all(np.isfinite(np.asarray(x)).all() for x in grads)

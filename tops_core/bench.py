@@ -105,8 +105,11 @@ def default_dtype(platform: str) -> str:
     return "float32" if platform == "cpu" else "bfloat16"
 
 
-def workload(op_name: str, shape: Sequence[int], dtype: str, features: Sequence[str], num_seqs: int | None = None) -> Case:
-    """The benchmark call; with ``cu_seqlens`` (``B == 1``) the ``T`` tokens are packed into ``num_seqs`` uneven sequences."""
+def workload(
+    op_name: str, shape: Sequence[int], dtype: str, features: Sequence[str], num_seqs: int | None = None, value_heads: int | None = None,
+) -> Case:
+    """The benchmark call; with ``cu_seqlens`` (``B == 1``) the ``T`` tokens are packed into ``num_seqs`` uneven sequences.
+    ``value_heads``: kda's ``HV`` (default: ``2H`` with ``grouped_value_heads``, else ``H``)."""
     B, T, H, K, V = shape
     contract = op(op_name)
     unknown = set(features) - contract.features
@@ -114,7 +117,7 @@ def workload(op_name: str, shape: Sequence[int], dtype: str, features: Sequence[
         raise ValueError(f"unknown feature(s) {sorted(unknown)} for {op_name}; known: {', '.join(sorted(contract.features))}")
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
-    case = Case(op_name, "workload", dtype=dtype, batch=B, seq_len=T, heads=H, key_dim=K, value_dim=V)
+    case = Case(op_name, "workload", dtype=dtype, batch=B, seq_len=T, heads=H, key_dim=K, value_dim=V, value_heads=value_heads)
     if "cu_seqlens" not in features:
         if num_seqs is not None:
             raise ValueError("the number of sequences only applies to packed workloads (with cu_seqlens)")
@@ -138,12 +141,12 @@ def forward_flops(case: Case, chunk_size: int = COUNTED_CHUNK) -> float:
     """
     C, K, V = chunk_size, case.key_dim, case.value_dim
     per_token = {"simple_gla": 4 * K * V + 2 * C * (K + V), "kda": 6 * K * V + 4 * C * (K + V) + 2 * C * C / 3}[case.op]
-    return case.batch * case.seq_len * case.heads * per_token
+    return case.batch * case.seq_len * case.value_heads * per_token
 
 
 def flat_product(case: Case) -> tuple[Callable, tuple, float]:
     """One ``[B*T*H, K] @ [K, V]`` product in the workload's dtype, jitted, with its arguments and FLOPs."""
-    rows = case.batch * case.seq_len * case.heads
+    rows = case.batch * case.seq_len * case.value_heads
     keys = jax.random.split(jax.random.PRNGKey(0))
     tokens = jax.random.normal(keys[0], (rows, case.key_dim), jnp.dtype(case.dtype))
     state = jax.random.normal(keys[1], (case.key_dim, case.value_dim), jnp.dtype(case.dtype))
@@ -164,14 +167,17 @@ def packed_lengths(num_seqs: int, seq_len: int) -> tuple[int, ...]:
 def check_shape(case: Case) -> Case:
     """A shape the float64 reference handles in seconds, with the workload's head dims and features."""
     seq_len = min(case.seq_len, 512)
-    changes: dict[str, Any] = dict(batch=1 if case.seqlens is None else case.batch, seq_len=seq_len, heads=min(case.heads, 4))
+    heads = min(case.heads, 4)
+    changes: dict[str, Any] = dict(
+        batch=1 if case.seqlens is None else case.batch, seq_len=seq_len, heads=heads, value_heads=heads * (case.value_heads // case.heads),
+    )
     if case.seqlens is not None:
         changes["seqlens"] = packed_lengths(min(len(case.seqlens), seq_len), seq_len)
     return dataclasses.replace(case, name="check", **changes)
 
 
 def elements(case: Case) -> int:
-    return case.batch * case.seq_len * case.heads * case.key_dim * case.value_dim
+    return case.batch * case.seq_len * case.value_heads * case.key_dim * case.value_dim
 
 
 REFERENCE_PLUGIN = "pip install -e plugins/tops_plugins_ref"
@@ -214,7 +220,7 @@ def memory_needed(case: Case) -> MemoryNeed:
     an implementation keeps while it runs. ``xla.chunk``'s benchmark peaked at 63-77% of the sum on a CPU
     (resident memory above the process's own, simple_gla and kda, float32 and bfloat16, 1-2.6 GiB estimated).
     """
-    B, T, H, K, V = case.batch, case.seq_len, case.heads, case.key_dim, case.value_dim
+    B, T, H, K, V = case.batch, case.seq_len, case.value_heads, case.key_dim, case.value_dim  # q and k counted per value head: an upper bound
     itemsize, state_itemsize, tokens = jnp.dtype(case.dtype).itemsize, state_dtype(case.dtype).itemsize, B * T * H
     gates = {"simple_gla": 1 if "g" in case.features else 0, "kda": K + 1}[case.op]  # per token and head; kda: g and beta
     inputs = tokens * ((2 * K + V) * itemsize + gates * state_itemsize)
@@ -472,8 +478,9 @@ def _accuracy(row: Row, case: Case, reference: tuple) -> None:
 
 
 def describe_shape(case: Case) -> str:
-    """``B=.. T=.. H=.. K=.. V=..``, as the report writes a shape."""
-    return f"B={case.batch} T={case.seq_len} H={case.heads} K={case.key_dim} V={case.value_dim}"
+    """``B=.. T=.. H=.. K=.. V=..`` (and ``HV=..`` with grouped value heads), as the report writes a shape."""
+    heads = f"H={case.heads}" + (f" HV={case.value_heads}" if case.value_heads != case.heads else "")
+    return f"B={case.batch} T={case.seq_len} {heads} K={case.key_dim} V={case.value_dim}"
 
 
 def describe_workload(case: Case, platform: str) -> str:

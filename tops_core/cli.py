@@ -165,7 +165,23 @@ def _features(contract, args: argparse.Namespace) -> list[str]:
         raise UsageError(f"unknown feature(s) {sorted(unknown)} for {contract.name}; known: {', '.join(sorted(contract.features))}")
     if args.num_seqs is not None and "cu_seqlens" not in features:
         raise UsageError("--num-seqs describes packed sequences: add cu_seqlens to --with")
+    missing = contract.signature.missing(frozenset(features))
+    if missing:
+        raise UsageError(f"--with {','.join(features)}: " + "; ".join(missing))
+    if args.value_heads is not None:
+        if "grouped_value_heads" not in contract.features:
+            raise UsageError(f"--value-heads describes grouped value heads, which {contract.name} does not have")
+        features = sorted(set(features) | {"grouped_value_heads"})
     return features
+
+
+def _value_heads(features: list[str], H: int, args: argparse.Namespace) -> int:
+    """``v``'s heads: ``--value-heads``, else twice ``H`` with ``grouped_value_heads``, else ``H``."""
+    if args.value_heads is not None:
+        if args.value_heads <= H or args.value_heads % H:
+            raise UsageError(f"--value-heads must be a multiple of H = {H} above it, got {args.value_heads}")
+        return args.value_heads
+    return 2 * H if "grouped_value_heads" in features else H
 
 
 def _spec_from_args(contract, args: argparse.Namespace) -> CallSpec:
@@ -185,7 +201,7 @@ def _spec_from_args(contract, args: argparse.Namespace) -> CallSpec:
     return CallSpec(
         op=contract.name, platform=args.platform, dtype=args.dtype or _default_dtype(args.platform), batch=B, seq_len=T,
         heads=H, key_dim=K, value_dim=V, num_seqs=num_seqs, features=frozenset(features), ndims=tuple(ndims.items()),
-        chip=args.chip,
+        chip=args.chip, value_heads=_value_heads(sorted(features), H, args),
     )
 
 
@@ -202,7 +218,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     features = _features(contract, args)
     platform = platform_of([])
     try:
-        case = bench.workload(contract.name, _parse_shape(args.shape), args.dtype or _default_dtype(platform), features, args.num_seqs)
+        shape = _parse_shape(args.shape)
+        case = bench.workload(contract.name, shape, args.dtype or _default_dtype(platform), features, args.num_seqs,
+                              value_heads=_value_heads(features, shape[2], args))
     except ValueError as error:
         raise UsageError(str(error)) from None
     names = _parse_list(",".join(args.impl))
@@ -338,6 +356,8 @@ def _call_arguments(parser: argparse.ArgumentParser, default_op: str | None) -> 
                         help="comma-separated optional inputs and options, e.g. g_gamma,initial_state,output_final_state "
                              "(default: g_gamma for simple_gla, use_qk_l2norm for kda)")
     parser.add_argument("--num-seqs", type=_positive_integer, metavar="N", help="packed sequences, with cu_seqlens and B = 1 (default: 1)")
+    parser.add_argument("--value-heads", type=_positive_integer, metavar="HV",
+                        help="kda: v's heads, a multiple of H (grouped value heads; default with grouped_value_heads: 2H)")
 
 
 def _positive_integer(text: str) -> int:

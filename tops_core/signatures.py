@@ -13,18 +13,58 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Signature:
-    """An op's name, the optional inputs and boolean options a call spec can name (``features``),
-    and the inputs whose rank may vary (``variable_ndims``)."""
+    """An op's name, the optional inputs and options a call spec can name (``features``), the inputs
+    whose rank may vary (``variable_ndims``), and what a feature needs beside it (``needs``: a call
+    with the feature has at least one of those).
+
+    A feature is an input that is given, an option that is on (or set), or a fact of the shapes
+    (kda's ``grouped_value_heads``: more value heads than query/key heads).
+    """
 
     name: str
     features: frozenset[str]
     variable_ndims: frozenset[str] = frozenset()
+    needs: tuple[tuple[str, frozenset[str]], ...] = ()
+
+    def missing(self, features: frozenset[str]) -> list[str]:
+        """What a set of features lacks to be a valid call, one sentence per unmet need."""
+        return [
+            f"{feature} requires {' or '.join(sorted(needed))}"
+            for feature, needed in self.needs if feature in features and not features & needed
+        ]
+
+    def completed(self, features: frozenset[str]) -> frozenset[str]:
+        """``features`` plus, for each unmet need, the first feature (by name) that meets it."""
+        while self.missing(features):
+            feature, needed = next((f, n) for f, n in self.needs if f in features and not features & n)
+            features = features | {min(needed)}
+        return features
+
+    def closed(self, features: frozenset[str]) -> frozenset[str]:
+        """``features`` less every feature whose needs they no longer meet (after one was removed)."""
+        while True:
+            unmet = {feature for feature, needed in self.needs if feature in features and not features & needed}
+            if not unmet:
+                return features
+            features = features - unmet
 
 
 SIMPLE_GLA = Signature(
     "simple_gla", frozenset({"g", "g_gamma", "initial_state", "cu_seqlens", "output_final_state"}), frozenset({"g_gamma"}),
 )
-KDA = Signature("kda", frozenset({"initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm"}))
+KDA = Signature(
+    "kda",
+    frozenset({
+        "initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm", "grouped_value_heads",
+        "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval",
+    }),
+    needs=(
+        ("use_gate", frozenset({"A_log", "lower_bound"})),
+        ("A_log", frozenset({"use_gate"})),
+        ("dt_bias", frozenset({"use_gate"})),
+        ("allow_neg_eigval", frozenset({"use_beta_sigmoid"})),
+    ),
+)
 
 SIGNATURES: dict[str, Signature] = {signature.name: signature for signature in (SIMPLE_GLA, KDA)}
 

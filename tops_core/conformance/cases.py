@@ -2,7 +2,8 @@
 
 Supported cases start from a *base* call that uses everything the implementation declares, with
 a ``scale`` other than the default, then vary one factor at a time (gates, ranks, optional state,
-head dims, T, packing, strong decay, gates of ``-inf``, weak decay in bf16, dtype, config sweep). Unsupported cases are the base plus exactly one factor outside
+kda's grouped value heads and the forms of its gate and beta, head dims, T, packing, strong decay,
+gates of ``-inf``, weak decay in bf16, dtype, config sweep). Unsupported cases are the base plus exactly one factor outside
 the declarations; each must be rejected by the matcher.
 """
 
@@ -40,6 +41,8 @@ class Case:
     batch: int = 2
     seq_len: int = 100
     heads: int = 2
+    value_heads: int | None = None
+    """``v``'s and the state's heads (a multiple of ``heads``, with ``grouped_value_heads``); None becomes ``heads``."""
     key_dim: int = 64
     value_dim: int = 64
     features: frozenset[str] = frozenset()
@@ -55,6 +58,8 @@ class Case:
     """Breadth beyond what the default run needs (another aligned T, more head dims): marked ``slow`` by the kit."""
 
     def __post_init__(self):
+        if self.value_heads is None:
+            object.__setattr__(self, "value_heads", self.heads)
         if self.seqlens is not None and sum(self.seqlens) != self.seq_len:
             # A packed case given another T keeps its packing and resizes the last sequence to fit.
             last = self.seq_len - sum(self.seqlens[:-1])
@@ -67,7 +72,7 @@ class Case:
         return CallSpec(
             op=self.op, platform=platform, dtype=self.dtype, batch=self.batch, seq_len=self.seq_len,
             heads=self.heads, key_dim=self.key_dim, value_dim=self.value_dim, num_seqs=num_seqs,
-            features=self.features, ndims=self.ndims, interpret=interpret,
+            features=self.features, ndims=self.ndims, interpret=interpret, value_heads=self.value_heads,
         )
 
     def with_features(self, name: str, features: frozenset[str], **changes: Any) -> Case:
@@ -78,6 +83,10 @@ class Case:
             changes = {"batch": 1, "seqlens": BASE_PACKING, "seq_len": sum(BASE_PACKING)} | changes
         if "cu_seqlens" not in features:
             changes = {"seqlens": None} | changes
+        if "grouped_value_heads" in features and self.value_heads == self.heads:
+            changes = {"value_heads": 2 * changes.get("heads", self.heads)} | changes
+        if "grouped_value_heads" not in features:
+            changes = {"value_heads": None} | changes
         return dataclasses.replace(self, name=name, features=frozenset(features), ndims=ndims, **changes)
 
 
@@ -109,10 +118,13 @@ def grid(impl: Implementation) -> Grid:
         if subset <= gates and subset <= declared and (caps.requires & gates) <= subset:
             gate_options.append(subset)
     base_gates = max(gate_options, key=len)
-    base_features = base_gates | (toggles & declared) | caps.requires
+    signature = contract.signature
+    base_features = signature.closed(base_gates | (toggles & declared) | caps.requires)
     key_dims, value_dims = _dims(caps.key_dim), _dims(caps.value_dim)
     base_dtype = "float32" if "float32" in caps.dtypes else sorted(caps.dtypes)[0]
-    base = Case(impl.op, "base", dtype=base_dtype, key_dim=key_dims[0], value_dim=value_dims[0], scale=SCALE).with_features(
+    # Grouped value heads keep the base's work: one query/key head serving two value heads.
+    heads = {"heads": 1, "value_heads": 2} if "grouped_value_heads" in base_features else {}
+    base = Case(impl.op, "base", dtype=base_dtype, key_dim=key_dims[0], value_dim=value_dims[0], scale=SCALE, **heads).with_features(
         "base", base_features)
 
     supported = [base]
@@ -123,8 +135,14 @@ def grid(impl: Implementation) -> Grid:
     if "g_gamma" in base_features and (accepted_ndims is None or 0 in accepted_ndims):
         supported.append(dataclasses.replace(base, name="g_gamma-scalar", ndims=(("g_gamma", 0),)))
     for toggle in sorted((toggles & base_features) - caps.requires):
-        # Without the final state only drops an output the base case checks: slow.
-        supported.append(base.with_features(f"without-{toggle}", base_features - {toggle}, slow=toggle == "output_final_state"))
+        # Without the final state only drops an output the base case checks; the other forms of kda's gate
+        # and beta than the base's bounded gate with A_log and dt_bias and beta logits with negative
+        # eigenvalues: slow, but for the softplus gate (without lower_bound) and the precomputed gate.
+        changes = {"heads": 2} if toggle == "grouped_value_heads" else {}
+        slow = toggle in ("output_final_state", "A_log", "dt_bias", "use_beta_sigmoid", "allow_neg_eigval")
+        supported.append(base.with_features(f"without-{toggle}", signature.closed(base_features - {toggle}), slow=slow, **changes))
+    if "grouped_value_heads" in base_features:
+        supported.append(dataclasses.replace(base, name="grouped_value_heads=3", value_heads=3))
     # The default run keeps the first other head dims (off the 128-lane tile) and the ragged T that
     # crosses a chunk; the rest of the breadth runs with -m slow.
     for index, key_dim in enumerate(key_dims[1:]):
@@ -140,9 +158,11 @@ def grid(impl: Implementation) -> Grid:
             name = "varlen=" + "+".join(map(str, seqlens))
             supported.append(base.with_features(
                 name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens), slow=index > 0))
-    strong = _strong_decay_cases(base, base_features, gate_options, gates)
+    # The strong and reset cases give the log decays as they are: no gate or beta computed in the op.
+    plain = base.with_features(base.name, signature.closed(base_features - {"use_gate", "lower_bound", "use_beta_sigmoid"}))
+    strong = _strong_decay_cases(plain, plain.features, gate_options, gates)
     supported += strong
-    supported += _reset_cases(base, base_features, gate_options, gates)
+    supported += _reset_cases(plain, plain.features, gate_options, gates)
     for dtype in sorted(caps.dtypes - {base_dtype}):
         supported.append(dataclasses.replace(base, name=dtype, dtype=dtype))
         if dtype == "bfloat16":
@@ -157,7 +177,7 @@ def grid(impl: Implementation) -> Grid:
         for case in [base, *crossing, *strong]:
             supported.append(dataclasses.replace(case, name=f"{label}-{case.name}", config=config))
 
-    return Grid(tuple(supported), tuple(_unsupported_cases(impl, contract, base, base_features, gates)))
+    return Grid(tuple(supported), tuple(_unsupported_cases(impl, contract, base, base_features)))
 
 
 def _strong_decay_cases(base: Case, base_features: frozenset[str], gate_options: list, gates: frozenset[str]) -> list[Case]:
@@ -203,13 +223,14 @@ def _weak_decay_cases(base: Case, base_features: frozenset[str], gate_options: l
     return cases
 
 
-def _unsupported_cases(impl: Implementation, contract, base: Case, base_features: frozenset[str], gates: frozenset[str]) -> list[Case]:
+def _unsupported_cases(impl: Implementation, contract, base: Case, base_features: frozenset[str]) -> list[Case]:
     caps = impl.capabilities
+    signature = contract.signature
     cases = []
     for feature in sorted(contract.features - caps.features):
-        cases.append(base.with_features(f"unsupported-{feature}", base_features | {feature}))
+        cases.append(base.with_features(f"unsupported-{feature}", signature.completed(base_features | {feature})))
     for feature in sorted(caps.requires):
-        cases.append(base.with_features(f"missing-required-{feature}", base_features - {feature}))
+        cases.append(base.with_features(f"missing-required-{feature}", signature.closed(base_features - {feature})))
     for dtype in sorted(set(FLOAT_DTYPES) - caps.dtypes):
         cases.append(dataclasses.replace(base, name=f"unsupported-{dtype}", dtype=dtype))
     for name in sorted(contract.variable_ndims & base_features):

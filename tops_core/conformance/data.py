@@ -1,7 +1,9 @@
 """Test data as docs/ops.md prescribes, deterministic per case.
 
 ``q, k`` unit-normal times ``K ** -0.5`` (kda: L2-normalised unless the kernel normalises),
-``v`` unit-normal, ``g = log_sigmoid(normal) / 16``, ``g_gamma`` from ALiBi slopes, and strong
+``v`` unit-normal, ``g = log_sigmoid(normal) / 16``, ``g_gamma`` from ALiBi slopes (kda's gate
+computed in the op: raw ``normal - 3`` in the inputs' dtype, ``A_log = log(uniform(0.5, 2))``,
+``dt_bias`` normal / 2, ``lower_bound = -5``; beta logits unit-normal), and strong
 decays (``g_gamma = -1``; ``g <= -1``) that overflow a naive ``exp`` of the masked triangle,
 weak ones (``g_gamma = -2**-8``; ``g`` 16 times weaker than the default) under which the decay gradient cancels,
 and gates of ``-inf`` (``reset_mask``), which reset the state.
@@ -59,12 +61,17 @@ def reset_mask(shape: tuple[int, ...]) -> np.ndarray:
     return mask
 
 
+LOWER_BOUND = -5.0
+"""kda's ``lower_bound`` in the cases that declare one: Kimi Linear's."""
+
+
 def forward_inputs(case: Case) -> dict[str, Any]:
     """Keyword arguments of ``op(case.op).forward`` for this case (without ``implementation``)."""
     rng = _rng(case, "inputs")
     B, T, H, K, V = case.batch, case.seq_len, case.heads, case.key_dim, case.value_dim
+    HV = case.value_heads
     dtype, gate_dtype = jnp.dtype(case.dtype), _gate_dtype(case)
-    q, k, v = rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, V))
+    q, k, v = rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, HV, V))
     features = case.features
     inputs: dict[str, Any] = {"output_final_state": "output_final_state" in features}
     if case.scale is not None:
@@ -85,14 +92,42 @@ def forward_inputs(case: Case) -> dict[str, Any]:
             inputs["use_qk_l2norm"] = True
         else:
             q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
-        g = -1.0 - np.abs(rng.standard_normal((B, T, H, K))) if case.strong_decay else _log_sigmoid(rng.standard_normal((B, T, H, K))) / 16
-        inputs["g"] = jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, gate_dtype)
-        inputs["beta"] = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((B, T, H)))), gate_dtype)
+        inputs.update(_kda_gate_and_beta(case, rng, (B, T, HV, K)))
     inputs.update(q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype))
     if "initial_state" in features:
-        inputs["initial_state"] = jnp.asarray(rng.standard_normal((_num_seqs(case), H, K, V)), gate_dtype)
+        inputs["initial_state"] = jnp.asarray(rng.standard_normal((_num_seqs(case), HV, K, V)), gate_dtype)
     if "cu_seqlens" in features:
         inputs["cu_seqlens"] = jnp.asarray(np.cumsum((0,) + tuple(case.seqlens)), jnp.int32)
+    return inputs
+
+
+def _kda_gate_and_beta(case: Case, rng: np.random.Generator, shape: tuple[int, ...]) -> dict[str, Any]:
+    """kda's ``g`` and ``beta`` ``[B, T, HV, K]``, ``[B, T, HV]``, and the gate's parameters and options.
+
+    The raw gate and beta logits come in the inputs' dtype (a model's projections), a log decay and a
+    beta given as they are in float32 (float64); ``A_log`` and ``dt_bias`` are float32 parameters.
+    """
+    dtype, gate_dtype = jnp.dtype(case.dtype), _gate_dtype(case)
+    features = case.features
+    inputs: dict[str, Any] = {}
+    if "use_gate" in features:
+        inputs.update(use_gate=True, g=jnp.asarray(rng.standard_normal(shape) - 3, dtype))
+        if "A_log" in features:
+            inputs["A_log"] = jnp.asarray(np.log(rng.uniform(0.5, 2.0, shape[2])), gate_dtype)
+        if "dt_bias" in features:
+            inputs["dt_bias"] = jnp.asarray(rng.standard_normal(shape[2] * shape[3]) / 2, gate_dtype)
+    else:
+        g = -1.0 - np.abs(rng.standard_normal(shape)) if case.strong_decay else _log_sigmoid(rng.standard_normal(shape)) / 16
+        inputs["g"] = jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, gate_dtype)
+    if "lower_bound" in features:
+        inputs["lower_bound"] = LOWER_BOUND
+    logits = rng.standard_normal(shape[:3])
+    if "use_beta_sigmoid" in features:
+        inputs.update(use_beta_sigmoid=True, beta=jnp.asarray(logits, dtype))
+        if "allow_neg_eigval" in features:
+            inputs["allow_neg_eigval"] = True
+    else:
+        inputs["beta"] = jnp.asarray(1 / (1 + np.exp(-logits)), gate_dtype)
     return inputs
 
 
@@ -103,6 +138,6 @@ def backward_inputs(case: Case, forward: dict[str, Any]) -> dict[str, Any]:
     v = forward["v"]
     inputs["do"] = jnp.asarray(rng.standard_normal(v.shape), v.dtype)
     if forward["output_final_state"]:
-        shape = (_num_seqs(case), case.heads, case.key_dim, case.value_dim)
+        shape = (_num_seqs(case), case.value_heads, case.key_dim, case.value_dim)
         inputs["dht"] = jnp.asarray(rng.standard_normal(shape), _gate_dtype(case))
     return inputs

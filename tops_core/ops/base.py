@@ -43,8 +43,9 @@ class ContractError(RuntimeError):
 class Prepared:
     """A validated call: array inputs by name (``None`` when absent), static options, and the call spec.
 
-    ``checks_cu_seqlens``: the boundaries were traced when the call was validated, so their
-    values are checked inside the program (``_with_trusted_cu_seqlens``). ``platform_known``:
+    ``checked_in_program``: the rules on values that could not be checked when the call was
+    validated, because the values were traced (``"cu_seqlens"``, kda's ``"lower_bound"``): they are
+    checked inside the program instead (``OpContract.valid_in_program``). ``platform_known``:
     ``spec.platform`` is the inputs' device (an eager call). Otherwise it is the host's, and the
     call is decided per platform at lowering.
     """
@@ -52,7 +53,7 @@ class Prepared:
     arrays: Mapping[str, Any]
     options: tuple[tuple[str, Any], ...]
     spec: CallSpec
-    checks_cu_seqlens: bool = False
+    checked_in_program: tuple[str, ...] = ()
     platform_known: bool = True
 
     def option(self, name: str) -> Any:
@@ -201,13 +202,14 @@ class OpContract:
         self, arrays: dict[str, Any], options: tuple[tuple[str, Any], ...], num_seqs: int,
         ndims: dict[str, int], interpret: bool, platform: str | None = None,
     ) -> Prepared:
-        """Bundle a validated call with its spec; a feature is on when its array is given or its option is True.
+        """Bundle a validated call with its spec; a feature is on when its array is given or its option
+        is True (or set, as a number is), and ``grouped_value_heads`` when ``v`` has more heads than ``q``.
 
         ``platform``: the platform the call is lowered for when the caller knows it (a shard of a
         sharded call); the call is still staged per platform.
         """
         values = dict(options)
-        features = {f for f in self.features if arrays.get(f) is not None or values.get(f) is True}
+        features = {f for f in self.features if arrays.get(f) is not None or values.get(f) not in (None, False)}
         q, v = arrays["q"], arrays["v"]
         B, T, H, K = q.shape
         concrete = concrete_platform(list(arrays.values()))
@@ -215,17 +217,33 @@ class OpContract:
             op=self.name, platform=concrete or platform or host_platform(), dtype=spec_dtype(q),
             batch=B, seq_len=T, heads=H, key_dim=K, value_dim=v.shape[-1], num_seqs=num_seqs,
             features=frozenset(features), ndims=tuple(ndims.items()), interpret=interpret,
-            chip=target_chip(list(arrays.values())),
+            chip=target_chip(list(arrays.values())), value_heads=v.shape[2],
         )
-        cu_seqlens = arrays.get("cu_seqlens")
-        checks_cu_seqlens = cu_seqlens is not None and not is_concrete(cu_seqlens)
-        return Prepared(arrays, options, spec, checks_cu_seqlens=checks_cu_seqlens, platform_known=concrete is not None)
+        traced = tuple(name for name in self.checked_when_traced(arrays, values) if not is_concrete(arrays[name]))
+        return Prepared(arrays, options, spec, checked_in_program=traced, platform_known=concrete is not None)
+
+    def checked_when_traced(self, arrays: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, ...]:
+        """The inputs with rules on their values (checked by ``prepare`` when concrete, by
+        ``valid_in_program`` when traced); each op adds its own."""
+        return ("cu_seqlens",) if arrays.get("cu_seqlens") is not None else ()
+
+    def valid_in_program(self, prepared: Prepared) -> tuple[jax.Array, Prepared]:
+        """For a call whose ``checked_in_program`` is not empty: whether its traced values keep the rules
+        (a boolean scalar computed in the program), and the call to run in their place, whose inputs
+        break no rule (invalid ``cu_seqlens`` swapped for a valid placeholder)."""
+        valid = jnp.asarray(True)
+        if "cu_seqlens" in prepared.checked_in_program:
+            cu_seqlens = prepared.arrays["cu_seqlens"]
+            valid = validation.cu_seqlens_valid(cu_seqlens, prepared.spec.seq_len)
+            trusted = jnp.where(valid, cu_seqlens, validation.placeholder_cu_seqlens(prepared.spec.num_seqs, prepared.spec.seq_len))
+            prepared = dataclasses.replace(prepared, arrays={**prepared.arrays, "cu_seqlens": trusted})
+        return valid, prepared
 
     def check_cotangents(self, prepared: Prepared, do: Any, dht: Any) -> tuple[jax.Array, jax.Array | None]:
         """Validate the cotangents of an explicit ``backward`` call."""
         spec = prepared.spec
         do = validation.floating("do", validation.array("do", do, python=False))
-        validation.shape("do", do, (spec.batch, spec.seq_len, spec.heads, spec.value_dim), "[B, T, H, V]")
+        validation.shape("do", do, (spec.batch, spec.seq_len, spec.value_heads, spec.value_dim), "[B, T, H, V] like v")
         dht = validation.array("dht", dht, required=False, python=False)
         if dht is not None:
             validation.shape("dht", validation.floating("dht", dht), self._state_shape(spec), "[N, H, K, V]")
@@ -233,7 +251,7 @@ class OpContract:
 
     @staticmethod
     def _state_shape(spec: CallSpec) -> tuple[int, int, int, int]:
-        return (spec.num_seqs, spec.heads, spec.key_dim, spec.value_dim)
+        return (spec.num_seqs, spec.value_heads, spec.key_dim, spec.value_dim)
 
     # -- selection -------------------------------------------------------------------------
 
@@ -307,7 +325,7 @@ class OpContract:
     def _static(self, prepared: Prepared, policy: Policy) -> _Static:
         return _Static(
             self, prepared.options, prepared.spec, policy, self.split(prepared), default_registry().generation,
-            prepared.checks_cu_seqlens, prepared.platform_known,
+            prepared.checked_in_program, prepared.platform_known,
         )
 
     def _forward(self, prepared: Prepared, policy: Policy) -> tuple[Any, Any]:
@@ -318,10 +336,23 @@ class OpContract:
         return _compiled_backward(self._static(prepared, policy), dict(prepared.arrays), do, dht)
 
     def _run_forward(self, prepared: Prepared, policy: Policy, split: Split | None) -> tuple[Any, Any]:
-        return _with_trusted_cu_seqlens(prepared, lambda trusted: self._partitioned("forward", trusted, policy, (), split))
+        return self._checked(prepared, lambda trusted: self._partitioned("forward", trusted, policy, (), split))
 
     def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any, split: Split | None) -> Any:
-        return _with_trusted_cu_seqlens(prepared, lambda trusted: self._partitioned("backward", trusted, policy, (do, dht), split))
+        return self._checked(prepared, lambda trusted: self._partitioned("backward", trusted, policy, (do, dht), split))
+
+    def _checked(self, prepared: Prepared, run: Any) -> Any:
+        """``run(prepared)``, where the traced values of ``prepared.checked_in_program`` are checked in the program first.
+
+        An implementation only ever sees inputs that keep the rules (``valid_in_program``), and every
+        floating result of a call that breaks one becomes NaN: an invalid traced input never yields a
+        plausible number (docs/ops.md "Invalid input").
+        """
+        if not prepared.checked_in_program:
+            return run(prepared)
+        valid, trusted = self.valid_in_program(prepared)
+        results = run(trusted)
+        return jax.tree.map(lambda x: jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype)), results)
 
     def _staged(self, direction: str, policy: Policy, prepared: Prepared, cotangents: tuple[Any, ...]) -> Any:
         """The call run by the implementation each platform's dispatcher chose (staged per platform)."""
@@ -461,22 +492,6 @@ class OpContract:
                 )
 
 
-def _with_trusted_cu_seqlens(prepared: Prepared, run: Any) -> Any:
-    """``run(prepared)``, where traced ``cu_seqlens`` are checked in the program first.
-
-    An implementation only ever sees valid boundaries: invalid ones are swapped for a valid
-    placeholder, and every floating result of the call becomes NaN, so that an invalid traced
-    ``cu_seqlens`` never yields a plausible number (docs/ops.md "Invalid input").
-    """
-    if not prepared.checks_cu_seqlens:
-        return run(prepared)
-    cu_seqlens = prepared.arrays["cu_seqlens"]
-    valid = validation.cu_seqlens_valid(cu_seqlens, prepared.spec.seq_len)
-    trusted = jnp.where(valid, cu_seqlens, validation.placeholder_cu_seqlens(prepared.spec.num_seqs, prepared.spec.seq_len))
-    results = run(dataclasses.replace(prepared, arrays={**prepared.arrays, "cu_seqlens": trusted}))
-    return jax.tree.map(lambda x: jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype)), results)
-
-
 def _named(decision: Decision) -> Any:
     """Name what an implementation stages ``<implementation>.<direction>``: the compiled program and profiles say who ran."""
     return jax.named_scope(f"{decision.implementation.name}.{decision.direction}")
@@ -492,11 +507,11 @@ class _Static:
     policy: Policy
     split: Split | None
     registry_generation: int
-    checks_cu_seqlens: bool
+    checked_in_program: tuple[str, ...]
     platform_known: bool
 
     def prepared(self, arrays: Mapping[str, Any]) -> Prepared:
-        return Prepared(arrays, self.options, self.spec, self.checks_cu_seqlens, self.platform_known)
+        return Prepared(arrays, self.options, self.spec, self.checked_in_program, self.platform_known)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from tops_core.ops import validation
 from tops_core.ops.base import Explanation, OpContract, Prepared, state_dtype
+from tops_core.ops.validation import is_concrete
 from tops_core.policy import ForceRequest
 from tops_core.signatures import KDA as KDA_SIGNATURE
 
@@ -128,12 +129,15 @@ class Backward(Protocol):
         """Return the exact VJP for cotangents ``do`` and ``dht`` (None: no final-state cotangent)."""
 
 
+_OPTION_NAMES = ("use_qk_l2norm", "use_gate", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval")
+
+
 class KDA(OpContract, signature=KDA_SIGNATURE):
-    differentiable = ("q", "k", "v", "g", "beta", "initial_state")
+    differentiable = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
     grads_type = KDAGrads
     dims = {
         "q": "b t h k", "k": "b t h k", "v": "b t h v", "g": "b t h k", "beta": "b t h",
-        "initial_state": "n h k v", "cu_seqlens": "c",
+        "initial_state": "n h k v", "cu_seqlens": "c", "A_log": "h", "dt_bias": "h",
     }
 
     def forward(
@@ -148,12 +152,21 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         output_final_state: bool = False,
         cu_seqlens: Array | None = None,
         use_qk_l2norm: bool = False,
+        use_gate: bool = False,
+        A_log: Array | None = None,
+        dt_bias: Array | None = None,
+        lower_bound: float | None = None,
+        use_beta_sigmoid: bool = False,
+        allow_neg_eigval: bool = False,
         *,
         implementation: ForceRequest = None,
     ) -> tuple[Array, Array | None]:
         """Compute ``(o, final_state)``; differentiable with ``jax.grad``, and works under ``jit``/``vmap``."""
         policy = self.policy(implementation)
-        prepared = self.prepare(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, policy.interpret)
+        prepared = self.prepare(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+            use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval, policy.interpret,
+        )
         return self._forward(prepared, policy)
 
     def backward(
@@ -169,12 +182,21 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         dht: Array | None = None,
         cu_seqlens: Array | None = None,
         use_qk_l2norm: bool = False,
+        use_gate: bool = False,
+        A_log: Array | None = None,
+        dt_bias: Array | None = None,
+        lower_bound: float | None = None,
+        use_beta_sigmoid: bool = False,
+        allow_neg_eigval: bool = False,
         *,
         implementation: ForceRequest = None,
     ) -> KDAGrads:
         """The explicit VJP: gradients for cotangents ``do`` (and ``dht``, the final state's)."""
         policy = self.policy(implementation)
-        prepared = self.prepare(q, k, v, g, beta, scale, initial_state, dht is not None, cu_seqlens, use_qk_l2norm, policy.interpret)
+        prepared = self.prepare(
+            q, k, v, g, beta, scale, initial_state, dht is not None, cu_seqlens, use_qk_l2norm,
+            use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval, policy.interpret,
+        )
         do, dht = self.check_cotangents(prepared, do, dht)
         return self._backward(prepared, policy, do, dht)
 
@@ -190,44 +212,109 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         output_final_state: bool = False,
         cu_seqlens: Array | None = None,
         use_qk_l2norm: bool = False,
+        use_gate: bool = False,
+        A_log: Array | None = None,
+        dt_bias: Array | None = None,
+        lower_bound: float | None = None,
+        use_beta_sigmoid: bool = False,
+        allow_neg_eigval: bool = False,
         *,
         implementation: ForceRequest = None,
     ) -> Explanation:
         """Which implementations the forward and backward of this call would use, and why."""
         policy = self.policy(implementation)
-        prepared = self.prepare(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, policy.interpret)
+        prepared = self.prepare(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+            use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval, policy.interpret,
+        )
         return self._explain(prepared, policy)
 
-    def prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, interpret) -> Prepared:
+    def prepare(
+        self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+        use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval, interpret,
+    ) -> Prepared:
         """Validate a call (docs/ops.md "Invalid input") and derive its call spec."""
-        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v, initial_state_given=initial_state is not None)
+        q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v, initial_state_given=initial_state is not None, grouped_values=True)
+        HV = v.shape[2]
         floats = state_dtype(q.dtype)  # the dtype Python numbers and lists become
-        g = validation.shape("g", validation.real_array("g", g, floats), (B, T, H, K), "[B, T, H, K]")
-        beta = validation.shape("beta", validation.real_array("beta", beta, floats), (B, T, H), "[B, T, H]")
+        g = validation.shape("g", validation.real_array("g", g, floats), (B, T, HV, K), "[B, T, HV, K]")
+        beta = validation.shape("beta", validation.real_array("beta", beta, floats), (B, T, HV), "[B, T, HV]")
         cu_seqlens, N = validation.cu_seqlens(cu_seqlens, B, T)
         initial_state = validation.real_array("initial_state", initial_state, floats, required=False)
         if initial_state is not None:
-            validation.shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
-        options = (
-            ("scale", validation.scale(scale, K)),
-            ("output_final_state", validation.flag("output_final_state", output_final_state)),
-            ("use_qk_l2norm", validation.flag("use_qk_l2norm", use_qk_l2norm)),
-        )
-        arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+            validation.shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
+        flags = {name: validation.flag(name, value) for name, value in (
+            ("output_final_state", output_final_state), ("use_qk_l2norm", use_qk_l2norm), ("use_gate", use_gate),
+            ("use_beta_sigmoid", use_beta_sigmoid), ("allow_neg_eigval", allow_neg_eigval),
+        )}
+        lower_bound = validation.negative_number("lower_bound", lower_bound)
+        A_log, dt_bias = _gate_parameters(A_log, dt_bias, flags["use_gate"], lower_bound, HV, K, floats)
+        if flags["allow_neg_eigval"] and not flags["use_beta_sigmoid"]:
+            raise ValueError(
+                "allow_neg_eigval=True scales sigmoid(beta) to (0, 2) and needs use_beta_sigmoid=True "
+                "(beta given as logits); a beta given as is already says what it is"
+            )
+        if lower_bound is not None and not flags["use_gate"] and is_concrete(g):
+            _check_bounded(g, lower_bound)
+        options = (("scale", validation.scale(scale, K)), *flags.items(), ("lower_bound", lower_bound))
+        arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
         return self.make_prepared(arrays, options, N, {}, interpret)
+
+    def checked_when_traced(self, arrays, options) -> tuple[str, ...]:
+        bounded = options.get("lower_bound") is not None and not options.get("use_gate")
+        return super().checked_when_traced(arrays, options) + (("g",) if bounded else ())
+
+    def valid_in_program(self, prepared: Prepared) -> tuple[Array, Prepared]:
+        valid, prepared = super().valid_in_program(prepared)
+        if "g" in prepared.checked_in_program:
+            valid = valid & _bounded(prepared.arrays["g"], prepared.option("lower_bound"))
+        return valid, prepared
+
+    def _arguments(self, prepared: Prepared, config: Any) -> dict[str, Any]:
+        a = prepared.arrays
+        return dict(
+            scale=prepared.option("scale"), initial_state=a["initial_state"], cu_seqlens=a["cu_seqlens"],
+            A_log=a["A_log"], dt_bias=a["dt_bias"], config=config, **{name: prepared.option(name) for name in _OPTION_NAMES},
+        )
 
     def call_forward(self, fn: Forward, prepared: Prepared, config: Any):
         a = prepared.arrays
         return fn(
-            a["q"], a["k"], a["v"], a["g"], a["beta"], scale=prepared.option("scale"),
-            initial_state=a["initial_state"], output_final_state=prepared.option("output_final_state"),
-            cu_seqlens=a["cu_seqlens"], use_qk_l2norm=prepared.option("use_qk_l2norm"), config=config,
+            a["q"], a["k"], a["v"], a["g"], a["beta"], output_final_state=prepared.option("output_final_state"),
+            **self._arguments(prepared, config),
         )
 
     def call_backward(self, fn: Backward, prepared: Prepared, do: Array, dht: Array | None, config: Any):
         a = prepared.arrays
-        return fn(
-            a["q"], a["k"], a["v"], a["g"], a["beta"], do, scale=prepared.option("scale"),
-            initial_state=a["initial_state"], dht=dht, cu_seqlens=a["cu_seqlens"],
-            use_qk_l2norm=prepared.option("use_qk_l2norm"), config=config,
+        return fn(a["q"], a["k"], a["v"], a["g"], a["beta"], do, dht=dht, **self._arguments(prepared, config))
+
+
+def _gate_parameters(A_log, dt_bias, use_gate: bool, lower_bound: float | None, HV: int, K: int, floats):
+    """``A_log`` ``[HV]`` and ``dt_bias`` ``[HV * K]``, validated against ``use_gate`` (they mean nothing without it)."""
+    A_log = validation.real_array("A_log", A_log, floats, required=False)
+    dt_bias = validation.real_array("dt_bias", dt_bias, floats, required=False)
+    if not use_gate:
+        for name, value in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if value is not None:
+                raise ValueError(f"{name} is a parameter of the gate computed in the op: pass use_gate=True (g is then the raw gate), or leave {name} out")
+        return None, None
+    if A_log is None and lower_bound is None:
+        raise ValueError("use_gate=True needs A_log [HV] (the gate -exp(A_log) * softplus(g + dt_bias)); only the bounded gate (lower_bound) may go without it")
+    if A_log is not None:
+        validation.shape("A_log", A_log, (HV,), "[HV], one per value head")
+    if dt_bias is not None:
+        validation.shape("dt_bias", dt_bias, (HV * K,), f"[HV * K] = [{HV} * {K}], one per value head and key")
+    return A_log, dt_bias
+
+
+def _bounded(g: Array, lower_bound: float) -> Array:
+    return jnp.all((g >= lower_bound) & (g <= 0))
+
+
+def _check_bounded(g: Array, lower_bound: float) -> None:
+    if not bool(_bounded(g, lower_bound)):
+        low, high = float(jnp.min(g)), float(jnp.max(g))
+        raise ValueError(
+            f"g must lie in [lower_bound, 0] = [{lower_bound}, 0] when lower_bound is given without use_gate "
+            f"(it promises the kernels that bound), got values in [{low}, {high}]"
         )

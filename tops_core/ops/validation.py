@@ -88,6 +88,23 @@ def positive_dims(name: str, x: jax.Array, layout: str) -> None:
         raise ValueError(f"{name} must have every dimension >= 1 ({layout}), got shape {tuple(x.shape)}")
 
 
+def negative_number(name: str, value: Any) -> float | None:
+    """None, or a static real number below 0 (Python, NumPy or a concrete JAX scalar); it is compiled into the kernels."""
+    if value is None:
+        return None
+    if isinstance(value, jax.Array):
+        if not is_concrete(value):
+            raise TypeError(f"{name} must be a static number, got a traced value: it is compiled into the kernels")
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "fiu":
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    if not (-np.inf < value < 0):
+        raise ValueError(f"{name} must be a finite number below 0, got {value!r}")
+    return float(value)
+
+
 def flag(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -157,9 +174,11 @@ def placeholder_cu_seqlens(num_seqs: int, seq_len: int) -> jax.Array:
 
 
 def qkv(
-    q: Any, k: Any, v: Any, *, initial_state_given: bool = False,
+    q: Any, k: Any, v: Any, *, initial_state_given: bool = False, grouped_values: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, tuple[int, int, int, int, int]]:
     """Check ``q, k: [B, T, H, K]`` and ``v: [B, T, H, V]`` of one floating dtype; returns them and (B, T, H, K, V).
+
+    ``grouped_values``: ``v`` may have ``HV`` heads, a multiple of ``H`` (grouped value heads).
 
     A head-first ``[B, H, T, K]`` array passed by mistake reads as ``H`` tokens of ``T`` heads;
     models have fewer heads than tokens, so ``1 < T < H`` suggests one, and a ``LayoutWarning``
@@ -181,8 +200,14 @@ def qkv(
             LayoutWarning, stacklevel=4,
         )
     shape("k", k, (B, T, H, K), "[B, T, H, K] like q")
-    if tuple(v.shape[:3]) != (B, T, H) or v.shape[3] < 1:
-        raise ValueError(f"v must have shape [B, T, H, V] with B, T, H = {(B, T, H)} like q, got {tuple(v.shape)}")
+    if grouped_values and tuple(v.shape[:2]) == (B, T) and v.shape[3] >= 1 and v.shape[2] % H:
+        raise ValueError(
+            f"v has HV = {v.shape[2]} value heads, not a multiple of q's H = {H} heads: with grouped value heads "
+            f"each of q's heads serves HV / H of v's (shape {tuple(v.shape)})"
+        )
+    if tuple(v.shape[:2]) != (B, T) or v.shape[3] < 1 or not (v.shape[2] == H or grouped_values and v.shape[2] >= H):
+        expected = "[B, T, HV, V] with HV a multiple of H" if grouped_values else "[B, T, H, V]"
+        raise ValueError(f"v must have shape {expected}, with B, T, H = {(B, T, H)} like q, got {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     return q, k, v, (B, T, H, K, v.shape[3])

@@ -139,13 +139,15 @@ class TpuModel:
 
     @property
     def tokens(self) -> int:
-        return self.workload.batch * self.workload.seq_len * self.workload.heads
+        """Tokens times value heads: what the per-token figures divide by."""
+        return self.workload.batch * self.workload.seq_len * self.workload.value_heads
 
     @property
     def floor_bytes(self) -> int:
-        """Read q, k, v and write o once: ``B*T*H*(2K + 2V)`` elements; kda also reads g and beta (``K + 1`` gate-dtype elements)."""
+        """Read q, k, v and write o once: ``B*T*(2*H*K + 2*HV*V)`` elements; kda also reads g and beta (``K + 1`` gate-dtype elements per value head)."""
         case = self.workload
-        floor = self.tokens * (2 * case.key_dim + 2 * case.value_dim) * jnp.dtype(case.dtype).itemsize
+        per_token = 2 * case.heads * case.key_dim + 2 * case.value_heads * case.value_dim
+        floor = case.batch * case.seq_len * per_token * jnp.dtype(case.dtype).itemsize
         if case.op == "kda":
             floor += self.tokens * (case.key_dim + 1) * state_dtype(case.dtype).itemsize
         return floor
@@ -170,9 +172,10 @@ class TpuModel:
 
     @property
     def backward_floor_bytes(self) -> int:
-        """Read q, k, v, do and write dq, dk, dv once: ``B*T*H*(4K + 3V)`` elements."""
+        """Read q, k, v, do and write dq, dk, dv once: ``B*T*(4*H*K + 3*HV*V)`` elements."""
         case = self.workload
-        return self.tokens * (4 * case.key_dim + 3 * case.value_dim) * jnp.dtype(case.dtype).itemsize
+        per_token = 4 * case.heads * case.key_dim + 3 * case.value_heads * case.value_dim
+        return case.batch * case.seq_len * per_token * jnp.dtype(case.dtype).itemsize
 
     @property
     def backward_floor_seconds(self) -> float:
@@ -271,7 +274,7 @@ def program(case: dict[str, Any], implementation: str, setting: str) -> tuple[An
     if setting == "backward":
         options = {name: value for name, value in static.items() if name != "output_final_state"}
         backward = functools.partial(op(case.op).backward, **options, implementation=implementation)
-        do = jax.ShapeDtypeStruct((case.batch, case.seq_len, case.heads, case.value_dim), jnp.dtype(case.dtype))
+        do = jax.ShapeDtypeStruct((case.batch, case.seq_len, case.value_heads, case.value_dim), jnp.dtype(case.dtype))
         return (lambda arrays, do: backward(**arrays, do=do), arrays, do)
     forward = functools.partial(op(case.op).forward, **static, implementation=implementation)
     if setting == "alone":
@@ -301,15 +304,15 @@ def _arguments(case: Case) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, A
 def _in_a_layer(case: Case, forward: Callable, arrays: dict[str, jax.ShapeDtypeStruct]) -> tuple[Any, ...]:
     """The op between projections, and its abstract arguments: ``x @ W`` reshaped to heads, the op, ``o`` reshaped back and projected."""
     B, T, H, K, V = case.batch, case.seq_len, case.heads, case.key_dim, case.value_dim
-    width, dtype = H * K, jnp.dtype(case.dtype)
+    HV, width, dtype = case.value_heads, H * K, jnp.dtype(case.dtype)
     others = {name: x for name, x in arrays.items() if name not in ("q", "k", "v")}
 
     def layer(x, wq, wk, wv, wo, others):
-        q, k, v = (x @ wq).reshape(B, T, H, K), (x @ wk).reshape(B, T, H, K), (x @ wv).reshape(B, T, H, V)
+        q, k, v = (x @ wq).reshape(B, T, H, K), (x @ wk).reshape(B, T, H, K), (x @ wv).reshape(B, T, HV, V)
         o, state = forward(q, k, v, **others)
-        return o.reshape(B, T, H * V) @ wo, state
+        return o.reshape(B, T, HV * V) @ wo, state
 
-    shapes = ((B, T, width), (width, H * K), (width, H * K), (width, H * V), (H * V, width))
+    shapes = ((B, T, width), (width, H * K), (width, H * K), (width, HV * V), (HV * V, width))
     return (layer, *(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes), others)
 
 
