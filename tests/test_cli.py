@@ -87,6 +87,10 @@ def test_explain_splits_deny_patterns_at_commas_as_TOPS_DENY_does(kernels, capsy
     (["explain", "simple_gla", "--deny", "fake.portabel"],
      "--deny: deny pattern 'fake.portabel' matches no registered implementation; registered: fake.kernel, fake.portable"),
     (["explain", "simple_gla", "--deny", "fake.kernel,xla.*"], "--deny: deny pattern 'xla.*' matches no registered implementation"),
+    (["explain", "kda", "--with", "use_gate"], "--with use_gate: use_gate requires A_log or lower_bound"),
+    (["bench", "kda", "--with", "dt_bias,lower_bound"], "dt_bias requires use_gate"),
+    (["explain", "kda", "--value-heads", "12"], "--value-heads must be a multiple of H = 8 above it, got 12"),
+    (["explain", "simple_gla", "--value-heads", "8"], "--value-heads describes grouped value heads, which simple_gla does not have"),
 ])
 def test_explain_rejects_malformed_descriptions_in_one_line(kernels, capsys, argv, message):
     assert main(argv) == 2
@@ -179,3 +183,11 @@ def test_num_seqs_must_be_a_positive_integer(kernels, capsys, command, value):
     assert raised.value.code == 2
     err = capsys.readouterr().err
     assert f"error: argument --num-seqs: must be a positive integer, got {value!r}" in err and "Traceback" not in err
+
+
+def test_grouped_value_heads_describe_a_call_with_twice_the_value_heads(kernels, capsys):
+    assert main(["explain", "kda", "--with", "grouped_value_heads,use_gate,A_log", "--shape", "1,256,4,64,64"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "B=1 T=256 H=4 HV=8 K=64 V=64" in out and "with A_log, grouped_value_heads, use_gate" in out
+    assert main(["explain", "kda", "--value-heads", "12", "--shape", "1,256,4,64,64"]) in (0, 1)
+    assert "H=4 HV=12" in capsys.readouterr().out
