@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tops_core
+from tops_plugins_ref import kda as ref_kda
 from tops_plugins_ref.host import kda as host_kda
 
 # Cases of one token and two heads are time-major by construction; the head-first hint does not apply.
@@ -355,3 +356,21 @@ def test_every_host_gradient_matches_finite_differences(finite_difference_errors
         assert grads["d" + name].shape == x.shape, name
     errors = finite_difference_errors(loss, given, {name: grads["d" + name] for name in given})
     assert max(errors.values()) < 1e-7, errors
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_grouped_gated_results_come_back_in_the_contract_shapes_and_dtypes(dtype):
+    """o ``[B, T, HV, V]``, the final state ``[N, HV, K, V]``; dA_log ``[HV]`` and ddt_bias ``[HV K]`` like their inputs."""
+    B, T = 1, 3
+    x, g = jnp.full((B, T, H, K), 0.5, dtype), jnp.full((B, T, HV, K), 0.5, dtype)
+    y, beta = jnp.full((B, T, HV, V), 0.5, dtype), jnp.full((B, T, HV), 0.5, dtype)
+    A_log, dt_bias = jnp.zeros(HV, jnp.float32), jnp.zeros(HV * K, jnp.float32)
+    flags = dict(scale=SCALE, initial_state=None, cu_seqlens=None, use_qk_l2norm=False, use_gate=True, A_log=A_log,
+                 dt_bias=dt_bias, lower_bound=None, use_beta_sigmoid=True, allow_neg_eigval=False, config=None)
+    o, ht = ref_kda.forward(x, x, y, g, beta, output_final_state=True, **flags)
+    grads = ref_kda.backward(x, x, y, g, beta, y, dht=ht, **flags)
+    assert (o.shape, o.dtype) == ((B, T, HV, V), dtype)
+    assert (ht.shape, ht.dtype) == ((B, HV, K, V), jnp.float32)
+    for name, given in dict(q=x, k=x, v=y, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias).items():
+        assert (getattr(grads, "d" + name).shape, getattr(grads, "d" + name).dtype) == (given.shape, given.dtype), name
+    assert grads.dinitial_state is None
