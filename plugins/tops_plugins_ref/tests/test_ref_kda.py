@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import tops_core
+from tops_plugins_ref import kda as ref_kda
+from tops_plugins_ref.host import kda as host_kda
 
 # Cases of one token and two heads are time-major by construction; the head-first hint does not apply.
 pytestmark = pytest.mark.filterwarnings("ignore::tops_core.LayoutWarning")
@@ -227,3 +229,148 @@ def test_it_works_under_jit_vmap_and_grad():
     explicit = backward(**inputs, do=do, scale=SCALE, use_qk_l2norm=True)
     for name in primals:
         np.testing.assert_array_equal(grad[name], getattr(explicit, "d" + name))
+
+
+# -- grouped value heads, the in-op gate and beta logits --------------------------------------
+# Each reduces to a plain call (repeated q and k, the gate and beta precomputed in numpy here),
+# which the tests above pin down, and its gradients meet finite differences. The contract does not
+# pass these arguments yet, so the tests call the host functions (and, for the result specs, the
+# plugin's entry points) directly.
+
+HV = 2 * H  # value heads in the grouped cases
+
+
+def host_call(rng, B, T, H, HV, cu_seqlens=None, with_A_log=True, with_dt_bias=True):
+    """Float64 host inputs with grouped value heads, the raw gate and beta logits around 0, and their cotangents."""
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    primals = dict(
+        q=normal(rng, B, T, H, K), k=normal(rng, B, T, H, K), v=normal(rng, B, T, HV, V), g=normal(rng, B, T, HV, K),
+        beta=normal(rng, B, T, HV), initial_state=normal(rng, N, HV, K, V),
+        A_log=normal(rng, HV) / 2 if with_A_log else None, dt_bias=normal(rng, HV * K) / 2 if with_dt_bias else None,
+    )
+    cotangents = dict(do=normal(rng, B, T, HV, V), dht=normal(rng, N, HV, K, V))
+    return primals, cotangents, None if cu_seqlens is None else np.asarray(cu_seqlens)
+
+
+def softplus(x):
+    return np.log1p(np.exp(x))
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def gate(g, A_log, dt_bias, lower_bound):
+    """flash-linear-attention's KDA gate (fla/ops/kda/gate.py), written out."""
+    x = g if dt_bias is None else g + dt_bias.reshape(g.shape[-2:])
+    rate = 1 if A_log is None else np.exp(A_log)[:, None]
+    return -rate * softplus(x) if lower_bound is None else lower_bound * sigmoid(rate * x)
+
+
+@pytest.mark.parametrize("G", [2, 3])
+def test_grouped_value_heads_equal_explicitly_repeated_queries_and_keys(G):
+    """Value heads h G .. h G + G - 1 read head h (repeat_interleave); dq and dk sum over each group."""
+    rng = np.random.default_rng(9)
+    B, T = 2, 5
+    primals, cotangents, cu_seqlens = host_call(rng, B, T, H, G * H, with_A_log=False, with_dt_bias=False)
+    primals["g"], primals["beta"] = -np.abs(primals["g"]) / 2, sigmoid(primals["beta"])
+    flags = dict(scale=SCALE, use_qk_l2norm=True)
+    repeated = dict(primals, q=np.repeat(primals["q"], G, axis=2), k=np.repeat(primals["k"], G, axis=2))
+    for name in ("q", "k"):
+        for j in range(G * H):
+            np.testing.assert_array_equal(repeated[name][:, :, j], primals[name][:, :, j // G])
+
+    grouped = host_kda.forward(dict(primals, cu_seqlens=cu_seqlens), output_final_state=True, **flags)
+    want = host_kda.forward(dict(repeated, cu_seqlens=cu_seqlens), output_final_state=True, **flags)
+    for name in ("o", "final_state"):
+        np.testing.assert_allclose(grouped[name], want[name], rtol=1e-14, atol=1e-15)
+
+    grads = host_kda.backward(dict(primals, **cotangents, cu_seqlens=cu_seqlens), **flags)
+    want = host_kda.backward(dict(repeated, **cotangents, cu_seqlens=cu_seqlens), **flags)
+    for name in ("dv", "dg", "dbeta", "dinitial_state"):
+        np.testing.assert_allclose(grads[name], want[name], rtol=1e-14, atol=1e-15)
+    for name in ("dq", "dk"):  # the normalisation's VJP is linear in its cotangent: summing before or after it agree
+        group_sum = want[name].reshape(B, T, H, G, K).sum(axis=3)
+        np.testing.assert_allclose(grads[name], group_sum, rtol=1e-12, atol=1e-14)
+
+
+# The softplus gate always comes with A_log.
+@pytest.mark.parametrize("lower_bound, with_A_log", [(None, True), (-5.0, True), (-5.0, False)],
+                         ids=["softplus", "lower_bound", "lower_bound-no-A_log"])
+@pytest.mark.parametrize("with_dt_bias", [True, False], ids=["dt_bias", "no-dt_bias"])
+def test_the_gate_is_the_recurrence_on_the_precomputed_gate(x64, lower_bound, with_A_log, with_dt_bias):
+    rng = np.random.default_rng(10)
+    primals, _, _ = host_call(rng, 2, 5, H, HV, with_A_log=with_A_log, with_dt_bias=with_dt_bias)
+    g_eff = gate(primals["g"], primals["A_log"], primals["dt_bias"], lower_bound)
+    # The test's formula is the contract's, whose A_log and dt_bias come shaped per head to broadcast against g.
+    shaped = as_jax(g=primals["g"], A_log=primals["A_log"][:, None] if with_A_log else None,
+                    dt_bias=primals["dt_bias"].reshape(HV, K) if with_dt_bias else None)
+    np.testing.assert_allclose(tops_core.ops.kda.gate(**shaped, lower_bound=lower_bound), g_eff, rtol=1e-14)
+
+    flags = dict(scale=SCALE, output_final_state=True, use_qk_l2norm=True)
+    gated = host_kda.forward(dict(primals, cu_seqlens=None), use_gate=True, lower_bound=lower_bound, **flags)
+    want = host_kda.forward(dict(primals, g=g_eff, A_log=None, dt_bias=None, cu_seqlens=None), **flags)
+    for name in ("o", "final_state"):
+        np.testing.assert_allclose(gated[name], want[name], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("allow_neg_eigval", [False, True])
+def test_beta_logits_are_the_recurrence_on_their_sigmoid(x64, allow_neg_eigval):
+    rng = np.random.default_rng(11)
+    primals, _, _ = host_call(rng, 2, 5, H, HV, with_A_log=False, with_dt_bias=False)
+    primals["g"] = -np.abs(primals["g"]) / 2
+    beta_eff = (2 if allow_neg_eigval else 1) * sigmoid(primals["beta"])
+    np.testing.assert_allclose(tops_core.ops.kda.beta_activation(jnp.asarray(primals["beta"]), allow_neg_eigval), beta_eff,
+                               rtol=1e-14)
+
+    flags = dict(scale=SCALE, output_final_state=True, use_qk_l2norm=False)
+    logits = host_kda.forward(dict(primals, cu_seqlens=None), use_beta_sigmoid=True, allow_neg_eigval=allow_neg_eigval, **flags)
+    want = host_kda.forward(dict(primals, beta=beta_eff, cu_seqlens=None), **flags)
+    for name in ("o", "final_state"):
+        np.testing.assert_allclose(logits[name], want[name], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("T, cu_seqlens, use_qk_l2norm, activations, with_A_log, with_dt_bias", [
+    (7, None, True, dict(use_gate=True, use_beta_sigmoid=True), True, True),
+    (9, [0, 3, 3, 9], False, dict(use_gate=True, lower_bound=-5.0, use_beta_sigmoid=True, allow_neg_eigval=True), True, True),
+    (5, None, False, dict(use_gate=True, lower_bound=-3.0), False, True),
+    (6, [0, 2, 6], True, dict(use_gate=True, lower_bound=-2.0), True, False),
+], ids=["softplus-sigmoid-qk_l2norm", "packed-lower_bound-neg_eigval", "lower_bound-no-A_log", "packed-lower_bound-no-dt_bias"])
+def test_every_host_gradient_matches_finite_differences(finite_difference_errors, T, cu_seqlens, use_qk_l2norm, activations,
+                                                         with_A_log, with_dt_bias):
+    """The raw gate, beta logits, A_log, dt_bias and grouped q, k (H = 1, HV = 2) too."""
+    rng = np.random.default_rng(12)
+    primals, cotangents, cu_seqlens = host_call(rng, 1, T, 1, 2, cu_seqlens, with_A_log, with_dt_bias)
+    if not activations.get("use_beta_sigmoid"):
+        primals["beta"] = sigmoid(primals["beta"])
+    flags = dict(scale=SCALE, use_qk_l2norm=use_qk_l2norm, **activations)
+
+    def loss(p):
+        results = host_kda.forward(dict(primals, **p, cu_seqlens=cu_seqlens), output_final_state=True, **flags)
+        return np.sum(results["o"] * cotangents["do"]) + np.sum(results["final_state"] * cotangents["dht"])
+
+    grads = host_kda.backward(dict(primals, **cotangents, cu_seqlens=cu_seqlens), **flags)
+    given = {name: x for name, x in primals.items() if x is not None}
+    assert {name for name in primals if grads["d" + name] is not None} == set(given)
+    for name, x in given.items():
+        assert grads["d" + name].shape == x.shape, name
+    errors = finite_difference_errors(loss, given, {name: grads["d" + name] for name in given})
+    assert max(errors.values()) < 1e-7, errors
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_grouped_gated_results_come_back_in_the_contract_shapes_and_dtypes(dtype):
+    """o ``[B, T, HV, V]``, the final state ``[N, HV, K, V]``; dA_log ``[HV]`` and ddt_bias ``[HV K]`` like their inputs."""
+    B, T = 1, 3
+    x, g = jnp.full((B, T, H, K), 0.5, dtype), jnp.full((B, T, HV, K), 0.5, dtype)
+    y, beta = jnp.full((B, T, HV, V), 0.5, dtype), jnp.full((B, T, HV), 0.5, dtype)
+    A_log, dt_bias = jnp.zeros(HV, jnp.float32), jnp.zeros(HV * K, jnp.float32)
+    flags = dict(scale=SCALE, initial_state=None, cu_seqlens=None, use_qk_l2norm=False, use_gate=True, A_log=A_log,
+                 dt_bias=dt_bias, lower_bound=None, use_beta_sigmoid=True, allow_neg_eigval=False, config=None)
+    o, ht = ref_kda.forward(x, x, y, g, beta, output_final_state=True, **flags)
+    grads = ref_kda.backward(x, x, y, g, beta, y, dht=ht, **flags)
+    assert (o.shape, o.dtype) == ((B, T, HV, V), dtype)
+    assert (ht.shape, ht.dtype) == ((B, HV, K, V), jnp.float32)
+    for name, given in dict(q=x, k=x, v=y, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias).items():
+        assert (getattr(grads, "d" + name).shape, getattr(grads, "d" + name).dtype) == (given.shape, given.dtype), name
+    assert grads.dinitial_state is None

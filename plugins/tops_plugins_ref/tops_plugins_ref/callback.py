@@ -51,10 +51,11 @@ def on_host_in_float64(
 
 
 def forward_results(q: Any, v: Any, cu_seqlens: Any, output_final_state: bool) -> dict[str, jax.ShapeDtypeStruct | None]:
-    """Shapes and dtypes of ``o`` and of the final state (None when not requested), as the op contract says."""
-    B, _, H, K = q.shape
+    """Shapes and dtypes of ``o`` and of the final state (None when not requested), as the op contract says:
+    one state per value head, of which there may be more than query/key heads (kda's grouped value heads)."""
+    B, _, H, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final_state = jax.ShapeDtypeStruct((N, H, K, v.shape[-1]), state_dtype(v.dtype)) if output_final_state else None
+    final_state = jax.ShapeDtypeStruct((N, H, q.shape[-1], V), state_dtype(v.dtype)) if output_final_state else None
     return {"o": jax.ShapeDtypeStruct(v.shape, v.dtype), "final_state": final_state}
 
 
