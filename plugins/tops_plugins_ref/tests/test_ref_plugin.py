@@ -34,7 +34,8 @@ def test_the_plugin_registers_recurrent_and_it_accepts_every_call(op):
     g_gamma_ranks = [(("g_gamma", 0),), (("g_gamma", 1),)] if op == "simple_gla" else [()]
     for platform, dtype, ndims in itertools.product(PLATFORMS, FLOAT_DTYPES, g_gamma_ranks):
         spec = CallSpec(op=op, platform=platform, dtype=dtype, batch=1, seq_len=3, heads=2, key_dim=256,
-                        value_dim=7, num_seqs=2, features=contract.features, ndims=ndims)
+                        value_dim=7, num_seqs=2, features=contract.features, ndims=ndims,
+                        value_heads=4 if "grouped_value_heads" in contract.features else None)
         assert implementation.reasons(spec, "backward") == [], spec.describe()
 
 
