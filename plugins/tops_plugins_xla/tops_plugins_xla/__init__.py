@@ -42,7 +42,10 @@ def tops_register_implementations(register):
             capabilities=tops_core.Capabilities(
                 platforms=_PLATFORMS,
                 dtypes=_DTYPES,
-                features={"initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm"},
+                features={
+                    "initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm", "grouped_value_heads",
+                    "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval",
+                },
             ),
             priority=_PRIORITY,
             config=ChunkConfig(),

@@ -26,6 +26,16 @@ plus the direct terms of ``exp(b) * q``, ``exp(b) * k`` and ``exp(b_C - b) * k``
 that built them (``intra.decays_backward``). The normalisation of ``q`` and ``k`` is differentiated
 per chunk too.
 
+**Grouped value heads.** Everything per value head (``v, g, beta``, the states, ``o``) has the
+``HV = G * H`` value heads; ``q`` and ``k`` keep their ``H`` heads and are normalised there, then
+repeated to the value heads one chunk at a time. Their gradients are summed over each group per
+chunk, before the normalisation's backward.
+
+**Gate and beta.** With ``use_gate`` and ``use_beta_sigmoid`` the sweeps run on ``g_eff`` and
+``beta_eff`` (``tops_core.ops.kda``'s ``gate`` and ``beta_activation``), computed on the way into
+the chunk layout; the backward chains the sweeps' ``dg_eff`` and ``dbeta_eff`` through
+``jax.vjp`` of the same functions for ``dg``, ``dbeta``, ``dA_log`` and ``ddt_bias``.
+
 Both sweeps loop over chunks, all rows and heads of a chunk at once, and write their outputs in
 place: every temporary stays the size of one chunk. Memory is O(T (K + V) + (T / C) K V).
 """
@@ -40,7 +50,7 @@ import jax.numpy as jnp
 
 from tops_core import KDAGrads
 from tops_core.ops.base import state_dtype
-from tops_core.ops.kda import L2NORM_EPSILON
+from tops_core.ops.kda import L2NORM_EPSILON, beta_activation, gate
 from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
 from tops_plugins_xla.kda import intra
 from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
@@ -49,39 +59,79 @@ Array = jax.Array
 
 
 
-def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config):
+def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config,
+            use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False):
     """``(o, final_state)`` of kda (the ``Forward`` protocol of ``tops_core.ops.kda``)."""
-    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, output_final_state=output_final_state,
-                    use_qk_l2norm=use_qk_l2norm, chunk_size=config.chunk_size)
+    return _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale=scale,
+                    output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, chunk_size=config.chunk_size,
+                    activation=_Activation.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval))
 
 
-def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config):
+def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config,
+             use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False):
     """The VJP of kda (the ``Backward`` protocol of ``tops_core.ops.kda``)."""
-    return _backward(q, k, v, g, beta, do, initial_state, dht, cu_seqlens, scale=scale,
-                     use_qk_l2norm=use_qk_l2norm, chunk_size=config.chunk_size)
+    return _backward(q, k, v, g, beta, A_log, dt_bias, do, initial_state, dht, cu_seqlens, scale=scale,
+                     use_qk_l2norm=use_qk_l2norm, chunk_size=config.chunk_size,
+                     activation=_Activation.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm", "chunk_size"))
-def _forward(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, output_final_state, use_qk_l2norm, chunk_size):
+@dataclasses.dataclass(frozen=True)
+class _Activation:
+    """The static options that turn the raw ``g`` and ``beta`` into the decay and write strength the recurrence runs on."""
+
+    use_gate: bool
+    lower_bound: float | None
+    use_beta_sigmoid: bool
+    allow_neg_eigval: bool
+
+    @classmethod
+    def of(cls, use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval) -> _Activation:
+        # Without use_gate the bound only promises where g lies: dropped, g is used exactly, and the call
+        # compiles to the program of the call without it.
+        return cls(use_gate, lower_bound if use_gate else None, use_beta_sigmoid, allow_neg_eigval)
+
+    def __call__(self, g, beta, A_log, dt_bias):
+        """``(g_eff, beta_eff)``: ``tops_core.ops.kda``'s ``gate`` and ``beta_activation``, or the inputs as given."""
+        if self.use_gate:
+            HV, K = g.shape[-2:]
+            g = gate(g, None if A_log is None else A_log[:, None], None if dt_bias is None else dt_bias.reshape(HV, K),
+                     self.lower_bound)
+        if self.use_beta_sigmoid:
+            beta = beta_activation(beta, self.allow_neg_eigval)
+        return g, beta
+
+
+_STATIC = ("scale", "use_qk_l2norm", "chunk_size", "activation")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("output_final_state",))
+def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, scale, output_final_state, use_qk_l2norm,
+             chunk_size, activation):
+    # Activated on the way into the chunk layout, where XLA fuses it into the packing: raw g is read once.
+    g, beta = activation(g, beta, A_log, dt_bias)
     x = _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
     o, final, _ = _forward_sweep(x, output_dtype=v.dtype, record_states=False)
     final_state = flat_states(final) if output_final_state else None
     return x.layout.unpack(o), final_state
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "chunk_size"))
-def _backward(q, k, v, g, beta, do, initial_state, dht, cu_seqlens, *, scale, use_qk_l2norm, chunk_size):
-    x = _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _backward(q, k, v, g, beta, A_log, dt_bias, do, initial_state, dht, cu_seqlens, *, scale, use_qk_l2norm, chunk_size,
+              activation):
+    # The recurrence's backward is hand-written; the activations are elementwise, so jax.vjp gives their chain rule.
+    (g_eff, beta_eff), activation_vjp = jax.vjp(activation, g, beta, A_log, dt_bias)
+    x = _chunked(q, k, v, g_eff, beta_eff, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
     layout = x.layout
     _, final, states = _forward_sweep(x, output_dtype=None, record_states=True)
     if dht is not None:
         dht = dht.astype(x.dtype).reshape(final.shape)
-    dq, dk, dv, dg, dbeta, dh0 = _reverse_sweep(x, layout.pack(do), dht, states)
+    dq, dk, dv, dg_eff, dbeta_eff, dh0 = _reverse_sweep(x, layout.pack(do), dht, states)
+    dg, dbeta, dA_log, ddt_bias = activation_vjp(
+        (layout.unpack(dg_eff).astype(g_eff.dtype), layout.unpack(dbeta_eff).astype(beta_eff.dtype)))
     dinitial_state = None if initial_state is None else flat_states(dh0).astype(initial_state.dtype)
     return KDAGrads(
-        dq=layout.unpack(dq), dk=layout.unpack(dk), dv=layout.unpack(dv),
-        dg=layout.unpack(dg), dbeta=layout.unpack(dbeta).astype(beta.dtype),
-        dinitial_state=dinitial_state,
+        dq=layout.unpack(dq), dk=layout.unpack(dk), dv=layout.unpack(dv), dg=dg, dbeta=dbeta,
+        dinitial_state=dinitial_state, dA_log=dA_log, ddt_bias=ddt_bias,
     )
 
 
@@ -90,10 +140,11 @@ def _backward(q, k, v, g, beta, do, initial_state, dht, cu_seqlens, *, scale, us
 
 @dataclasses.dataclass(frozen=True)
 class _Chunked:
-    """A call moved into its chunk layout: ``[R, P, H, .]`` (``R`` rows of ``P`` slots).
+    """A call moved into its chunk layout: ``[R, P, heads, .]`` (``R`` rows of ``P`` slots).
 
-    ``q, k, v, g`` keep their dtype; ``beta`` is in the compute dtype. Padded slots hold zeros:
-    no decay, no write.
+    ``q, k`` have the ``H`` key heads, ``v, g, beta`` the ``HV = G * H`` value heads; ``g`` and
+    ``beta`` are the activated ones. ``q, k, v, g`` keep their dtype; ``beta`` is in the compute
+    dtype. Padded slots hold zeros: no decay, no write.
     """
 
     layout: ChunkLayout
@@ -103,7 +154,7 @@ class _Chunked:
     g: Array
     beta: Array
     initial_state: Array | None
-    """``[R, sequences_per_row, H, K, V]`` in the compute dtype, or None."""
+    """``[R, sequences_per_row, HV, K, V]`` in the compute dtype, or None."""
     scale: float
     use_qk_l2norm: bool
 
@@ -112,9 +163,14 @@ class _Chunked:
         """The compute dtype: float32, float64 for float64 inputs."""
         return state_dtype(self.q.dtype)
 
+    @property
+    def groups(self) -> int:
+        """``G``: the value heads that share each query/key head."""
+        return self.v.shape[2] // self.q.shape[2]
+
 
 def _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size) -> _Chunked:
-    B, T, H, _ = q.shape
+    B, T = q.shape[:2]
     C = chunk_size
     layout = dense_layout(T, C) if cu_seqlens is None else packed_layout(cu_seqlens, T, C)
     dtype = state_dtype(q.dtype)
@@ -134,16 +190,19 @@ def _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, 
 
 @dataclasses.dataclass(frozen=True)
 class _Chunk:
-    """Chunk ``n`` of every row, heads first (``[R, H, C, .]``), in the compute dtype."""
+    """Chunk ``n`` of every row, heads first (``[R, HV, C, .]``: value heads), in the compute dtype."""
 
     q: Array
-    """Queries, normalised when asked, times ``scale``."""
+    """Queries, normalised when asked, times ``scale``, each value head's own copy."""
     k: Array
-    """Keys, normalised when asked."""
+    """Keys, normalised when asked, each value head's own copy."""
     v: Array
     beta: Array
-    """``[R, H, C]``."""
+    """``[R, HV, C]``."""
     decays: intra.Decays
+    q_heads: Array
+    """``[R, H, C, K]``: the queries on their own heads, normalised when asked (not scaled)."""
+    k_heads: Array
     q_norm: Array | None
     """``[R, H, C, 1]``: ``sqrt(sum(q^2) + eps)`` when normalising, else None."""
     k_norm: Array | None
@@ -158,9 +217,22 @@ def _take_chunk(x: _Chunked, n: Array) -> _Chunk:
         q_norm, k_norm = _l2norm(q), _l2norm(k)
         q, k = q / q_norm, k / k_norm
     return _Chunk(
-        q=q * x.scale, k=k, v=heads_first(x.v, n, C, x.dtype), beta=heads_first(x.beta, n, C, x.dtype),
-        decays=intra.decays(heads_first(x.g, n, C, x.dtype)), q_norm=q_norm, k_norm=k_norm,
+        q=_to_value_heads(q * x.scale, x.groups), k=_to_value_heads(k, x.groups), v=heads_first(x.v, n, C, x.dtype),
+        beta=heads_first(x.beta, n, C, x.dtype), decays=intra.decays(heads_first(x.g, n, C, x.dtype)),
+        q_heads=q, k_heads=k, q_norm=q_norm, k_norm=k_norm,
     )
+
+
+def _to_value_heads(x: Array, groups: int) -> Array:
+    """``[R, H, C, .]`` -> ``[R, H * groups, C, .]``: value head ``j`` reads key head ``j // groups``.
+
+    Per chunk only: the whole sequence's ``q, k`` are never repeated."""
+    return jnp.repeat(x, groups, axis=1)
+
+
+def _to_key_heads(x: Array, groups: int) -> Array:
+    """The transpose of ``_to_value_heads``: ``[R, H * groups, C, .]`` summed over each group -> ``[R, H, C, .]``."""
+    return jnp.sum(x.reshape(x.shape[0], -1, groups, *x.shape[2:]), axis=2)
 
 
 def _l2norm(x: Array) -> Array:
@@ -178,9 +250,9 @@ class _Writes:
 
     pairs: intra.Pairs
     residual: Array
-    """``[R, H, C, V]``: ``r = v - (exp(b) * k) S``, what the decayed state misses."""
+    """``[R, HV, C, V]``: ``r = v - (exp(b) * k) S``, what the decayed state misses."""
     delta: Array
-    """``[R, H, C, V]``: ``M^-1 (beta * r)``, each token's write."""
+    """``[R, HV, C, V]``: ``M^-1 (beta * r)``, each token's write."""
 
 
 def _writes(c: _Chunk, state: Array, *, with_queries: bool) -> _Writes:
@@ -192,7 +264,7 @@ def _writes(c: _Chunk, state: Array, *, with_queries: bool) -> _Writes:
 
 
 def _state_after(c: _Chunk, state: Array, delta: Array) -> Array:
-    decay_whole = c.decays.whole[..., 0, :, None]  # [R, H, K, 1]
+    decay_whole = c.decays.whole[..., 0, :, None]  # [R, HV, K, 1]
     return decay_whole * state + einsum("rhjk,rhjv->rhkv", c.k * c.decays.to_end, delta)
 
 
@@ -202,13 +274,13 @@ def _state_after(c: _Chunk, state: Array, delta: Array) -> Array:
 def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
     """Walk the chunks in order carrying the state; returns ``(o, final_states, states)``.
 
-    ``o`` (``[R, P, H, V]``) only when ``output_dtype`` is given; ``states``
-    (``[num_chunks, R, H, K, V]``, the state before each chunk) only when ``record_states``.
+    ``o`` (``[R, P, HV, V]``) only when ``output_dtype`` is given; ``states``
+    (``[num_chunks, R, HV, K, V]``, the state before each chunk) only when ``record_states``.
     """
-    R, P, H, K = x.q.shape
+    R, P, HV, K = x.g.shape
     V = x.v.shape[-1]
     C = x.layout.chunk_size
-    o = None if output_dtype is None else jnp.zeros((R, P, H, V), output_dtype)
+    o = None if output_dtype is None else jnp.zeros((R, P, HV, V), output_dtype)
 
     def step(n, state, o):
         c = _take_chunk(x, n)
@@ -218,17 +290,17 @@ def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
             o = put(o, n, query_state + einsum("rhij,rhjv->rhiv", w.pairs.aqk, w.delta), C)
         return _state_after(c, state, w.delta), o
 
-    return forward_sweep(x.layout, x.initial_state, jnp.zeros((R, H, K, V), x.dtype), step, o, record_states=record_states)
+    return forward_sweep(x.layout, x.initial_state, jnp.zeros((R, HV, K, V), x.dtype), step, o, record_states=record_states)
 
 
 def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array):
     """Walk the chunks backwards carrying the state gradient; returns ``dq, dk, dv, dg, dbeta, dh0``."""
     R, P, H, K = x.q.shape
-    V = x.v.shape[-1]
+    HV, V = x.v.shape[2:]
     C = x.layout.chunk_size
     grads = (
-        jnp.zeros((R, P, H, K), x.q.dtype), jnp.zeros((R, P, H, K), x.k.dtype), jnp.zeros((R, P, H, V), x.v.dtype),
-        jnp.zeros((R, P, H, K), x.g.dtype), jnp.zeros((R, P, H), x.dtype),
+        jnp.zeros((R, P, H, K), x.q.dtype), jnp.zeros((R, P, H, K), x.k.dtype), jnp.zeros((R, P, HV, V), x.v.dtype),
+        jnp.zeros((R, P, HV, K), x.g.dtype), jnp.zeros((R, P, HV), x.dtype),
     )
 
     def step(n, dstate, grads):
@@ -262,10 +334,11 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array):
             whole=c.decays.whole * jnp.sum(state * dstate, axis=-1)[..., None, :],
         ))
 
-        dq_n = dq_n * x.scale
+        dq_n = _to_key_heads(dq_n, x.groups) * x.scale
+        dk_n = _to_key_heads(dk_n, x.groups)
         if x.use_qk_l2norm:
-            dq_n = _l2norm_backward(c.q / x.scale, c.q_norm, dq_n)
-            dk_n = _l2norm_backward(c.k, c.k_norm, dk_n)
+            dq_n = _l2norm_backward(c.q_heads, c.q_norm, dq_n)
+            dk_n = _l2norm_backward(c.k_heads, c.k_norm, dk_n)
         grads = (put(dq, n, dq_n, C), put(dk, n, dk_n, C), put(dv, n, dv_n, C), put(dg, n, dg_n, C),
                  put(dbeta, n, dbeta_n, C))
         dstate = (c.decays.whole[..., 0, :, None] * dstate
@@ -273,5 +346,5 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array):
                            jnp.concatenate([do_n, -dv_n], axis=-2)))
         return dstate, grads
 
-    grads, dh0 = reverse_sweep(x.layout, dht, jnp.zeros((R, H, K, V), x.dtype), step, grads)
+    grads, dh0 = reverse_sweep(x.layout, dht, jnp.zeros((R, HV, K, V), x.dtype), step, grads)
     return (*grads, dh0)
