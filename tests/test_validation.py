@@ -134,12 +134,12 @@ def test_kda_rejects_invalid_input(registry, label, overrides, error, message):
 
 def test_kda_call_spec_names_its_features(registry):
     spec = kda.prepare(q1, k1, v1, KDA_G[:1], KDA_BETA[:1], None, jnp.zeros((2, 2, 4, 3)), True,
-                       jnp.array([0, 3, 8]), True, False, None, None, None, False, False, False).spec
+                       jnp.array([0, 3, 8]), True, False).spec
     assert spec.op == "kda" and spec.num_seqs == 2
     assert spec.features == {"initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm"}
     values = jnp.zeros((1, 8, 4, 3), f32)
-    spec = kda.prepare(q1, k1, values, jnp.zeros((1, 8, 4, 4)), KDA_BETA[:1].repeat(2, axis=2), None, None, False, None, False,
-                       True, None, jnp.zeros(16), -5.0, True, True, False).spec
+    spec = kda.prepare(q1, k1, values, jnp.zeros((1, 8, 4, 4)), KDA_BETA[:1].repeat(2, axis=2), None, None, False, None, False, False,
+                       use_gate=True, dt_bias=jnp.zeros(16), lower_bound=-5.0, use_beta_sigmoid=True, allow_neg_eigval=True).spec
     assert spec.heads == 2 and spec.value_heads == 4
     assert spec.features == {"grouped_value_heads", "use_gate", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval"}
 

@@ -164,8 +164,8 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         """Compute ``(o, final_state)``; differentiable with ``jax.grad``, and works under ``jit``/``vmap``."""
         policy = self.policy(implementation)
         prepared = self.prepare(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-            use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval, policy.interpret,
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, policy.interpret,
+            **_gate_and_beta(use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval),
         )
         return self._forward(prepared, policy)
 
@@ -194,8 +194,8 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         """The explicit VJP: gradients for cotangents ``do`` (and ``dht``, the final state's)."""
         policy = self.policy(implementation)
         prepared = self.prepare(
-            q, k, v, g, beta, scale, initial_state, dht is not None, cu_seqlens, use_qk_l2norm,
-            use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval, policy.interpret,
+            q, k, v, g, beta, scale, initial_state, dht is not None, cu_seqlens, use_qk_l2norm, policy.interpret,
+            **_gate_and_beta(use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval),
         )
         do, dht = self.check_cotangents(prepared, do, dht)
         return self._backward(prepared, policy, do, dht)
@@ -224,14 +224,14 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         """Which implementations the forward and backward of this call would use, and why."""
         policy = self.policy(implementation)
         prepared = self.prepare(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-            use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval, policy.interpret,
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, policy.interpret,
+            **_gate_and_beta(use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval),
         )
         return self._explain(prepared, policy)
 
     def prepare(
-        self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-        use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval, interpret,
+        self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, interpret, *,
+        use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
     ) -> Prepared:
         """Validate a call (docs/ops.md "Invalid input") and derive its call spec."""
         q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v, initial_state_given=initial_state is not None, grouped_values=True)
@@ -287,6 +287,11 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
     def call_backward(self, fn: Backward, prepared: Prepared, do: Array, dht: Array | None, config: Any):
         a = prepared.arrays
         return fn(a["q"], a["k"], a["v"], a["g"], a["beta"], do, dht=dht, **self._arguments(prepared, config))
+
+
+def _gate_and_beta(use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval) -> dict[str, Any]:
+    return dict(use_gate=use_gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval)
 
 
 def _gate_parameters(A_log, dt_bias, use_gate: bool, lower_bound: float | None, HV: int, K: int, floats):
