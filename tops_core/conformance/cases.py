@@ -137,9 +137,10 @@ def grid(impl: Implementation) -> Grid:
     for toggle in sorted((toggles & base_features) - caps.requires):
         # Without the final state only drops an output the base case checks; the other forms of kda's gate
         # and beta than the base's bounded gate with A_log and dt_bias and beta logits with negative
-        # eigenvalues: slow, but for the softplus gate (without lower_bound) and the precomputed gate.
+        # eigenvalues: slow, but for the softplus gate (without lower_bound) and the precomputed gate; one
+        # value head per query/key head: slow, the strong and reset cases' form.
         changes = {"heads": 2} if toggle == "grouped_value_heads" else {}
-        slow = toggle in ("output_final_state", "A_log", "dt_bias", "use_beta_sigmoid", "allow_neg_eigval")
+        slow = toggle in ("output_final_state", "A_log", "dt_bias", "use_beta_sigmoid", "allow_neg_eigval", "grouped_value_heads")
         supported.append(base.with_features(f"without-{toggle}", signature.closed(base_features - {toggle}), slow=slow, **changes))
     if "grouped_value_heads" in base_features:
         supported.append(dataclasses.replace(base, name="grouped_value_heads=3", value_heads=3))
@@ -158,8 +159,10 @@ def grid(impl: Implementation) -> Grid:
             name = "varlen=" + "+".join(map(str, seqlens))
             supported.append(base.with_features(
                 name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens), slow=index > 0))
-    # The strong and reset cases give the log decays as they are: no gate or beta computed in the op.
-    plain = base.with_features(base.name, signature.closed(base_features - {"use_gate", "lower_bound", "use_beta_sigmoid"}))
+    # The strong and reset cases are kda's plain call (one value head per query/key head; the log decays and
+    # beta given as they are), which the default run checks nowhere else.
+    plain_features = signature.closed(base_features - {"use_gate", "lower_bound", "use_beta_sigmoid", "grouped_value_heads"})
+    plain = base.with_features(base.name, plain_features, heads=2)
     strong = _strong_decay_cases(plain, plain.features, gate_options, gates)
     supported += strong
     supported += _reset_cases(plain, plain.features, gate_options, gates)

@@ -1,8 +1,5 @@
 """xla.chunk for kda beyond the conformance grid: flash-linear-attention's own formulas, decays at
-their extremes, boundaries traced under jit, the chunk size as a pure tuning knob, and grouped value
-heads, the in-op gate and beta logits by their identities with the plain call."""
-
-import dataclasses
+their extremes, boundaries traced under jit, and the chunk size as a pure tuning knob."""
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +8,6 @@ import pytest
 
 import tops_core
 from tops_core.conformance.compare import measure, tolerance
-from tops_plugins_xla.config import ChunkConfig
-from tops_plugins_xla.kda import chunk
 
 KDA = tops_core.op("kda")
 GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
@@ -209,111 +204,3 @@ def test_chunk_size_changes_the_chunking_not_the_result():
     for name, small, large in zip(("o",) + GRADIENTS, *results):
         assert measure(name, small, large, 1e-12).passed, name
 
-
-# -- grouped value heads, the in-op gate and beta logits -----------------------------------------
-# chunk.forward/backward called directly, with the protocol's new arguments, and checked against
-# the plain call: on q, k repeated per value head, on the activated g and beta.
-
-
-def gva_inputs(B, T, H, G, K=32, V=32, N=None, seed=5):
-    """float32 inputs with ``HV = G * H`` value heads; raw ``g`` (a gate's input) and ``beta`` logits."""
-    rng = np.random.default_rng(seed)
-    HV = G * H
-    arrays = dict(
-        q=(B, T, H, K), k=(B, T, H, K), v=(B, T, HV, V), g=(B, T, HV, K), beta=(B, T, HV), do=(B, T, HV, V),
-        initial_state=(N or B, HV, K, V), dht=(N or B, HV, K, V),
-    )
-    return {name: jnp.asarray(rng.standard_normal(shape), jnp.float32) for name, shape in arrays.items()}
-
-
-def run_chunk(x, cu_seqlens=None, use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False,
-              allow_neg_eigval=False):
-    """``o``, the final state and every gradient of xla.chunk's kda, called directly."""
-    common = dict(scale=0.3, initial_state=x["initial_state"], cu_seqlens=cu_seqlens, use_qk_l2norm=True,
-                  use_gate=use_gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                  use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval, config=ChunkConfig())
-    args = [x[name] for name in ("q", "k", "v", "g", "beta")]
-    o, final_state = chunk.forward(*args, output_final_state=True, **common)
-    grads = chunk.backward(*args, x["do"], dht=x["dht"], **common)
-    return dict(o=o, final_state=final_state, **{f.name: getattr(grads, f.name) for f in dataclasses.fields(grads)})
-
-
-def assert_close(got, want, names):
-    for name in names:
-        gradient = name.startswith("d")
-        assert got[name].shape == want[name].shape, name
-        measurement = measure(name, got[name], want[name], tolerance("float32", gradient=gradient))
-        assert measurement.passed, measurement.describe()
-
-
-@pytest.mark.parametrize("G, cu_seqlens", [(2, None), (3, [0, 1, 70, 130])])
-def test_grouped_value_heads_are_the_call_on_repeated_queries_and_keys(G, cu_seqlens):
-    """Value head j reads q, k head j // G: the reference on q, k repeated per value head, with dq, dk its group sums."""
-    B, T, H, K = (2, 100, 2, 32) if cu_seqlens is None else (1, 130, 2, 32)
-    x = gva_inputs(B, T, H, G, K=K, N=None if cu_seqlens is None else len(cu_seqlens) - 1)
-    x["g"] = jax.nn.log_sigmoid(x["g"]) / 4
-    x["beta"] = jax.nn.sigmoid(x["beta"])
-    cu_seqlens = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
-    got = run_chunk(x, cu_seqlens)
-
-    repeated = {name: jnp.repeat(x[name], G, axis=2) for name in ("q", "k")}
-    arrays = dict(x, **repeated)
-    del arrays["do"], arrays["dht"]
-    o, final_state = KDA.forward(**arrays, scale=0.3, output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm=True,
-                                 implementation="ref.recurrent")
-    grads = KDA.backward(**arrays, do=x["do"], dht=x["dht"], scale=0.3, cu_seqlens=cu_seqlens, use_qk_l2norm=True,
-                         implementation="ref.recurrent")
-    want = dict(o=o, final_state=final_state, **{name: getattr(grads, name) for name in GRADIENTS})
-    for name in ("dq", "dk"):
-        want[name] = want[name].reshape(B, T, H, G, K).sum(axis=3)
-    assert_close(got, want, ("o", "final_state") + GRADIENTS)
-
-
-def gate_f64(g, A_log, dt_bias, lower_bound):
-    """fla's KDA gate in float64, written out (``tops_core.ops.kda.gate`` is what the implementation uses)."""
-    HV, K = g.shape[-2:]
-    x = g if dt_bias is None else g + dt_bias.reshape(HV, K)
-    if lower_bound is None:
-        return -jnp.exp(A_log)[:, None] * jnp.logaddexp(0.0, x)
-    if A_log is not None:
-        x = jnp.exp(A_log)[:, None] * x
-    return lower_bound / (1 + jnp.exp(-x))
-
-
-@pytest.mark.parametrize("lower_bound, with_A_log, with_dt_bias, use_beta_sigmoid, allow_neg_eigval", [
-    (None, True, True, True, False),
-    (-5.0, True, True, True, True),
-    (-5.0, False, False, False, False),
-])
-def test_gate_and_beta_logits_are_the_call_on_the_activated_inputs(lower_bound, with_A_log, with_dt_bias, use_beta_sigmoid,
-                                                                   allow_neg_eigval):
-    """o and every gradient as with g_eff and beta_eff given, the gradients of g, A_log, dt_bias and the logits
-    chained through the activations' own float64 derivatives; lower_bound without use_gate (the activated call's)
-    uses g as given. The grouped-value-heads test's shape, whose compiled program the activated call reuses."""
-    B, T, H, G, K = 2, 100, 2, 2, 32
-    x = gva_inputs(B, T, H, G, K=K, seed=6)
-    rng = np.random.default_rng(7)
-    A_log = jnp.asarray(rng.uniform(-1, 0.5, size=G * H), jnp.float32) if with_A_log else None
-    dt_bias = jnp.asarray(rng.standard_normal(G * H * K), jnp.float32) if with_dt_bias else None
-    got = run_chunk(x, use_gate=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                    use_beta_sigmoid=use_beta_sigmoid, allow_neg_eigval=allow_neg_eigval)
-
-    def activations(g, beta, A_log, dt_bias):
-        beta_eff = (2 if allow_neg_eigval else 1) / (1 + jnp.exp(-beta)) if use_beta_sigmoid else beta
-        return gate_f64(g, A_log, dt_bias, lower_bound), beta_eff
-
-    with jax.enable_x64(True):
-        raw = [None if a is None else a.astype(jnp.float64) for a in (x["g"], x["beta"], A_log, dt_bias)]
-        (g_eff, beta_eff), activations_vjp = jax.vjp(activations, *raw)
-    activated = run_chunk(dict(x, g=g_eff.astype(jnp.float32), beta=beta_eff.astype(jnp.float32)), lower_bound=lower_bound)
-    with jax.enable_x64(True):
-        cotangents = tuple(activated[name].astype(jnp.float64) for name in ("dg", "dbeta"))
-        want = dict(activated, **dict(zip(("dg", "dbeta", "dA_log", "ddt_bias"), activations_vjp(cotangents))))
-    for name, given in (("dA_log", A_log), ("ddt_bias", dt_bias)):
-        assert (got[name] is None) == (given is None), name
-        if given is None:
-            del got[name], want[name]
-        else:
-            assert got[name].dtype == given.dtype, name
-    assert got["dg"].dtype == got["dbeta"].dtype == jnp.float32
-    assert_close(got, want, [name for name in got if name != "dinitial_state"] + ["dinitial_state"])
