@@ -40,7 +40,10 @@ from tops_core.conformance.cases import Case
 from tops_core.conformance.compare import relative_error, tolerance
 from tops_core.conformance.data import backward_inputs, forward_inputs
 
-DIFFERENTIABLE = {"simple_gla": ("q", "k", "v", "g", "g_gamma", "initial_state"), "kda": ("q", "k", "v", "g", "beta", "initial_state")}
+DIFFERENTIABLE = {
+    "simple_gla": ("q", "k", "v", "g", "g_gamma", "initial_state"),
+    "kda": ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"),
+}
 FACTOR_OF = {"batch": 0, "sequence": 1, "heads": 2}
 TPU_TOPOLOGY = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "v4": "v4:2x2x1"}
 
@@ -57,7 +60,7 @@ def conformance_case(case: dict) -> Case:
     return Case(
         op=op_name(case), name=case["name"], dtype=case["dtype"], batch=1 if seqlens else case["B"], seq_len=T,
         heads=case["H"], key_dim=case["K"], value_dim=case["V"], features=features, ndims=ndims, seqlens=seqlens,
-        strong_decay=case.get("strong_decay", False),
+        strong_decay=case.get("strong_decay", False), value_heads=case.get("HV"),
     )
 
 
@@ -114,9 +117,9 @@ def program(case: dict, mesh: Mesh | None, explicit_backward: bool = False):
         return contextlib.nullcontext()
 
     op = tops_core.op(op_name(case))
-    options = {"output_final_state": "output_final_state" in case["features"]}
-    if "use_qk_l2norm" in case["features"]:
-        options["use_qk_l2norm"] = True
+    # The test data's options (kda's flags and lower_bound), scale left at its default.
+    options = {name: x for name, x in forward_inputs(conformance_case(case)).items() if not isinstance(x, jax.Array)}
+    options.pop("scale", None)
 
     def run(inputs: dict):
         given = {name: inputs[name] for name in DIFFERENTIABLE[op.name] if name in inputs}

@@ -47,6 +47,11 @@ CASES = [
          features=["initial_state", "output_final_state"]),
     dict(BASE, op="kda", name="kda-heads-packed", mode="shard", mesh=[4], split={"heads": 0}, T=40, seqlens=[7, 0, 33],
          features=["initial_state", "output_final_state"]),
+    # Grouped value heads split with their query/key heads; the gate's parameters split per value head, their
+    # gradients summed over the batch's devices.
+    dict(BASE, op="kda", name="kda-grouped-gated-batch-heads", mode="shard", mesh=[2, 2], split={"batch": 0, "heads": 1}, B=2, T=32,
+         H=2, HV=6, features=["initial_state", "output_final_state", "use_gate", "A_log", "dt_bias", "lower_bound",
+                              "use_beta_sigmoid", "grouped_value_heads"], backward=True),
 ]
 
 # Unsharded inputs split over explicit mesh axes (jax.make_mesh's default): shard_map refuses an
@@ -64,7 +69,7 @@ def _expected_results(case: dict) -> set[str]:
     features = set(case["features"])
     if case.get("op") == "kda":  # its g and beta are always given
         features |= {"g", "beta"}
-    results = {"o", "dq", "dk", "dv"} | {"d" + name for name in ("g", "g_gamma", "beta", "initial_state") if name in features}
+    results = {"o", "dq", "dk", "dv"} | {"d" + name for name in ("g", "g_gamma", "beta", "initial_state", "A_log", "dt_bias") if name in features}
     return results | ({"final_state"} if "output_final_state" in features else set())
 
 
