@@ -16,7 +16,9 @@ class CallSpec:
     ``features`` names the optional inputs that are present and the boolean options that are on
     (for simple_gla: ``g``, ``g_gamma``, ``initial_state``, ``cu_seqlens``,
     ``output_final_state``). ``ndims`` records the rank of inputs whose rank may vary
-    (``g_gamma`` may be a scalar or ``[H]``). ``chip``: the TPU generation (a key of
+    (``g_gamma`` may be a scalar or ``[H]``). ``value_heads``: the heads of ``v`` and of the state,
+    ``heads`` (of ``q`` and ``k``) times the group size of grouped value heads; ``None`` means
+    ``heads``. ``chip``: the TPU generation (a key of
     ``tops_core.tpu.generations.GENERATIONS``) the call is lowered for when it is lowered for a TPU
     and the generation is known, else None; what platform ``tpu``'s decision may size kernels by.
     """
@@ -34,6 +36,7 @@ class CallSpec:
     ndims: tuple[tuple[str, int], ...] = ()
     interpret: bool = False
     chip: str | None = None
+    value_heads: int | None = None
 
     def __post_init__(self):
         if self.platform not in PLATFORMS:
@@ -42,6 +45,8 @@ class CallSpec:
             raise ValueError(f"chip must be None or one of {sorted(GENERATIONS)}, got {self.chip!r}")
         object.__setattr__(self, "features", frozenset(self.features))
         object.__setattr__(self, "ndims", tuple(sorted(dict(self.ndims).items())))
+        if self.value_heads is None:
+            object.__setattr__(self, "value_heads", self.heads)
 
     def ndim(self, name: str) -> int | None:
         return dict(self.ndims).get(name)

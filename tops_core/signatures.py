@@ -24,7 +24,13 @@ class Signature:
 SIMPLE_GLA = Signature(
     "simple_gla", frozenset({"g", "g_gamma", "initial_state", "cu_seqlens", "output_final_state"}), frozenset({"g_gamma"}),
 )
-KDA = Signature("kda", frozenset({"initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm"}))
+KDA = Signature(
+    "kda",
+    frozenset({
+        "initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm", "grouped_value_heads",
+        "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval",
+    }),
+)
 
 SIGNATURES: dict[str, Signature] = {signature.name: signature for signature in (SIMPLE_GLA, KDA)}
 
