@@ -7,7 +7,8 @@ line on stdin and answers each with one JSON line on stdout: the facts of the co
 
 Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<kernel>`` or, given
 ``"implementation"``, of that one (null: the dispatcher's choice) (simple_gla, packed with traced
-``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"``), or with ``"gradient": true`` the
+``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"``, through ``tpu_pallas.fused``'s forward
+itself when it names ``groups``, grouped value heads and the in-kernel activations, until the op passes them), or with ``"gradient": true`` the
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
 text of ``tops bench``'s modelled TPU section.
@@ -48,19 +49,43 @@ def _arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def _kda_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
+    """kda's inputs; with ``groups``, ``groups * H`` value heads, and the raw gate and beta logits in the call's dtype when activated."""
     B, T, H, K, V = (call[name] for name in ("B", "T", "H", "K", "V"))
+    HV = H * call.get("groups", 1)
     dtype = jnp.dtype(call["dtype"])
     arrays = {
         "q": jax.ShapeDtypeStruct((B, T, H, K), dtype), "k": jax.ShapeDtypeStruct((B, T, H, K), dtype),
-        "v": jax.ShapeDtypeStruct((B, T, H, V), dtype), "g": jax.ShapeDtypeStruct((B, T, H, K), jnp.float32),
-        "beta": jax.ShapeDtypeStruct((B, T, H), jnp.float32),
+        "v": jax.ShapeDtypeStruct((B, T, HV, V), dtype),
+        "g": jax.ShapeDtypeStruct((B, T, HV, K), dtype if call.get("use_gate") else jnp.float32),
+        "beta": jax.ShapeDtypeStruct((B, T, HV), dtype if call.get("use_beta_sigmoid") else jnp.float32),
     }
     if call["initial_state"]:
-        arrays["initial_state"] = jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)
+        arrays["initial_state"] = jax.ShapeDtypeStruct((B, HV, K, V), jnp.float32)
+    if call.get("A_log"):
+        arrays["A_log"] = jax.ShapeDtypeStruct((HV,), jnp.float32)
+    if call.get("dt_bias"):
+        arrays["dt_bias"] = jax.ShapeDtypeStruct((HV * K,), jnp.float32)
     return arrays
 
 
+def _kda_kernel_forward(call: dict):
+    """``tpu_pallas.fused``'s kda forward itself, with the call's activation options (inputs absent from the arrays: None)."""
+    from tops_plugins_tpu_pallas.kda import fused
+
+    options = {name: call[name] for name in ("use_gate", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval")}
+
+    def forward(arrays):
+        return fused.forward(
+            **{"initial_state": None, **arrays}, scale=call["K"] ** -0.5, output_final_state=call["final_state"], cu_seqlens=None,
+            use_qk_l2norm=call["use_qk_l2norm"], config=fused.KdaFusedConfig(), **options,
+        )
+
+    return forward
+
+
 def _forward(call: dict):
+    if call.get("op") == "kda" and "groups" in call:
+        return _kda_kernel_forward(call)
     if call.get("op") == "kda":
         def forward(arrays):
             return kda.forward(**arrays, output_final_state=call["final_state"], use_qk_l2norm=call["use_qk_l2norm"],

@@ -327,6 +327,36 @@ def test_kda_gradient_compiles_the_kernel_and_xla_chunks_backward(worker, call):
     assert facts["implementations"] == ["tpu_pallas.fused.forward", "xla.chunk.backward"]
 
 
+# Grouped value heads, the raw gate and beta logits in bf16, activated in the kernel: each gate form on
+# one generation, through the plugin's forward (the op passes these options once its wiring lands).
+KDA_ACTIVATED = tuple(
+    dict(
+        generation=generation, T=T, K=K, V=V, dtype="bfloat16", initial_state=True, final_state=True, use_qk_l2norm=True,
+        groups=groups, use_gate=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid=True,
+        allow_neg_eigval=allow_neg_eigval,
+    )
+    for generation, T, K, V, groups, A_log, dt_bias, lower_bound, allow_neg_eigval in (
+        ("v4", 65, 100, 128, 2, True, True, None, False),
+        ("v5e", 1000, 128, 128, 2, True, False, None, True),
+        ("v5p", 1, 32, 256, 3, False, False, -5.0, False),
+        ("v6e", 1000, 128, 100, 3, True, True, -5.0, True),
+    )
+)
+
+
+def _kda_activated_label(call: dict) -> str:
+    gate = "softplus" if call["lower_bound"] is None else "lower_bound"
+    parameters = "+".join(name for name in ("A_log", "dt_bias") if call[name]) or "no-parameters"
+    return f"kda-{call['generation']}-T{call['T']}-K{call['K']}-V{call['V']}-G{call['groups']}-{gate}-{parameters}"
+
+
+@pytest.mark.parametrize("call", KDA_ACTIVATED, ids=_kda_activated_label)
+def test_kda_forward_with_grouped_heads_and_the_activations_compiles_to_the_mosaic_kernel(worker, call):
+    facts = compile_call(worker, _kda_call(call))
+    assert facts["kernels"] == 1
+    assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["transcendentals"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("generation", KDA_FACTORS["generation"])
 def test_kda_forward_compiles_over_the_full_sweep(worker, generation):

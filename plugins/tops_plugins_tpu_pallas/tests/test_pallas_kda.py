@@ -3,7 +3,9 @@
 The conformance kit covers the case grid; these tests cover what is particular to this kernel:
 the chunk math against direct formulas (the exact inverse, decays of ``g = -10`` that never
 overflow), ragged last blocks, chunks per grid step, lane-padded head dimensions, the capability
-declaration and the pairing with xla.chunk's backward.
+declaration and the pairing with xla.chunk's backward; and grouped value heads, the gate and beta
+logits computed in the kernel, bit for bit what the kernel computes from repeated q, k and from
+precomputed ``gate``, ``beta_activation``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tops_core
+from tops_core.ops.kda import beta_activation, gate
 from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
 
 from tops_plugins_tpu_pallas import traffic
@@ -154,3 +157,144 @@ def test_vmem_fitting_walks_fewer_chunks_per_step_for_a_large_key_dim():
     fused = next(impl for impl in kda.implementations() if impl.name == "tpu_pallas.fused")
     assert not fused.reasons(_spec(key_dim=1024), "forward")
     assert any("VMEM" in reason for reason in fused.reasons(_spec(key_dim=1536), "forward"))
+
+
+# -- grouped value heads, the gate and beta logits in the kernel ------------------------------------
+
+
+def call_kernel(inputs, use_qk_l2norm=False, config=None, **options):
+    """The plugin's forward itself, in the interpreter (the op passes these options once its wiring lands)."""
+    arrays = {"initial_state": None, **inputs}
+
+    def call(arrays):
+        return kda_fused.forward(
+            **arrays, scale=arrays["q"].shape[-1] ** -0.5, output_final_state=True, cu_seqlens=None,
+            use_qk_l2norm=use_qk_l2norm, config=kda_fused.KdaFusedConfig(**(config or {})), **options,
+        )
+
+    return jax.jit(call)(arrays)
+
+
+def assert_same(got, want):
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, y)
+
+
+def shared_query_keys(inputs, groups):
+    """``inputs`` with one query/key head per ``groups`` value heads (``[B, T, HV / groups, K]``)."""
+    return {**inputs, "q": inputs["q"][:, :, ::groups], "k": inputs["k"][:, :, ::groups]}
+
+
+def repeated_query_keys(inputs, groups):
+    """What grouped value heads mean: each query/key head repeated for the value heads of its group (fla's repeat_interleave)."""
+    return {**inputs, "q": jnp.repeat(inputs["q"], groups, axis=2), "k": jnp.repeat(inputs["k"], groups, axis=2)}
+
+
+def raw_inputs(inputs, dtype, *, A_log=True, dt_bias=True, seed=0):
+    """``inputs`` with a raw gate and beta logits (unit normal, in ``dtype``), ``A_log = log(uniform(1, 16))``
+    and ``dt_bias`` (normal / 2), float32, per value head."""
+    rng = np.random.default_rng(seed)
+    B, T, HV, K = inputs["g"].shape
+    raw = dict(
+        inputs, g=jnp.asarray(rng.standard_normal((B, T, HV, K)), dtype), beta=jnp.asarray(rng.standard_normal((B, T, HV)), dtype),
+    )
+    if A_log:
+        raw["A_log"] = jnp.asarray(np.log(rng.uniform(1, 16, HV)), jnp.float32)
+    if dt_bias:
+        raw["dt_bias"] = jnp.asarray(rng.standard_normal(HV * K) / 2, jnp.float32)
+    return raw
+
+
+def gated(raw, lower_bound):
+    """``raw`` with the log decay of its raw gate computed outside the kernel (float32), as the contract defines it."""
+    B, T, HV, K = raw["g"].shape
+    A_log, dt_bias = raw.get("A_log"), raw.get("dt_bias")
+    g = gate(raw["g"], None if A_log is None else A_log[:, None], None if dt_bias is None else dt_bias.reshape(HV, K), lower_bound)
+    return {**{name: x for name, x in raw.items() if name not in ("A_log", "dt_bias")}, "g": g}
+
+
+GROUPED = {
+    # groups, (B, T, HV, K, V), dtype, use_qk_l2norm, config
+    "G=2-f32-ragged-two-chunks-per-step": (2, (1, 130, 4, 128, 128), jnp.float32, False, dict(num_steps=2)),
+    "G=3-bf16-lane-padded-l2norm": (3, (2, 100, 6, 64, 96), jnp.bfloat16, True, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPED))
+def test_grouped_value_heads_are_the_kernel_on_repeated_query_keys(case, make_kda_inputs):
+    groups, shape, dtype, use_qk_l2norm, config = GROUPED[case]
+    inputs = shared_query_keys(make_kda_inputs(*shape, dtype, normalised=not use_qk_l2norm), groups)
+    repeated = repeated_query_keys(inputs, groups)
+    assert_same(call_kernel(inputs, use_qk_l2norm, config), call_kernel(repeated, use_qk_l2norm, config))
+
+
+GATES = {
+    # lower_bound, A_log given, dt_bias given
+    "softplus": (None, True, True),
+    "softplus-no-dt_bias": (None, True, False),
+    "lower_bound": (-5.0, True, True),
+    "lower_bound-no-A_log": (-5.0, False, True),
+    "lower_bound-alone": (-5.0, False, False),
+}
+
+
+@pytest.mark.parametrize("case", list(GATES))
+def test_the_gate_in_the_kernel_is_the_kernel_on_the_precomputed_gate(case, make_kda_inputs):
+    # K = 64 is lane-padded (the raw gate's padded lanes activate to a decay of state rows that stay
+    # zero) and T = 130 ragged (rows past the end, read as zeros, must still decay nothing).
+    lower_bound, A_log, dt_bias = GATES[case]
+    inputs = make_kda_inputs(1, 130, 2, 64, 128, jnp.float32)
+    raw = {**raw_inputs(inputs, jnp.float32, A_log=A_log, dt_bias=dt_bias), "beta": inputs["beta"]}  # strengths as given
+    config = dict(num_steps=2)
+    in_kernel = call_kernel(raw, config=config, use_gate=True, lower_bound=lower_bound)
+    assert_same(in_kernel, call_kernel(gated(raw, lower_bound), config=config))
+
+
+@pytest.mark.parametrize("allow_neg_eigval", [False, True])
+def test_beta_logits_in_the_kernel_are_the_kernel_on_the_precomputed_strengths(allow_neg_eigval, make_kda_inputs):
+    inputs = make_kda_inputs(2, 100, 2, 128, 64, jnp.float32)
+    logits = {**inputs, "beta": raw_inputs(inputs, jnp.float32)["beta"]}
+    strengths = {**inputs, "beta": beta_activation(logits["beta"], allow_neg_eigval)}
+    assert_same(call_kernel(logits, use_beta_sigmoid=True, allow_neg_eigval=allow_neg_eigval), call_kernel(strengths))
+
+
+def test_bf16_with_a_bf16_raw_gate_grouped_heads_and_beta_logits(make_kda_inputs, kda_reference, assert_matches):
+    # Everything at once, the raw gate and the logits in bf16 like q, k, v: the same bits as the kernel
+    # on repeated q, k and the float32 activations, and that within tolerance of the float64 reference.
+    groups = 2
+    raw = raw_inputs(shared_query_keys(make_kda_inputs(1, 130, 4, 128, 128, jnp.bfloat16), groups), jnp.bfloat16)
+    o, final_state = call_kernel(raw, True, use_gate=True, lower_bound=None, use_beta_sigmoid=True, allow_neg_eigval=True)
+    expanded = repeated_query_keys({**gated(raw, None), "beta": beta_activation(raw["beta"], True)}, groups)
+    assert_same((o, final_state), call_kernel(expanded, True))
+    o_ref, final_ref = kda_reference(expanded, True)
+    assert_matches("o", o, o_ref, jnp.bfloat16)
+    assert_matches("final_state", final_state, final_ref, jnp.bfloat16)
+
+
+def test_lower_bound_without_the_gate_leaves_g_as_given(make_kda_inputs):
+    inputs = make_kda_inputs(1, 100, 2, 128, 128, jnp.float32)
+    assert_same(call_kernel(inputs, lower_bound=-5.0), call_kernel(inputs))
+
+
+def test_the_issue_28_features_are_declared():
+    fused = next(impl for impl in kda.implementations() if impl.name == "tpu_pallas.fused")
+    features = {"grouped_value_heads", "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval"}
+    assert not fused.reasons(_spec(value_heads=32, features=_spec().features | features), "forward")
+
+
+def test_the_traffic_of_grouped_heads_a_raw_bf16_gate_and_its_parameters():
+    # q and k stay [B, T, H * K] in HBM; each value head reads its group's block once per step, as it
+    # would a repeated copy. The raw gate moves its own bf16 (2 bytes a key, float32 g 4); dt_bias adds
+    # one K-row per (batch, value head), A_log its [HV] float32 in SMEM.
+    B, T, H, groups, K = 2, 4096, 4, 2, 128
+    HV = H * groups
+    config = kda_fused.KdaFusedConfig()
+    (plain,) = kda_fused.plans(kda_fused.geometry_of(B, T, HV, K, K, config), jnp.bfloat16)
+    (with_gate,) = kda_fused.plans(
+        kda_fused.geometry_of(B, T, HV, K, K, config, groups), jnp.bfloat16, gate_dtype=jnp.bfloat16,
+        activations=kda_fused.Activations(use_gate=True), with_A_log=True, dt_bias_dtype=jnp.float32,
+    )
+    assert [x.shape for x in with_gate.inputs[:2]] == [(B, T, H * K)] * 2
+    saved = B * T * HV * K * (4 - 2)
+    assert sum(traffic.kernel_traffic(with_gate)) == sum(traffic.kernel_traffic(plain)) - saved + HV * 4 + B * HV * K * 4
+    assert with_gate.transcendentals == plain.transcendentals + 2 * B * HV * T * K

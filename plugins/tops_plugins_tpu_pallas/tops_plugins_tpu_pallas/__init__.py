@@ -69,7 +69,7 @@ FUSED_CONFIG = fused.FusedConfig()
 CHUNK_CONFIG = chunk.ChunkConfig()
 
 
-def _fits_vmem(config, forward, backward=None, forward_config=None):
+def _fits_vmem(config, forward, backward=None, forward_config=None, op_inputs=None):
     """A capability predicate: reject shapes whose launch plans (default config) exceed the VMEM budget of the chip.
 
     ``forward`` and ``backward`` (when the implementation has its own): ``(geometry_of, build_plans)``
@@ -79,6 +79,8 @@ def _fits_vmem(config, forward, backward=None, forward_config=None):
     so a large K is what can overflow VMEM. The spec does not carry the dtypes of ``g`` and
     ``initial_state``; float32 (the larger) is assumed. ``forward_config(config, K, chip)``: the config
     the forward runs with for the call, when a field's default depends on it (``fused.resolved``).
+    ``op_inputs(spec)``: the plans' further arguments for the op's own optional inputs. The grid's
+    heads are the value heads (``CallSpec.value_heads``); how many share a query/key head moves no block's size.
     """
 
     def predicate(spec: tops_core.CallSpec) -> str | None:
@@ -88,13 +90,14 @@ def _fits_vmem(config, forward, backward=None, forward_config=None):
         if backward is not None:
             directions.append((backward, config))
         for (geometry_of, build_plans), direction_config in directions:
-            geometry = geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, direction_config)
+            geometry = geometry_of(spec.batch, spec.seq_len, spec.value_heads, spec.key_dim, spec.value_dim, direction_config)
             try:
                 launch.fit(
                     build_plans, geometry, spec.dtype, target,
                     gate_dtype="float32" if "g" in spec.features else None,
                     initial_state_dtype="float32" if "initial_state" in spec.features else None,
                     output_final_state="output_final_state" in spec.features,
+                    **(op_inputs(spec) if op_inputs else {}),
                 )
             except ValueError as error:
                 return f"K={spec.key_dim}: {error}"
@@ -186,6 +189,12 @@ VARLEN = tops_core.Implementation(
 
 KDA_FUSED_CONFIG = kda.fused.KdaFusedConfig()
 
+
+def _kda_inputs(spec: tops_core.CallSpec) -> dict:
+    """dt_bias's block, float32 assumed (as for g); A_log sits in SMEM."""
+    return {"dt_bias_dtype": "float32"} if "dt_bias" in spec.features else {}
+
+
 KDA_FUSED = tops_core.Implementation(
     op="kda",
     name="fused",
@@ -195,8 +204,11 @@ KDA_FUSED = tops_core.Implementation(
         interpretable=True,
         dtypes={"bfloat16", "float32"},
         # No cu_seqlens yet: the matcher rejects packed calls with that reason.
-        features={"initial_state", "output_final_state", "use_qk_l2norm"},
-        predicate=_fits_vmem(KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.plans)),
+        features={
+            "initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads",
+            "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval",
+        },
+        predicate=_fits_vmem(KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.plans), op_inputs=_kda_inputs),
     ),
     priority={"tpu": 200},
     config=KDA_FUSED_CONFIG,

@@ -7,13 +7,16 @@ padded ``K`` sits in every block (no K tiles, so no reduction over K; the VMEM m
 ``traffic`` bounds how large ``K`` may grow).
 
 Token arrays are ``[B, T, H * D]`` (``layout``): head ``h`` is column block ``h`` of width ``K``
-for ``q`` and ``k``, and value tile ``tile`` of head ``h`` is 128-lane column block
-``h * value_tiles + tile`` for ``v`` and ``o``. The last time block may be ragged.
+for ``q`` and ``k`` (with grouped value heads, grid head ``h`` reads block ``h // groups``), and
+value tile ``tile`` of head ``h`` is 128-lane column block ``h * value_tiles + tile`` for ``v`` and
+``o``. The last time block may be ragged.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from tops_plugins_tpu_pallas.plan import Blocked, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
@@ -23,8 +26,10 @@ def grid(geometry: Geometry) -> tuple[int, int, int, int]:
     return (geometry.batch, geometry.heads, geometry.value_tiles, geometry.time_steps)
 
 
-def _head_columns(b, h, tile, t, *_):
-    return (b, t, h)
+def _quotient(index, divisor: int):
+    """``index // divisor`` of a grid index (>= 0): NumPy's on the traffic model's points, else ``lax.div``, the same
+    for indices >= 0 without floor division's sign fix-up (which Mosaic lowers only for a known chip)."""
+    return index // divisor if isinstance(index, np.ndarray) else lax.div(index, divisor)
 
 
 def _all_columns(b, h, tile, t, *_):
@@ -44,12 +49,19 @@ def decay(geometry: Geometry) -> Scalars:
     return Scalars("decay", (geometry.heads,), jnp.float32)
 
 
-def key_rows(name: str, geometry: Geometry, dtype) -> Blocked:
-    """``q`` or ``k``: rows of one step, the head's ``K_pad`` columns."""
+def key_rows(name: str, geometry: Geometry, dtype, *, per_value_head: bool = False) -> Blocked:
+    """``q`` or ``k``: rows of one step, the ``K_pad`` columns of the grid head's query/key head ``h // groups``
+    (the value heads of a group read the same block: q and k are never repeated in HBM). ``per_value_head``:
+    an array of the same width with a row per value head (kda's ``g``)."""
     g = geometry
+    heads, groups = (g.heads, 1) if per_value_head else (g.key_heads, g.groups)
+
+    def key_head_columns(b, h, tile, t, *_):
+        return (b, t, _quotient(h, groups))
+
     return Blocked(
-        name, (g.batch, g.seq_len, g.heads * g.padded_key_dim), dtype,
-        (None, g.rows_per_step, g.padded_key_dim), _head_columns, g.token_relayout(g.pads_keys, g.key_dim, dtype),
+        name, (g.batch, g.seq_len, heads * g.padded_key_dim), dtype,
+        (None, g.rows_per_step, g.padded_key_dim), key_head_columns, g.token_relayout(g.pads_keys, heads, g.key_dim, dtype),
     )
 
 
@@ -62,7 +74,7 @@ def value_rows(name: str, geometry: Geometry, dtype) -> Blocked:
 
     return Blocked(
         name, (g.batch, g.seq_len, g.heads * g.padded_value_dim), dtype,
-        (None, g.rows_per_step, g.value_block), value_tile_columns, g.token_relayout(g.pads_values, g.value_dim, dtype),
+        (None, g.rows_per_step, g.value_block), value_tile_columns, g.token_relayout(g.pads_values, g.heads, g.value_dim, dtype),
     )
 
 

@@ -19,9 +19,10 @@ from tops_plugins_tpu_pallas.plan import LaunchPlan
 _F32 = jnp.float32
 
 
-def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
-    """The grid's geometry for a call; ``config``: any config with ``chunk_size``, ``num_steps`` and ``full_values``."""
-    return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values)
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config, groups: int = 1) -> Geometry:
+    """The grid's geometry for a call of ``H`` (value) heads, ``groups`` of them per query/key head;
+    ``config``: any config with ``chunk_size``, ``num_steps`` and ``full_values``."""
+    return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values, groups)
 
 
 def fitted_plans(build_plans, geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, ...]:
@@ -55,16 +56,18 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
     layout's (``kernel_operands``), or in place of one of them of the same name (kda's ``g``, laid
     out as ``k``). ``config``: any config with ``chunk_size``, ``num_steps``,
     ``full_values`` and ``interpret`` (``FusedConfig``, ``VarlenConfig``, ``KdaFusedConfig``). Returns ``o`` and, when asked for, ``final_state`` as the
-    caller lays them out.
+    caller lays them out. The grid runs over ``v``'s heads; with more of them than ``q``'s (grouped value
+    heads, kda), each group reads its query/key head in place (``blocks.key_rows``).
     """
     B, T, H, K = q.shape
+    value_heads = v.shape[2]
     inputs = dict(
         gate_dtype=None if g is None else g.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
     geometry, (plan,), run_plan = launch.prepare(
-        build_plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
+        build_plans, geometry_of(B, T, value_heads, K, v.shape[-1], config, value_heads // H), q.dtype, config.interpret, **inputs,
     )
     arrays = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(operands or {})}
     results = run_plan(plan, kernel, arrays, scale=scale)
@@ -113,7 +116,10 @@ class Chunk:
         Those rows of a ragged block hold unspecified values (NaN in the interpreters), and NaN * 0
         is NaN, so they are replaced with ``where`` before any arithmetic touches them.
         """
-        x = ref[self.rows, :]
+        return self.zero_past_end(ref[self.rows, :])
+
+    def zero_past_end(self, x: jax.Array) -> jax.Array:
+        """``x`` (a value with a row per token of the chunk) with its rows past the end of the sequence exact zeros."""
         if self.valid_rows is None:
             return x
         return jnp.where(self._row_is_real(), x, jnp.zeros((), x.dtype))

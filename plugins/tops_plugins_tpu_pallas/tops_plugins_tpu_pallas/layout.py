@@ -46,7 +46,11 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Static sizes of one call, the lane padding decision, and how time is cut into chunks and grid steps."""
+    """Static sizes of one call, the lane padding decision, and how time is cut into chunks and grid steps.
+
+    ``heads`` are the heads of ``v``, ``o`` and the state, the grid's head axis; with grouped value heads each
+    ``groups`` of them share one head of ``q`` and ``k`` (``key_heads`` in all).
+    """
 
     batch: int
     seq_len: int
@@ -56,6 +60,11 @@ class Geometry:
     chunk_size: int
     num_steps: int
     full_values: bool = False  # one value block of all of V_pad (else 128-lane value tiles)
+    groups: int = 1
+
+    @property
+    def key_heads(self) -> int:
+        return self.heads // self.groups
 
     @property
     def pads_keys(self) -> bool:
@@ -117,8 +126,8 @@ class Geometry:
 
     # -- the caller-facing arrays that padded operands are copies of ------------------------------
 
-    def token_relayout(self, padded: bool, width: int, dtype) -> Relayout | None:
-        return Relayout((self.batch, self.seq_len, self.heads, width), dtype) if padded else None
+    def token_relayout(self, padded: bool, heads: int, width: int, dtype) -> Relayout | None:
+        return Relayout((self.batch, self.seq_len, heads, width), dtype) if padded else None
 
     def state_relayout(self, dtype) -> Relayout | None:
         return Relayout((self.batch, self.heads, self.key_dim, self.value_dim), dtype) if self.pads_state else None

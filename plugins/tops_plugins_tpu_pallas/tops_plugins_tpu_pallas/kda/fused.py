@@ -9,12 +9,19 @@ because parallel grid points run on either core in any order, and written to ``f
 the last. Everything else of a chunk (decays, pair products, the exact inverse) is computed inline
 from the chunk's rows and never stored.
 
+The grid's heads are the ``HV`` value heads; with grouped value heads (``HV = G * H``) value head
+``j`` reads query/key head ``j // G`` through its index map, so q and k are never repeated in HBM.
 KDA's own inputs, read in place:
 
-- ``g`` ``[B, T, H, K]`` as ``[B, T, H * K]`` (a reshape), the head's ``K`` columns of a step's
-  rows, like ``q`` and ``k`` (and lane-padded with zeros, no decay, when they are).
-- ``beta`` ``[B, T, H]`` as is: a full-width block ``(rows, H)`` (the last block dimension equals
-  the array's, so no padding in HBM); the kernel takes its head's column.
+- ``g`` ``[B, T, HV, K]`` as ``[B, T, HV * K]`` (a reshape), the head's ``K`` columns of a step's
+  rows, like ``q`` and ``k`` (and lane-padded with zeros when they are: those keys' state rows
+  stay zero, whatever their decay). With ``use_gate`` it is the raw gate in its own dtype, and the
+  kernel computes the log decay from each block it reads (``tops_core.ops.kda.gate``), never
+  storing it: ``A_log`` ``[HV]`` in SMEM (scalar prefetch, float32), ``dt_bias`` ``[HV * K]`` as
+  ``[HV, 1, K]``, the head's row.
+- ``beta`` ``[B, T, HV]`` as is: a full-width block ``(rows, HV)`` (the last block dimension equals
+  the array's, so no padding in HBM); the kernel takes its head's column (and, with
+  ``use_beta_sigmoid``, its ``beta_activation``).
 
 Forward only: the dispatcher pairs it with another implementation's backward (xla.chunk's).
 """
@@ -27,15 +34,16 @@ from typing import Any
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from tops_core.ops.kda import beta_activation, gate
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
-from tops_plugins_tpu_pallas.grid import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks
+from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, finish_sequence, geometry_of, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, chunk_work
-from tops_plugins_tpu_pallas.plan import LaunchPlan
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Relayout, Scalars
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
 
-__all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
+__all__ = ["Activations", "KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,30 +70,70 @@ class KdaFusedConfig:
             raise TypeError(f"KdaFusedConfig.full_values must be a bool, got {self.full_values!r}")
 
 
-def geometry_of(B: int, T: int, H: int, K: int, V: int, config: KdaFusedConfig) -> Geometry:
-    return Geometry(B, T, H, K, V, config.chunk_size, config.num_steps, config.full_values)
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    """What the kernel makes of the ``g`` and ``beta`` blocks it reads, before a chunk's math.
+
+    ``use_gate``: ``g`` is the raw gate and the log decay is ``gate(g, A_log, dt_bias, lower_bound)``;
+    without it ``g`` is the log decay as given (``lower_bound`` is then only a promise about ``g``,
+    and ``of`` drops it). ``use_beta_sigmoid``: ``beta`` holds logits, the strength is
+    ``beta_activation(beta, allow_neg_eigval)``.
+    """
+
+    use_gate: bool = False
+    lower_bound: float | None = None
+    use_beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
+
+    @classmethod
+    def of(cls, use_gate: bool, lower_bound: float | None, use_beta_sigmoid: bool, allow_neg_eigval: bool) -> Activations:
+        return cls(use_gate, lower_bound if use_gate else None, use_beta_sigmoid, allow_neg_eigval)
+
+    def work(self, geometry: Geometry) -> Work:
+        """Per chunk and value block: two transcendentals per element activated (softplus: exp and log;
+        sigmoid: exp and a reciprocal)."""
+        gated = geometry.chunk_size * geometry.padded_key_dim if self.use_gate else 0
+        strengths = geometry.chunk_size if self.use_beta_sigmoid else 0
+        return Work(transcendentals=2 * (gated + strengths))
+
+
+def _gate_bias(geometry: Geometry, dtype) -> Blocked:
+    """``dt_bias`` ``[HV * K]`` as ``[HV, 1, K_pad]``: the grid head's row (fetched again only when the head changes)."""
+    g = geometry
+
+    def head_row(b, h, tile, t, *_):
+        return (h, 0, 0)
+
+    relayout = Relayout((g.heads * g.key_dim,), dtype) if g.pads_keys else None
+    return Blocked("dt_bias", (g.heads, 1, g.padded_key_dim), dtype, (None, 1, g.padded_key_dim), head_row, relayout)
 
 
 def plans(
     geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None,
-    output_final_state: bool = False, use_qk_l2norm: bool = False,
+    output_final_state: bool = False, use_qk_l2norm: bool = False, activations: Activations = Activations(),
+    with_A_log: bool = False, dt_bias_dtype=None,
 ) -> tuple[LaunchPlan]:
-    """The (single) launch plan of one call; ``initial_state_dtype`` None when there is no initial state.
+    """The (single) launch plan of one call; ``initial_state_dtype`` and ``dt_bias_dtype`` None when
+    there is no such input, ``with_A_log`` whether ``A_log`` is given.
 
     ``g`` and ``beta`` are always inputs; a dtype of None (a ``CallSpec``, which carries neither)
     plans them as float32, the larger.
     """
+    scalars = [Scalars("A_log", (geometry.heads,), jnp.float32)] if with_A_log else []
     inputs = [
         blocks.key_rows("q", geometry, dtype), blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype),
-        blocks.key_rows("g", geometry, gate_dtype or jnp.float32), blocks.per_head("beta", geometry, beta_dtype or jnp.float32),
+        blocks.key_rows("g", geometry, gate_dtype or jnp.float32, per_value_head=True),
+        blocks.per_head("beta", geometry, beta_dtype or jnp.float32),
     ]
+    if dt_bias_dtype is not None:
+        inputs.append(_gate_bias(geometry, dt_bias_dtype))
     if initial_state_dtype is not None:
         inputs.append(blocks.state("initial_state", geometry, initial_state_dtype))
     outputs = [blocks.value_rows("o", geometry, dtype)]
     if output_final_state:
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
-    work = chunk_work(geometry, use_qk_l2norm) * chunks_of_the_grid(geometry)
-    return (grid.grid_plan("kda_fused", geometry, (), inputs, outputs, work, chunk_body_vmem(geometry)),)
+    work = (chunk_work(geometry, use_qk_l2norm) + activations.work(geometry)) * chunks_of_the_grid(geometry)
+    return (grid.grid_plan("kda_fused", geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry)),)
 
 
 def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
@@ -93,29 +141,53 @@ def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UN
     return grid.fitted_plans(plans, geometry, dtype, target=target, **inputs)
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool):
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
 
+    A_log = refs["A_log"][head] if "A_log" in refs else None  # a scalar, broadcast by gate
+    dt_bias = refs["dt_bias"][...] if "dt_bias" in refs else None
     state = refs["state"][...]
     for chunk in step_chunks(geometry, step):
+        # Rows past the end of the sequence are read as zeros, but the activations of zero are not zero
+        # (a decay, a write strength), and chunk_step needs those rows to decay and write nothing.
         beta = chunk.head_column(refs["beta"], head)
+        if activations.use_beta_sigmoid:
+            beta = chunk.zero_past_end(beta_activation(beta, activations.allow_neg_eigval))
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        g = chunk.read(refs["g"]).astype(jnp.float32)
-        o, state = chunk_step(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        g = chunk.read(refs["g"])
+        if activations.use_gate:
+            g = chunk.zero_past_end(gate(g, A_log, dt_bias, activations.lower_bound))
+        o, state = chunk_step(q, k, v, g.astype(jnp.float32), beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
         refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
     finish_sequence(refs, step, geometry)
 
 
-def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config: KdaFusedConfig):
-    """The ``Forward`` protocol of ``tops_core.ops.kda`` (``cu_seqlens`` is rejected by the capabilities)."""
+def forward(
+    q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+    use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
+    config: KdaFusedConfig,
+):
+    """The ``Forward`` protocol of ``tops_core.ops.kda`` (``cu_seqlens`` is rejected by the capabilities).
+
+    The new options default to the op without them (g and beta as given), for callers that predate them."""
     del cu_seqlens
+    value_heads, key_dim = g.shape[2:]
     padded_key_dim = geometry_of(*q.shape, v.shape[-1], config).padded_key_dim
+    activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval)
+    operands = {"g": heads_flattened(g, padded_key_dim), "beta": beta}
+    if A_log is not None:
+        operands["A_log"] = A_log.astype(jnp.float32)  # SMEM holds 32-bit words; gate computes in float32 anyway
+    if dt_bias is not None:
+        operands["dt_bias"] = heads_flattened(dt_bias.reshape(value_heads, 1, 1, key_dim), padded_key_dim)  # [HV, 1, K_pad]
     return grid.run(
-        functools.partial(_kernel, use_qk_l2norm=use_qk_l2norm),
-        functools.partial(plans, beta_dtype=beta.dtype, use_qk_l2norm=use_qk_l2norm),
+        functools.partial(_kernel, use_qk_l2norm=use_qk_l2norm, activations=activations),
+        functools.partial(
+            plans, beta_dtype=beta.dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
+            with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype,
+        ),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        config=config, operands={"g": heads_flattened(g, padded_key_dim), "beta": beta},
+        config=config, operands=operands,
     )
