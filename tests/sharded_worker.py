@@ -38,7 +38,7 @@ import tops_core
 from tops_core.tpu import compile_only
 from tops_core.conformance.cases import Case
 from tops_core.conformance.compare import relative_error, tolerance
-from tops_core.conformance.data import backward_inputs, forward_inputs
+from tops_core.conformance.data import LOWER_BOUND, backward_inputs, forward_inputs
 
 DIFFERENTIABLE = {
     "simple_gla": ("q", "k", "v", "g", "g_gamma", "initial_state"),
@@ -117,9 +117,11 @@ def program(case: dict, mesh: Mesh | None, explicit_backward: bool = False):
         return contextlib.nullcontext()
 
     op = tops_core.op(op_name(case))
-    # The test data's options (kda's flags and lower_bound), scale left at its default.
-    options = {name: x for name, x in forward_inputs(conformance_case(case)).items() if not isinstance(x, jax.Array)}
-    options.pop("scale", None)
+    features = case["features"]
+    options = {"output_final_state": "output_final_state" in features}
+    options |= {flag: True for flag in ("use_qk_l2norm", "use_gate", "use_beta_sigmoid", "allow_neg_eigval") if flag in features}
+    if "lower_bound" in features:
+        options["lower_bound"] = LOWER_BOUND  # the test data's
 
     def run(inputs: dict):
         given = {name: inputs[name] for name in DIFFERENTIABLE[op.name] if name in inputs}
