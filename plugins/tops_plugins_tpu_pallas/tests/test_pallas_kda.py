@@ -220,7 +220,16 @@ GROUPED = {
 }
 
 
-@pytest.mark.parametrize("case", list(GROUPED))
+# The conformance kit checks each form against the reference; these check the bits, the forms the default
+# kit run leaves out (no A_log, no dt_bias) and two chunks per step by default, the others with -m slow.
+SLOW_FORMS = {"G=3-bf16-lane-padded-l2norm", "softplus", "lower_bound", "lower_bound-alone"}
+
+
+def _forms(cases):
+    return [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_FORMS else case for case in cases]
+
+
+@pytest.mark.parametrize("case", _forms(GROUPED))
 def test_grouped_value_heads_are_the_kernel_on_repeated_query_keys(case, make_kda_inputs):
     groups, shape, dtype, use_qk_l2norm, config = GROUPED[case]
     inputs = shared_query_keys(make_kda_inputs(*shape, dtype, normalised=not use_qk_l2norm), groups)
@@ -238,7 +247,7 @@ GATES = {
 }
 
 
-@pytest.mark.parametrize("case", list(GATES))
+@pytest.mark.parametrize("case", _forms(GATES))
 def test_the_gate_in_the_kernel_is_the_kernel_on_the_precomputed_gate(case, make_kda_inputs):
     # K = 64 is lane-padded (the raw gate's padded lanes activate to a decay of state rows that stay
     # zero) and T = 130 ragged (rows past the end, read as zeros, must still decay nothing).
@@ -250,6 +259,7 @@ def test_the_gate_in_the_kernel_is_the_kernel_on_the_precomputed_gate(case, make
     assert_same(in_kernel, call_kernel(gated(raw, lower_bound), config=config))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("allow_neg_eigval", [False, True])
 def test_beta_logits_in_the_kernel_are_the_kernel_on_the_precomputed_strengths(allow_neg_eigval, make_kda_inputs):
     inputs = make_kda_inputs(2, 100, 2, 128, 64, jnp.float32)
@@ -258,6 +268,7 @@ def test_beta_logits_in_the_kernel_are_the_kernel_on_the_precomputed_strengths(a
     assert_same(call_kernel(logits, use_beta_sigmoid=True, allow_neg_eigval=allow_neg_eigval), call_kernel(strengths))
 
 
+@pytest.mark.slow
 def test_bf16_with_a_bf16_raw_gate_grouped_heads_and_beta_logits(make_kda_inputs, kda_reference, assert_matches):
     # Everything at once, the raw gate and the logits in bf16 like q, k, v: the same bits as the kernel
     # on repeated q, k and the float32 activations, and that within tolerance of the float64 reference.
@@ -271,6 +282,7 @@ def test_bf16_with_a_bf16_raw_gate_grouped_heads_and_beta_logits(make_kda_inputs
     assert_matches("final_state", final_state, final_ref, jnp.bfloat16)
 
 
+@pytest.mark.slow
 def test_lower_bound_without_the_gate_leaves_g_as_given(make_kda_inputs):
     inputs = make_kda_inputs(1, 100, 2, 128, 128, jnp.float32)
     assert_same(call_kernel(inputs, lower_bound=-5.0), call_kernel(inputs))
