@@ -60,6 +60,32 @@ def beta_activation(beta: Array, allow_neg_eigval: bool) -> Array:
     return 2 * strength if allow_neg_eigval else strength
 
 
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    """The static half of a call's gate and beta: what turns the ``g`` and ``beta`` it passes into the log
+    decay and write strength the recurrence runs on. Hashable, for a jitted function's static argument or
+    a kernel's closure; kernels apply ``decay`` and ``strength`` to the blocks they hold."""
+
+    use_gate: bool = False
+    lower_bound: float | None = None
+    use_beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
+
+    @classmethod
+    def of(cls, use_gate: bool, lower_bound: float | None, use_beta_sigmoid: bool, allow_neg_eigval: bool) -> Activations:
+        # Without use_gate the bound only promises where g lies: dropped, so g is used exactly and the call
+        # shares the program of the call without it.
+        return cls(use_gate, lower_bound if use_gate else None, use_beta_sigmoid, allow_neg_eigval)
+
+    def decay(self, g: Array, A_log: Array | None, dt_bias: Array | None) -> Array:
+        """``gate(g, A_log, dt_bias, lower_bound)`` with ``use_gate``, else ``g`` as given."""
+        return gate(g, A_log, dt_bias, self.lower_bound) if self.use_gate else g
+
+    def strength(self, beta: Array) -> Array:
+        """``beta_activation(beta, allow_neg_eigval)`` with ``use_beta_sigmoid``, else ``beta`` as given."""
+        return beta_activation(beta, self.allow_neg_eigval) if self.use_beta_sigmoid else beta
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KDAGrads:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tops_core
-from tops_core.ops.kda import beta_activation, gate
+from tops_core.ops.kda import Activations, beta_activation, gate
 from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
 
 from tops_plugins_tpu_pallas import traffic
@@ -304,7 +304,7 @@ def test_the_traffic_of_grouped_heads_a_raw_bf16_gate_and_its_parameters():
     (plain,) = kda_fused.plans(kda_fused.geometry_of(B, T, HV, K, K, config), jnp.bfloat16)
     (with_gate,) = kda_fused.plans(
         kda_fused.geometry_of(B, T, HV, K, K, config, groups), jnp.bfloat16, gate_dtype=jnp.bfloat16,
-        activations=kda_fused.Activations(use_gate=True), with_A_log=True, dt_bias_dtype=jnp.float32,
+        activations=Activations(use_gate=True), with_A_log=True, dt_bias_dtype=jnp.float32,
     )
     assert [x.shape for x in with_gate.inputs[:2]] == [(B, T, H * K)] * 2
     saved = B * T * HV * K * (4 - 2)

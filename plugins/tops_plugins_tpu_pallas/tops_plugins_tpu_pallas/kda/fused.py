@@ -34,7 +34,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from tops_core.ops.kda import beta_activation, gate
+from tops_core.ops.kda import Activations
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, finish_sequence, geometry_of, start_sequence, step_chunks
@@ -43,7 +43,7 @@ from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, c
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Relayout, Scalars
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
 
-__all__ = ["Activations", "KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
+__all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,31 +70,12 @@ class KdaFusedConfig:
             raise TypeError(f"KdaFusedConfig.full_values must be a bool, got {self.full_values!r}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Activations:
-    """What the kernel makes of the ``g`` and ``beta`` blocks it reads, before a chunk's math.
-
-    ``use_gate``: ``g`` is the raw gate and the log decay is ``gate(g, A_log, dt_bias, lower_bound)``;
-    without it ``g`` is the log decay as given (``lower_bound`` is then only a promise about ``g``,
-    and ``of`` drops it). ``use_beta_sigmoid``: ``beta`` holds logits, the strength is
-    ``beta_activation(beta, allow_neg_eigval)``.
-    """
-
-    use_gate: bool = False
-    lower_bound: float | None = None
-    use_beta_sigmoid: bool = False
-    allow_neg_eigval: bool = False
-
-    @classmethod
-    def of(cls, use_gate: bool, lower_bound: float | None, use_beta_sigmoid: bool, allow_neg_eigval: bool) -> Activations:
-        return cls(use_gate, lower_bound if use_gate else None, use_beta_sigmoid, allow_neg_eigval)
-
-    def work(self, geometry: Geometry) -> Work:
-        """Per chunk and value block: two transcendentals per element activated (softplus: exp and log;
-        sigmoid: exp and a reciprocal)."""
-        gated = geometry.chunk_size * geometry.padded_key_dim if self.use_gate else 0
-        strengths = geometry.chunk_size if self.use_beta_sigmoid else 0
-        return Work(transcendentals=2 * (gated + strengths))
+def _activation_work(activations: Activations, geometry: Geometry) -> Work:
+    """Per chunk and value block: two transcendentals per element activated (softplus: exp and log;
+    sigmoid: exp and a reciprocal)."""
+    gated = geometry.chunk_size * geometry.padded_key_dim if activations.use_gate else 0
+    strengths = geometry.chunk_size if activations.use_beta_sigmoid else 0
+    return Work(transcendentals=2 * (gated + strengths))
 
 
 def _gate_bias(geometry: Geometry, dtype) -> Blocked:
@@ -132,7 +113,7 @@ def plans(
     outputs = [blocks.value_rows("o", geometry, dtype)]
     if output_final_state:
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
-    work = (chunk_work(geometry, use_qk_l2norm) + activations.work(geometry)) * chunks_of_the_grid(geometry)
+    work = (chunk_work(geometry, use_qk_l2norm) + _activation_work(activations, geometry)) * chunks_of_the_grid(geometry)
     return (grid.grid_plan("kda_fused", geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry)),)
 
 
@@ -154,11 +135,11 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
         # (a decay, a write strength), and chunk_step needs those rows to decay and write nothing.
         beta = chunk.head_column(refs["beta"], head)
         if activations.use_beta_sigmoid:
-            beta = chunk.zero_past_end(beta_activation(beta, activations.allow_neg_eigval))
+            beta = chunk.zero_past_end(activations.strength(beta))
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         g = chunk.read(refs["g"])
         if activations.use_gate:
-            g = chunk.zero_past_end(gate(g, A_log, dt_bias, activations.lower_bound))
+            g = chunk.zero_past_end(activations.decay(g, A_log, dt_bias))
         o, state = chunk_step(q, k, v, g.astype(jnp.float32), beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
         refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from tops_core import KDAGrads
 from tops_core.ops.base import state_dtype
-from tops_core.ops.kda import L2NORM_EPSILON, beta_activation, gate
+from tops_core.ops.kda import L2NORM_EPSILON, Activations
 from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
 from tops_plugins_xla.kda import intra
 from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
@@ -64,7 +64,7 @@ def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_se
     """``(o, final_state)`` of kda (the ``Forward`` protocol of ``tops_core.ops.kda``)."""
     return _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale=scale,
                     output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, chunk_size=config.chunk_size,
-                    activation=_Activation.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval))
+                    activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval))
 
 
 def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config,
@@ -72,43 +72,25 @@ def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use
     """The VJP of kda (the ``Backward`` protocol of ``tops_core.ops.kda``)."""
     return _backward(q, k, v, g, beta, A_log, dt_bias, do, initial_state, dht, cu_seqlens, scale=scale,
                      use_qk_l2norm=use_qk_l2norm, chunk_size=config.chunk_size,
-                     activation=_Activation.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval))
+                     activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Activation:
-    """The static options that turn the raw ``g`` and ``beta`` into the decay and write strength the recurrence runs on."""
-
-    use_gate: bool
-    lower_bound: float | None
-    use_beta_sigmoid: bool
-    allow_neg_eigval: bool
-
-    @classmethod
-    def of(cls, use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval) -> _Activation:
-        # Without use_gate the bound only promises where g lies: dropped, g is used exactly, and the call
-        # compiles to the program of the call without it.
-        return cls(use_gate, lower_bound if use_gate else None, use_beta_sigmoid, allow_neg_eigval)
-
-    def __call__(self, g, beta, A_log, dt_bias):
-        """``(g_eff, beta_eff)``: ``tops_core.ops.kda``'s ``gate`` and ``beta_activation``, or the inputs as given."""
-        if self.use_gate:
-            HV, K = g.shape[-2:]
-            g = gate(g, None if A_log is None else A_log[:, None], None if dt_bias is None else dt_bias.reshape(HV, K),
-                     self.lower_bound)
-        if self.use_beta_sigmoid:
-            beta = beta_activation(beta, self.allow_neg_eigval)
-        return g, beta
+def _activated(activations: Activations, g, beta, A_log, dt_bias):
+    """``(g, beta)`` as the recurrence runs on them: ``A_log`` and ``dt_bias`` shaped per value head for ``gate``."""
+    HV, K = g.shape[-2:]
+    per_head = None if A_log is None else A_log[:, None]
+    per_key = None if dt_bias is None else dt_bias.reshape(HV, K)
+    return activations.decay(g, per_head, per_key), activations.strength(beta)
 
 
-_STATIC = ("scale", "use_qk_l2norm", "chunk_size", "activation")
+_STATIC = ("scale", "use_qk_l2norm", "chunk_size", "activations")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("output_final_state",))
 def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, scale, output_final_state, use_qk_l2norm,
-             chunk_size, activation):
+             chunk_size, activations):
     # Activated on the way into the chunk layout, where XLA fuses it into the packing: raw g is read once.
-    g, beta = activation(g, beta, A_log, dt_bias)
+    g, beta = _activated(activations, g, beta, A_log, dt_bias)
     x = _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
     o, final, _ = _forward_sweep(x, output_dtype=v.dtype, record_states=False)
     final_state = flat_states(final) if output_final_state else None
@@ -117,9 +99,9 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, sca
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _backward(q, k, v, g, beta, A_log, dt_bias, do, initial_state, dht, cu_seqlens, *, scale, use_qk_l2norm, chunk_size,
-              activation):
+              activations):
     # The recurrence's backward is hand-written; the activations are elementwise, so jax.vjp gives their chain rule.
-    (g_eff, beta_eff), activation_vjp = jax.vjp(activation, g, beta, A_log, dt_bias)
+    (g_eff, beta_eff), activation_vjp = jax.vjp(functools.partial(_activated, activations), g, beta, A_log, dt_bias)
     x = _chunked(q, k, v, g_eff, beta_eff, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
     layout = x.layout
     _, final, states = _forward_sweep(x, output_dtype=None, record_states=True)
