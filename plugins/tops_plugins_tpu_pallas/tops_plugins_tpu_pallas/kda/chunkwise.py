@@ -23,8 +23,8 @@ earlier-half rows of ``k``), masked to pairs inside one block.
 
 **Exponents without cancellation.** Every exponent is a sum of ``g`` over a run of tokens inside
 the chunk: ``b_i`` (from the chunk start), ``b_C - b_j`` (after ``j`` to the end) and, per level,
-``b_i - b_r`` and ``b_r - b_j``. All are computed at once as one float32 matmul of 0/1 run masks
-with ``g``; none is a difference of two large cumulative sums, so a decay near 1 keeps float32
+``b_i - b_r`` and ``b_r - b_j``. All are computed at once as one matmul of 0/1 run masks with
+``g`` (``_run_sums``, as exact as float32); none is a difference of two large cumulative sums, so a decay near 1 keeps float32
 accuracy however large ``|b|`` grows. Rows a mask leaves empty get exponent 0, never a positive one.
 
 **Resets.** A gate of ``-inf`` (``exp(-inf) = 0``: the key's row of the state is reset) would make the
@@ -41,6 +41,8 @@ restricted to blocks of ``s`` tokens (``D_1 = I``) and ``P_s`` the level-``s`` p
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +51,7 @@ from jax import lax
 from tops_core.ops.kda import L2NORM_EPSILON
 from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.grid import Work
-from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, matmul, mxu_operand_dtype, row_and_column_iotas
+from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, bf16_parts, matmul, mxu_operand_dtype, row_and_column_iotas
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -88,6 +90,19 @@ def _run_masks(chunk_size: int) -> jax.Array:
     return jnp.concatenate([m.astype(_F32) for m in sections], axis=0)
 
 
+def _run_sums(masks: jax.Array, g: jax.Array) -> jax.Array:
+    """``masks @ g`` to float32 accuracy in three native bf16 passes (HIGHEST takes six).
+
+    The 0/1 masks are exact in bf16 and ``g`` splits exactly into three bf16 parts
+    (``bf16_parts``), so every product is exact and only the float32 accumulation rounds, as at
+    HIGHEST. The high parts of the non-positive ``g`` share its sign and carry all but 2**-16 of
+    each sum, so the runs keep their accuracy without cancellation (and ``RESET_LOG_DECAY`` is
+    its own high part).
+    """
+    masks = masks.astype(jnp.bfloat16)
+    return functools.reduce(operator.add, (matmul(masks, part, jnp.bfloat16) for part in bf16_parts(g, 3)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Decays:
     """Every decay one chunk needs, ``exp`` of the run sums of ``_run_masks``."""
@@ -102,7 +117,7 @@ class Decays:
         """From the chunk's log decays ``g`` (float32 ``(C, K)``, zero in rows past the end of the sequence, ``-inf`` a reset)."""
         C = g.shape[0]
         g = jnp.maximum(g, RESET_LOG_DECAY)
-        decays = jnp.exp(matmul(_run_masks(C), g, _F32))
+        decays = jnp.exp(_run_sums(_run_masks(C), g))
         sections = [decays[n * C : (n + 1) * C] for n in range(decays.shape[0] // C)]
         whole = jnp.exp(matmul(g, jnp.ones((C, 1), _F32), _F32, COLUMNS_BY_COLUMNS))
         levels = tuple(zip(sections[2::2], sections[3::2]))
