@@ -7,7 +7,8 @@ line on stdin and answers each with one JSON line on stdout: the facts of the co
 
 Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<kernel>`` or, given
 ``"implementation"``, of that one (null: the dispatcher's choice) (simple_gla, packed with traced
-``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"``, through ``tpu_pallas.fused``'s forward
+``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"``, packed through the public op and
+``tpu_pallas.varlen`` when it names ``num_seqs``, else through ``tpu_pallas.fused``'s forward
 itself when it names ``groups``, grouped value heads and the in-kernel activations, until the op passes them), or with ``"gradient": true`` the
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
@@ -61,6 +62,8 @@ def _kda_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
     }
     if call["initial_state"]:
         arrays["initial_state"] = jax.ShapeDtypeStruct((B, HV, K, V), jnp.float32)
+    if call.get("num_seqs") is not None:  # packed: B == 1 and N traced boundaries
+        arrays["cu_seqlens"] = jax.ShapeDtypeStruct((call["num_seqs"] + 1,), jnp.int32)
     if call.get("A_log"):
         arrays["A_log"] = jax.ShapeDtypeStruct((HV,), jnp.float32)
     if call.get("dt_bias"):
@@ -83,7 +86,20 @@ def _kda_kernel_forward(call: dict):
     return forward
 
 
+def _kda_packed_forward(call: dict):
+    """kda's packed forward through the public op (``tpu_pallas.varlen``), with the call's activation options."""
+    options = {name: call[name] for name in ("use_gate", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval") if name in call}
+
+    def forward(arrays):
+        return kda.forward(**arrays, output_final_state=call["final_state"], use_qk_l2norm=call["use_qk_l2norm"],
+                           implementation=call.get("implementation", "tpu_pallas.varlen"), **options)
+
+    return forward
+
+
 def _forward(call: dict):
+    if call.get("op") == "kda" and call.get("num_seqs") is not None:
+        return _kda_packed_forward(call)
     if call.get("op") == "kda" and "groups" in call:
         return _kda_kernel_forward(call)
     if call.get("op") == "kda":

@@ -1,4 +1,4 @@
-"""The kernels, forward and backward (kda's fused: forward), under Pallas' faithful TPU interpreter, against the float64 reference (slow).
+"""The kernels, forward and backward (kda's fused and packed varlen: forward), under Pallas' faithful TPU interpreter, against the float64 reference (slow).
 
 ``pltpu.InterpretParams`` simulates what the fast interpreter hides: uninitialised VMEM and
 outputs full of NaN, two cores sharing the parallel grid axes, the order of parallel grid points
@@ -244,3 +244,37 @@ def test_kda_faithful_interpreter_matches_reference(case, seed, race_reports, ma
     o_ref, final_ref = kda_reference(inputs, use_qk_l2norm)
     assert_matches("o", o, o_ref, dtype)
     assert_matches("final_state", final_state, final_ref, dtype)
+
+
+# kda packed (tpu_pallas.varlen, forward only): T = 250 ragged in chunks of 64, two chunks per step, two heads
+# shared by the two simulated cores; empty sequences first and inside, a one-token one, boundaries off the grid
+# and on it (128), the last sequence ending in the ragged chunk.
+KDA_PACKING = (0, 1, 70, 57, 0, 3, 119)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:1])
+def test_kda_packed_faithful_interpreter_matches_reference(seed, race_reports, make_kda_inputs, assert_matches):
+    inputs = make_kda_inputs(1, sum(KDA_PACKING), 2, 128, 128, jnp.float32, seed=seed, initial_state=False)
+    cu_seqlens = np.cumsum((0, *KDA_PACKING)).astype(np.int32)
+
+    def call(inputs, cu_seqlens):
+        with tops_core.use(interpret=True, strict=True):
+            return tops_core.op("kda").forward(
+                **inputs, cu_seqlens=cu_seqlens,
+                implementation=("tpu_pallas.varlen", {"chunk_size": 64, "num_steps": 2, "interpret": faithful(seed)}),
+            )[0]
+
+    o = jax.block_until_ready(jax.jit(call)(inputs, jnp.asarray(cu_seqlens)))
+    assert len(race_reports) == 1
+    assert not any(report.races_found for report in race_reports)
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        o_ref, _ = tops_core.op("kda").forward(
+            **{name: jnp.asarray(np.asarray(x, np.float64)) for name, x in inputs.items()}, cu_seqlens=jnp.asarray(cu_seqlens),
+            implementation="ref.recurrent",
+        )
+        o_ref = np.asarray(o_ref)
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+    assert_matches("o", o, o_ref, jnp.float32)

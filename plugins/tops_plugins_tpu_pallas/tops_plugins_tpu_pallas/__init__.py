@@ -1,5 +1,6 @@
 """Pallas TPU kernels for the tops ops: ``tpu_pallas.fused``, ``tpu_pallas.chunk`` and, for packed
-sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla); ``tpu_pallas.fused`` for kda (``kda/``).
+sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla); ``tpu_pallas.fused`` and, packed,
+``tpu_pallas.varlen`` for kda (``kda/``).
 
 Each simple_gla kernel has its own backward (``backward_fused``, ``backward_split``,
 ``backward_varlen``); kda's is forward-only, and the dispatcher pairs it with another
@@ -195,6 +196,8 @@ def _kda_inputs(spec: tops_core.CallSpec) -> dict:
     return {"dt_bias_dtype": "float32"} if "dt_bias" in spec.features else {}
 
 
+_KDA_OPTIONS = {"use_qk_l2norm", "grouped_value_heads", "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval"}
+
 KDA_FUSED = tops_core.Implementation(
     op="kda",
     name="fused",
@@ -203,11 +206,8 @@ KDA_FUSED = tops_core.Implementation(
         platforms={"tpu"},
         interpretable=True,
         dtypes={"bfloat16", "float32"},
-        # No cu_seqlens yet: the matcher rejects packed calls with that reason.
-        features={
-            "initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads",
-            "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval",
-        },
+        # No cu_seqlens: the matcher rejects packed calls with that reason (tpu_pallas.varlen takes them).
+        features={"initial_state", "output_final_state"} | _KDA_OPTIONS,
         predicate=_fits_vmem(KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.plans), op_inputs=_kda_inputs),
     ),
     priority={"tpu": 200},
@@ -216,10 +216,36 @@ KDA_FUSED = tops_core.Implementation(
 )
 
 
+KDA_VARLEN = tops_core.Implementation(
+    op="kda",
+    name="varlen",
+    forward=kda.varlen.forward,
+    capabilities=tops_core.Capabilities(
+        platforms={"tpu"},
+        interpretable=True,
+        dtypes={"bfloat16", "float32"},
+        # No per-sequence states yet: packed calls with initial_state or output_final_state go to xla.chunk.
+        features={"cu_seqlens"} | _KDA_OPTIONS,
+        requires={"cu_seqlens"},
+        # VMEM does not depend on N (boundaries in SMEM): one sequence's plan stands for any N.
+        predicate=_fits_vmem(
+            KDA_FUSED_CONFIG, (kda.varlen.geometry_of, functools.partial(kda.varlen.plans, num_seqs=1)), op_inputs=_kda_inputs,
+        ),
+    ),
+    priority=_varlen_priority,
+    config=KDA_FUSED_CONFIG,
+    description=(
+        "fused's pallas_call over packed sequences: cu_seqlens in SMEM, every key's decay 0 on each sequence's first token "
+        "(the state reset); forward only, no per-sequence states yet"
+    ),
+)
+
+
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register the simple_gla kernels, each with its own backward, and kda's forward."""
+    """Register the simple_gla kernels, each with its own backward, and kda's forwards (unpacked and packed)."""
     register(FUSED)
     register(CHUNK)
     register(VARLEN)
     register(KDA_FUSED)
+    register(KDA_VARLEN)

@@ -32,16 +32,20 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, finish_sequence, geometry_of, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.config import check_common_fields
+from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, chunk_work
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Relayout, Scalars
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
+from tops_plugins_tpu_pallas.simple_gla.varlen import boundaries, boundary_operands
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 
@@ -92,15 +96,19 @@ def _gate_bias(geometry: Geometry, dtype) -> Blocked:
 def plans(
     geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None,
     output_final_state: bool = False, use_qk_l2norm: bool = False, activations: Activations = Activations(),
-    with_A_log: bool = False, dt_bias_dtype=None,
+    with_A_log: bool = False, dt_bias_dtype=None, num_seqs: int | None = None,
 ) -> tuple[LaunchPlan]:
     """The (single) launch plan of one call; ``initial_state_dtype`` and ``dt_bias_dtype`` None when
     there is no such input, ``with_A_log`` whether ``A_log`` is given.
 
     ``g`` and ``beta`` are always inputs; a dtype of None (a ``CallSpec``, which carries neither)
-    plans them as float32, the larger.
+    plans them as float32, the larger. ``num_seqs``: a packed call (``kda/varlen.py``) of that many
+    sequences, whose boundaries the kernel reads from SMEM (``varlen.boundaries``: ``N + 1 + 2 * chunks``
+    int32); its blocks, work and VMEM are the unpacked kernel's at ``B = 1``.
     """
     scalars = [Scalars("A_log", (geometry.heads,), jnp.float32)] if with_A_log else []
+    if num_seqs is not None:
+        scalars.extend(boundaries(geometry, num_seqs))
     inputs = [
         blocks.key_rows("q", geometry, dtype), blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype),
         blocks.key_rows("g", geometry, gate_dtype or jnp.float32, per_value_head=True),
@@ -114,7 +122,8 @@ def plans(
     if output_final_state:
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
     work = (chunk_work(geometry, use_qk_l2norm) + _activation_work(activations, geometry)) * chunks_of_the_grid(geometry)
-    return (grid.grid_plan("kda_fused", geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry)),)
+    name = "kda_fused" if num_seqs is None else "kda_varlen"
+    return (grid.grid_plan(name, geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry)),)
 
 
 def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
@@ -122,9 +131,32 @@ def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UN
     return grid.fitted_plans(plans, geometry, dtype, target=target, **inputs)
 
 
+def _sequence_starts(refs: dict, geometry: Geometry, number: jax.Array) -> jax.Array:
+    """``(C, 1)``: which rows of chunk ``number`` are a packed sequence's first token (int32, 1 or 0).
+
+    The sequences the chunk overlaps, ``first_sequence .. last_sequence`` (SMEM, computed before the
+    launch), each compare their start ``cu_seqlens[n]`` with the row iota: the chunk's first sequence
+    starts on row 0 or before the chunk (then on no row), the others inside it. An empty sequence
+    between them starts where the next one does, so it marks nothing of its own.
+    """
+    C = geometry.chunk_size
+    first_token = number * C
+    rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+    cu = refs["cu_seqlens"]
+
+    def mark(n, starts):
+        return jnp.where(rows == cu[n] - first_token, 1, starts)
+
+    return lax.fori_loop(refs["first_sequence"][number], refs["last_sequence"][number] + 1, mark, jnp.zeros((C, 1), jnp.int32))
+
+
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
+    """The fused kda kernel; with ``cu_seqlens`` among the refs (``num_seqs`` planned) the packed one: every key's
+    log decay on a sequence's first row is ``RESET_LOG_DECAY`` (exp of it 0: the state is reset before that token
+    writes), which ``chunkwise`` takes exactly, so nothing else of the chunk's math changes."""
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
+    packed = "cu_seqlens" in refs
     start_sequence(refs, step)
 
     A_log = refs["A_log"][head] if "A_log" in refs else None  # a scalar, broadcast by gate
@@ -140,7 +172,11 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
         g = chunk.read(refs["g"])
         if activations.use_gate:
             g = chunk.zero_past_end(activations.decay(g, A_log, dt_bias))
-        o, state = chunk_step(q, k, v, g.astype(jnp.float32), beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        g = g.astype(jnp.float32)
+        if packed:
+            starts = _sequence_starts(refs, geometry, step * geometry.chunks_per_step + chunk.index)
+            g = jnp.where(starts > 0, jnp.float32(RESET_LOG_DECAY), g)
+        o, state = chunk_step(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
         refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
     finish_sequence(refs, step, geometry)
@@ -155,10 +191,29 @@ def forward(
 
     The new options default to the op without them (g and beta as given), for callers that predate them."""
     del cu_seqlens
+    return run(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm, activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval),
+        A_log=A_log, dt_bias=dt_bias, config=config,
+    )
+
+
+def run(
+    q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, activations: Activations,
+    A_log, dt_bias, config, cu_seqlens=None,
+):
+    """One launch of the kernel: unpacked, or (``cu_seqlens`` given, ``B == 1``) packed, ``kda/varlen.py``'s."""
     value_heads, key_dim = g.shape[2:]
     padded_key_dim = geometry_of(*q.shape, v.shape[-1], config).padded_key_dim
-    activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval)
     operands = {"g": heads_flattened(g, padded_key_dim), "beta": beta}
+    num_seqs = None
+    if cu_seqlens is not None:
+        num_seqs = cu_seqlens.shape[0] - 1
+        boundary = boundary_operands(cu_seqlens.astype(jnp.int32), q.shape[1], config.chunk_size)
+        # A no-op for valid boundaries; invalid traced ones (the op's outputs are NaN then) still read SMEM in bounds.
+        for name in ("first_sequence", "last_sequence"):
+            boundary[name] = jnp.clip(boundary[name], 0, num_seqs - 1)
+        operands.update(boundary)
     if A_log is not None:
         operands["A_log"] = A_log.astype(jnp.float32)  # SMEM holds 32-bit words; gate computes in float32 anyway
     if dt_bias is not None:
@@ -167,7 +222,7 @@ def forward(
         functools.partial(_kernel, use_qk_l2norm=use_qk_l2norm, activations=activations),
         functools.partial(
             plans, beta_dtype=beta.dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
-            with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype,
+            with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype, num_seqs=num_seqs,
         ),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         config=config, operands=operands,

@@ -1,0 +1,59 @@
+"""``tpu_pallas.varlen`` for kda: the KDA forward over packed sequences (``B == 1``, ``cu_seqlens``), in one ``pallas_call``.
+
+The fused kernel (``kda/fused.py``) itself, over the packed ``T`` as one sequence, with the state reset at
+every sequence's first token: that row's log decay is ``RESET_LOG_DECAY`` for every key (``exp`` of it is
+0, so ``S' = 0`` before the token's delta-rule write), which the chunk math already takes exactly
+(``kda/chunkwise.py``, "Resets"). The row mask is built inside the kernel from the boundaries in SMEM
+(scalar prefetch, traced: one compile for every packing of the same ``T`` and ``N``): ``cu_seqlens`` and,
+per chunk, the first and last sequence it overlaps (``simple_gla.varlen.boundary_operands``, computed
+before the launch); no modified ``g`` is ever written to HBM. Boundaries may fall anywhere, on the chunk
+grid or off it; empty sequences cover no token and one-token sequences are a reset on their row.
+
+Not yet: per-sequence ``initial_state`` and final states (the capabilities do not declare them, so such
+packed calls go to ``xla.chunk``). Forward only, like fused: the dispatcher pairs it with ``xla.chunk``'s
+backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tops_core.ops.kda import Activations
+
+from tops_plugins_tpu_pallas import launch
+from tops_plugins_tpu_pallas.kda import fused
+from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, geometry_of
+from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas.plan import LaunchPlan
+
+__all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
+
+
+def plans(geometry: Geometry, dtype, num_seqs: int, **inputs) -> tuple[LaunchPlan]:
+    """The (single) launch plan for one packed call of ``num_seqs`` sequences (``geometry.batch`` is 1): fused's, plus the boundaries."""
+    return fused.plans(geometry, dtype, num_seqs=num_seqs, **inputs)
+
+
+def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
+    """``plans`` at the geometry ``forward`` launches (fewer chunks per step while ``target``'s VMEM is short)."""
+    return launch.fit(functools.partial(plans, num_seqs=num_seqs), geometry, dtype, target, **inputs)[1]
+
+
+def forward(
+    q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+    use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
+    config: KdaFusedConfig,
+):
+    """The ``Forward`` protocol of ``tops_core.ops.kda`` for packed input (``B == 1``, ``cu_seqlens`` given; no states:
+    the capabilities declare neither ``initial_state`` nor ``output_final_state``)."""
+    if cu_seqlens is None:
+        raise ValueError("tpu_pallas.varlen (kda) takes packed calls only: cu_seqlens is required")
+    if initial_state is not None or output_final_state:
+        raise ValueError("tpu_pallas.varlen (kda) has no per-sequence states yet: initial_state and output_final_state are xla.chunk's")
+    if q.shape[0] != 1:
+        raise ValueError(f"a packed call has B == 1, got q of shape {q.shape}")
+    return fused.run(
+        q, k, v, g, beta, scale=scale, initial_state=None, output_final_state=False, use_qk_l2norm=use_qk_l2norm,
+        activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval),
+        A_log=A_log, dt_bias=dt_bias, config=config, cu_seqlens=cu_seqlens,
+    )
