@@ -79,7 +79,7 @@ def test_explain_splits_deny_patterns_at_commas_as_TOPS_DENY_does(kernels, capsy
     (["explain", "simple_gla", "--shape", "2,64"], "--shape must be B,T,H,K,V"),
     (["explain", "simple_gla", "--with", "alibi"], "unknown feature(s) ['alibi']"),
     (["explain", "simple_gla", "--with", "g", "--ndim", "g=1"], "--ndim takes NAME=RANK"),
-    (["explain", "simple_gla", "--with", "cu_seqlens"], "cu_seqlens packs the sequences along T and requires B == 1"),
+    (["explain", "simple_gla", "--with", "cu_seqlens", "--shape", "2,64,2,16,16"], "cu_seqlens packs the sequences along T and requires B == 1"),
     (["explain", "simple_gla", "--num-seqs", "3"], "--num-seqs describes packed sequences: add cu_seqlens to --with"),
     (["explain", "simple_gla", "--force", "nope.impl"], "unknown implementation 'nope.impl' of simple_gla; registered: fake.kernel, fake.portable"),
     (["explain"], "name the op: OP or --op OP, one of kda, simple_gla"),
@@ -109,6 +109,8 @@ def test_explain_and_bench_share_their_defaults(kernels, capsys):
     assert "float32 on cpu" in capsys.readouterr().out
     main(["explain", "simple_gla", "--platform", "tpu"])
     assert "bfloat16 on tpu" in capsys.readouterr().out
+    main(["explain", "simple_gla", "--with", "cu_seqlens"])  # packed: the default's tokens in one row
+    assert "B=1 T=8192 H=8 K=128 V=128 N=1" in capsys.readouterr().out
 
 
 def test_the_op_is_named_as_an_argument_or_with_op(kernels, capsys):

@@ -26,6 +26,8 @@ from tops_core.tpu import compile_only
 from tops_core.tpu.generations import GENERATIONS
 
 DEFAULT_SHAPE = "2,4096,8,128,128"
+PACKED_DEFAULT_SHAPE = "1,8192,8,128,128"
+"""With ``cu_seqlens`` (which needs ``B == 1``): the default's tokens packed into one row."""
 DEFAULT_DTYPES = "float32 on cpu, bfloat16 on gpu and tpu"
 
 
@@ -184,9 +186,16 @@ def _value_heads(features: list[str], H: int, args: argparse.Namespace) -> int:
     return 2 * H if "grouped_value_heads" in features else H
 
 
+def _shape(args: argparse.Namespace, features) -> tuple[int, ...]:
+    """``--shape``, else the default for the call: ``PACKED_DEFAULT_SHAPE`` with ``cu_seqlens``."""
+    if args.shape is None:
+        args.shape = PACKED_DEFAULT_SHAPE if "cu_seqlens" in features else DEFAULT_SHAPE
+    return _parse_shape(args.shape)
+
+
 def _spec_from_args(contract, args: argparse.Namespace) -> CallSpec:
-    B, T, H, K, V = _parse_shape(args.shape)
     features = set(_features(contract, args))
+    B, T, H, K, V = _shape(args, features)
     ndims = {name: 1 for name in contract.variable_ndims if name in features}
     for item in args.ndim:
         name, _, value = item.partition("=")
@@ -218,7 +227,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     features = _features(contract, args)
     platform = platform_of([])
     try:
-        shape = _parse_shape(args.shape)
+        shape = _shape(args, features)
         case = bench.workload(contract.name, shape, args.dtype or _default_dtype(platform), features, args.num_seqs,
                               value_heads=_value_heads(features, shape[2], args))
     except ValueError as error:
@@ -350,7 +359,7 @@ def _call_arguments(parser: argparse.ArgumentParser, default_op: str | None) -> 
     parser.add_argument("op", nargs="?", choices=sorted(CONTRACTS), help="the op" + (f" (default: {default_op})" if default_op else ""))
     parser.add_argument("--op", dest="op_option", metavar="OP", choices=sorted(CONTRACTS), help="the same as OP")
     parser.set_defaults(default_op=default_op)
-    parser.add_argument("--shape", default=DEFAULT_SHAPE, help="B,T,H,K,V (default: %(default)s)")
+    parser.add_argument("--shape", help=f"B,T,H,K,V (default: {DEFAULT_SHAPE}, or {PACKED_DEFAULT_SHAPE} with cu_seqlens)")
     parser.add_argument("--dtype", choices=FLOAT_DTYPES, help=f"input dtype (default: {DEFAULT_DTYPES})")
     parser.add_argument("--with", dest="with_features", metavar="FEATURES",
                         help="comma-separated optional inputs and options, e.g. g_gamma,initial_state,output_final_state "
