@@ -67,15 +67,27 @@ class Activations:
     a kernel's closure; kernels apply ``decay`` and ``strength`` to the blocks they hold."""
 
     use_gate: bool = False
-    lower_bound: float | None = None
+    lower_bound: float | None = None  # the gate's, with use_gate only
     use_beta_sigmoid: bool = False
     allow_neg_eigval: bool = False
+    promised_lower_bound: float | None = None  # without use_gate: the bound g is promised (and checked) to respect
 
     @classmethod
-    def of(cls, use_gate: bool, lower_bound: float | None, use_beta_sigmoid: bool, allow_neg_eigval: bool) -> Activations:
-        # Without use_gate the bound only promises where g lies: dropped, so g is used exactly and the call
-        # shares the program of the call without it.
-        return cls(use_gate, lower_bound if use_gate else None, use_beta_sigmoid, allow_neg_eigval)
+    def of(
+        cls, use_gate: bool, lower_bound: float | None, use_beta_sigmoid: bool, allow_neg_eigval: bool, *,
+        keep_promise: bool = False,
+    ) -> Activations:
+        """Without use_gate the bound only promises where g lies, and ``decay`` uses g exactly either way. By
+        default the promise is dropped, so the call shares the program of the call without it;
+        ``keep_promise`` keeps it (``decay_lower_bound``) for a kernel that computes faster with it."""
+        promise = lower_bound if keep_promise and not use_gate else None
+        return cls(use_gate, lower_bound if use_gate else None, use_beta_sigmoid, allow_neg_eigval, promise)
+
+    @property
+    def decay_lower_bound(self) -> float | None:
+        """A static bound ``L < 0`` that every log decay ``decay`` returns respects (``L <= decay <= 0``), or None:
+        the gate's ``lower_bound`` with use_gate, else the kept promise about g."""
+        return self.lower_bound if self.use_gate else self.promised_lower_bound
 
     def decay(self, g: Array, A_log: Array | None, dt_bias: Array | None) -> Array:
         """``gate(g, A_log, dt_bias, lower_bound)`` with ``use_gate``, else ``g`` as given."""

@@ -357,6 +357,51 @@ def test_kda_forward_with_grouped_heads_and_the_activations_compiles_to_the_mosa
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["transcendentals"] > 0
 
 
+# Bounded gates (chunkwise's bounded path, sub-chunks of 16 at lower_bound = -5): the gate's bound on v5e (v5p and
+# v6e above), g's checked promise without the gate in float32 on v4 and v6e, and packed calls with each on v5e and v6e.
+KDA_BOUNDED = (
+    dict(generation="v5e", T=1000, K=128, V=128, dtype="bfloat16", use_gate=True, A_log=True, dt_bias=True),
+    dict(generation="v4", T=65, K=100, V=128, dtype="float32", use_gate=False, A_log=False, dt_bias=False),
+    dict(generation="v6e", T=1000, K=128, V=256, dtype="float32", use_gate=False, A_log=False, dt_bias=False),
+)
+KDA_BOUNDED_PACKED = (
+    dict(generation="v5e", T=1000, K=128, V=128, dtype="bfloat16", num_seqs=16, use_gate=True, A_log=True, dt_bias=True),
+    dict(generation="v6e", T=65, K=100, V=128, dtype="float32", num_seqs=3, use_gate=False),
+)
+
+
+def _kda_bounded_label(call: dict) -> str:
+    packed = f"-varlen-N{call['num_seqs']}" if "num_seqs" in call else ""
+    bound = "gate" if call["use_gate"] else "promise"
+    return f"kda-bounded{packed}-{call['generation']}-T{call['T']}-K{call['K']}-V{call['V']}-{call['dtype']}-{bound}"
+
+
+def _first_default(calls) -> list:
+    return [call if n == 0 else pytest.param(call, marks=pytest.mark.slow) for n, call in enumerate(calls)]
+
+
+@pytest.mark.parametrize("call", _first_default(KDA_BOUNDED), ids=_kda_bounded_label)
+def test_kda_forward_with_a_bounded_gate_compiles_to_the_mosaic_kernel(worker, call):
+    request = dict(
+        call, initial_state=True, final_state=True, use_qk_l2norm=True, groups=1, lower_bound=-5.0,
+        use_beta_sigmoid=False, allow_neg_eigval=False,
+    )
+    facts = compile_call(worker, _kda_call(request))
+    assert facts["kernels"] == 1
+    assert facts["kernel_cost"]["flops"] > 0
+
+
+@pytest.mark.parametrize("call", _first_default(KDA_BOUNDED_PACKED), ids=_kda_bounded_label)
+def test_kda_packed_forward_with_a_bounded_gate_compiles_with_traced_cu_seqlens(worker, call):
+    request = {
+        **call, "op": "kda", "kernel": "varlen", "B": 1, "H": 3, "initial_state": False, "final_state": False, "gradient": False,
+        "use_qk_l2norm": True, "lower_bound": -5.0,
+    }
+    facts = worker.ask({"call": request})
+    assert facts["kernels"] == 1
+    assert facts["implementations"] == ["tpu_pallas.varlen.forward"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("generation", KDA_FACTORS["generation"])
 def test_kda_forward_compiles_over_the_full_sweep(worker, generation):

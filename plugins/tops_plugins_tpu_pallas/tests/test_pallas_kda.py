@@ -63,12 +63,14 @@ def test_num_steps_do_not_change_a_bit(make_kda_inputs):
             np.testing.assert_array_equal(got, want)
 
 
-def _direct_pairs(q, k, g, beta):
-    """``Aqk`` and ``(I + diag(beta) Akk)^-1`` from their definitions, in float64 NumPy."""
+def _direct_pairs(q, k, g, beta, same_segment=True):
+    """``Aqk`` and ``(I + diag(beta) Akk)^-1`` from their definitions, in float64 NumPy (``same_segment``: ``(C, C)``,
+    whether no state reset lies between ``j`` and ``i``)."""
     b = np.cumsum(g, axis=0)
     C = q.shape[0]
     with np.errstate(over="ignore"):  # exp(b_i - b_j) above the diagonal is never used
         decay = np.exp(np.where(np.tril(np.ones((C, C), bool))[..., None], b[:, None, :] - b[None, :, :], 0.0))
+    decay = decay * np.asarray(same_segment)[..., None] if same_segment is not True else decay
     aqk = np.tril(np.einsum("id,jd,ijd->ij", q, k, decay))
     akk = np.tril(np.einsum("id,jd,ijd->ij", k, k, decay), -1)
     return aqk, np.linalg.inv(np.eye(C) + beta * akk)
@@ -256,7 +258,8 @@ def test_the_gate_in_the_kernel_is_the_kernel_on_the_precomputed_gate(case, make
     raw = {**raw_inputs(inputs, jnp.float32, A_log=A_log, dt_bias=dt_bias), "beta": inputs["beta"]}  # strengths as given
     config = dict(num_steps=2)
     in_kernel = call_kernel(raw, config=config, use_gate=True, lower_bound=lower_bound)
-    assert_same(in_kernel, call_kernel(gated(raw, lower_bound), config=config))
+    # The precomputed bounded gate comes with its bound as a promise: the same bounded path as in the kernel.
+    assert_same(in_kernel, call_kernel(gated(raw, lower_bound), config=config, lower_bound=lower_bound))
 
 
 @pytest.mark.slow
@@ -282,10 +285,69 @@ def test_bf16_with_a_bf16_raw_gate_grouped_heads_and_beta_logits(make_kda_inputs
     assert_matches("final_state", final_state, final_ref, jnp.bfloat16)
 
 
-@pytest.mark.slow
-def test_lower_bound_without_the_gate_leaves_g_as_given(make_kda_inputs):
+# -- bounded gates: chunkwise's bounded path -------------------------------------------------------
+
+
+def _relative_error(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
+
+
+@pytest.mark.parametrize("lower_bound, size, packed", [(-5.0, 64, False), (-5.0, 64, True), (-1.0, 64, True), (-40.0, 128, False)])
+def test_the_bounded_chunk_pairs_match_their_definitions_at_and_within_the_bound(lower_bound, size, packed):
+    # Sub-chunks of 16, 64 (the whole chunk: no coarse level) and 2 tokens; every g at the bound (the largest
+    # decays relative to a sub-chunk's middle, e^+-40 at most), then uniform in [L, 0]. Packed: rows that reset
+    # the state, one at the chunk's start, two neighbours and the last; no pair across one may survive.
+    rng = np.random.default_rng(size)
+    fine = chunkwise.fine_block_size(size, lower_bound)
+    assert fine == {-5.0: 16, -1.0: 64, -40.0: 2}[lower_bound]
+    resets = np.zeros((size, 1), bool)
+    if packed:
+        resets[[0, 5, 6, 17, 40, size - 1]] = True
+    for g in (np.full((size, 128), lower_bound), rng.uniform(lower_bound, 0, (size, 128))):
+        q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in rng.standard_normal((2, size, 128)))
+        beta = 1 / (1 + np.exp(-rng.standard_normal((size, 1))))
+        given = jnp.asarray(resets) if packed else None
+        with jax.debug_infs(True), jax.debug_nans(True):  # no exp on the way overflows, no inf * 0
+            decays = chunkwise.Decays.compute(jnp.asarray(g, jnp.float32), fine, given)
+            pairs = chunkwise.pairs(*(jnp.asarray(x, jnp.float32) for x in (q, k, beta)), decays, jnp.float32, given)
+        segment = np.cumsum(resets[:, 0])
+        aqk, inverse = _direct_pairs(q, k, g, beta, same_segment=segment[:, None] == segment[None, :])
+        for name, got, want in (("Aqk", pairs.aqk, aqk), ("inverse", pairs.inverse, inverse)):
+            assert _relative_error(got, want) < 1e-6, (name, _relative_error(got, want))
+
+
+def test_the_bounded_path_is_chosen_statically_where_it_pays():
+    assert chunkwise.fine_block_size(64, None) is None
+    assert chunkwise.fine_block_size(64, -5.0) == 16  # Kimi Linear: |L| s <= 80
+    assert chunkwise.fine_block_size(64, -0.5) == 64  # at most the chunk
+    assert chunkwise.fine_block_size(64, -60.0) is None  # sub-chunks of one token pair nothing
+    assert Activations.of(False, -5.0, False, False).decay_lower_bound is None  # xla.chunk's: the promise dropped
+    assert Activations.of(False, -5.0, False, False, keep_promise=True).decay_lower_bound == -5.0
+    assert Activations.of(True, -5.0, False, False).decay_lower_bound == -5.0
+    assert Activations.of(True, None, False, False, keep_promise=True).decay_lower_bound is None
+    geometry = kda_fused.geometry_of(2, 4096, 8, 128, 128, kda_fused.KdaFusedConfig())
+    exact, bounded = (chunkwise.chunk_work(geometry, True, bound) for bound in (None, -5.0))
+    assert bounded.flops < 0.75 * exact.flops
+    assert chunkwise.chunk_body_vmem(geometry, -5.0) < chunkwise.chunk_body_vmem(geometry)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])  # bf16: also the kit's base case
+def test_the_bounded_path_at_the_bound_everywhere_matches_the_reference(dtype, make_kda_inputs, kda_reference, assert_matches):
+    # The worst case: every token and key at g = L = -5, T = 200 ragged over four chunks of 64 (sub-chunks of 16).
+    inputs = make_kda_inputs(1, 200, 2, 128, 128, dtype, gate=-5.0)
+    o, final_state = call_kernel(inputs, lower_bound=-5.0)
+    assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(final_state)).all()
+    o_ref, final_ref = kda_reference(inputs)
+    assert_matches("o", o, o_ref, dtype)
+    assert_matches("final_state", final_state, final_ref, dtype)
+
+
+def test_the_bounded_path_far_from_the_bound_is_the_exact_paths_result(make_kda_inputs):
+    # docs/ops.md's gates (log_sigmoid / 16, about -0.04): the same outputs to float32 rounding.
     inputs = make_kda_inputs(1, 100, 2, 128, 128, jnp.float32)
-    assert_same(call_kernel(inputs, lower_bound=-5.0), call_kernel(inputs))
+    for got, want in zip(call_kernel(inputs, lower_bound=-5.0), call_kernel(inputs)):
+        assert _relative_error(got, want) < 1e-6
 
 
 def test_the_issue_28_features_are_declared():

@@ -92,6 +92,28 @@ def test_packed_equals_the_fused_kernel_on_each_sequence_with_grouped_heads_and_
     assert _relative_error(o, _separately(inputs, PACKING, **options)) < 1e-2
 
 
+def test_packed_with_every_gate_at_the_bound_equals_the_exact_kernel_on_each_sequence():
+    # lower_bound = -5 and g = -5 everywhere: the bounded path's sub-chunks of 16 hold sequence starts (token 1,
+    # 71 inside a sub-chunk, 128 on its edge), where pairs across a start are masked and e runs over g as given.
+    inputs = {**_inputs(sum(PACKING), jnp.float32), "g": jnp.full((1, sum(PACKING), 2, 32), -5.0, jnp.float32)}
+    o = _packed(inputs, _cu(PACKING), lower_bound=-5.0)
+    assert np.isfinite(np.asarray(o)).all()
+    assert _relative_error(o, _separately(inputs, PACKING)) < 1e-6
+
+
+@pytest.mark.slow
+def test_packed_bf16_with_the_bounded_gate_equals_the_fused_kernel_on_each_sequence():
+    # The gate lower_bound * sigmoid(x), half its raw inputs large enough to sit at the bound in float32.
+    rng = np.random.default_rng(2)
+    inputs = _inputs(sum(PACKING), jnp.bfloat16)
+    raw = np.where(rng.random(inputs["g"].shape) < 0.5, 100.0, rng.standard_normal(inputs["g"].shape))
+    inputs["g"] = jnp.asarray(raw, jnp.bfloat16)
+    options = dict(use_gate=True, lower_bound=-5.0, use_qk_l2norm=True)
+    o = _packed(inputs, _cu(PACKING), **options)
+    assert np.isfinite(np.asarray(o, np.float32)).all()
+    assert _relative_error(o, _separately(inputs, PACKING, **options)) < 1e-2
+
+
 def test_one_trace_serves_every_packing_of_the_same_sizes():
     # cu_seqlens are traced SMEM scalars: packings of the same T and N reuse one trace and one compile.
     traces = []

@@ -36,6 +36,21 @@ below, whose ``exp`` is exactly 0, and every other run is untouched.
 restricted to blocks of ``s`` tokens (``D_1 = I``) and ``P_s`` the level-``s`` pairs of
 ``diag(beta) Akk``, ``D_2s = D_s - D_s P_s D_s`` (the inverse of ``[[A, 0], [C, D]]`` is
 ``[[A^-1, 0], [-D^-1 C A^-1, D^-1]]``). Blocked forward substitution; no truncated series.
+
+**Bounded gates** (``lower_bound = L``: every ``g >= L``, fla's ``safe_gate``). Over a sub-chunk of
+``s`` tokens a decay relative to a point inside it is then at most ``exp(|L| s)``. With ``s`` the
+largest power of two with ``|L| s <= 80`` (``fine_block_size``; 16 at Kimi Linear's ``L = -5``) and
+the point ``r`` the middle of the sub-chunk (its first half's last token), every exponent
+``e_i = b_i - b_r`` lies in ``[-40, 40]``: ``exp(+-e)`` is finite and far from float32's
+subnormals, whose low bf16 parts a TPU would flush. All pairs inside one sub-chunk are then one
+plain masked matmul of decayed keys, ``Akk[i, j] = sum_d (k[i, d] exp(e_i)) (k[j, d] exp(-e_j))``
+(``Aqk`` likewise with ``q``'s rows), replacing the levels ``1 .. s/2`` and their run-sum sections
+by one section (``e``, a run of signed masks: ``+g`` after ``r``, ``-g`` up to it, never both in a
+row, so still no cancellation); the levels ``s .. C/2`` stay as they are. The inverse keeps its
+exact recursion: the fine levels' ``P_t`` are masks of the one sub-chunk matrix. A packed call
+resets the state at sequence starts (``resets``): those rows are ``RESET_LOG_DECAY`` for every
+run sum but ``e``, which runs over the gate as given (finite, ``>= L``), and pairs with a start in
+``(j, i]`` (``crossings``, a 0/1 matmul) are masked to zero, so every reset is still exact.
 """
 
 from __future__ import annotations
@@ -58,9 +73,29 @@ _F32 = jnp.float32
 
 
 
+FINE_EXPONENT_LIMIT = 80.0
+"""``|L| s`` at most this: the bounded path's sub-chunk decays stay within ``exp(+-40)`` around its middle."""
+
+
 def level_sizes(chunk_size: int) -> tuple[int, ...]:
     """Half-block sizes of the levels, finest first: 1, 2, ..., chunk_size / 2."""
     return tuple(1 << n for n in range(chunk_size.bit_length() - 1))
+
+
+def fine_block_size(chunk_size: int, lower_bound: float | None) -> int | None:
+    """The bounded path's sub-chunk: the largest power of two ``s <= chunk_size`` with ``|lower_bound| s <= 80``,
+    or None (the exact path) without a bound or where ``s`` would be 1 (no pair inside a sub-chunk)."""
+    if lower_bound is None:
+        return None
+    size = 1
+    while 2 * size <= chunk_size and -lower_bound * 2 * size <= FINE_EXPONENT_LIMIT:
+        size *= 2
+    return size if size >= 2 else None
+
+
+def coarse_level_sizes(chunk_size: int, fine_size: int | None) -> tuple[int, ...]:
+    """The levels computed as levels: all of them on the exact path, ``fine_size .. C/2`` on the bounded one."""
+    return tuple(s for s in level_sizes(chunk_size) if fine_size is None or s >= fine_size)
 
 
 def _block(index: jax.Array, size: int) -> jax.Array:
@@ -73,16 +108,16 @@ def _in_later_half(index: jax.Array, size: int) -> jax.Array:
     return (_block(index, size) & 1) == 1
 
 
-def _run_masks(chunk_size: int) -> jax.Array:
-    """0/1 rows ``(2 + 2 * levels) * C x C``: row ``i`` of each ``C``-row section sums ``g`` over one run of tokens.
+def _run_masks(chunk_size: int, sizes: tuple[int, ...]) -> jax.Array:
+    """0/1 rows ``(2 + 2 * len(sizes)) * C x C``: row ``i`` of each ``C``-row section sums ``g`` over one run of tokens.
 
-    Sections: ``(.., i]`` (``b_i``), ``(i, ..)`` (``b_C - b_i``), then per level the run from the
+    Sections: ``(.., i]`` (``b_i``), ``(i, ..)`` (``b_C - b_i``), then per level of ``sizes`` the run from the
     level's point ``r`` to ``i`` for later-half tokens (``b_i - b_r``) and from ``i`` to ``r`` for
     earlier-half tokens (``b_r - b_i``); tokens in the other half get an empty run.
     """
     i, t = row_and_column_iotas(chunk_size)
     sections = [t <= i, t > i]
-    for s in level_sizes(chunk_size):
+    for s in sizes:
         same_half_block = _block(i, 2 * s) == _block(t, 2 * s)
         later_i, later_t = _in_later_half(i, s), _in_later_half(t, s)
         sections.append(same_half_block & later_i & later_t & (t <= i))
@@ -90,10 +125,20 @@ def _run_masks(chunk_size: int) -> jax.Array:
     return jnp.concatenate([m.astype(_F32) for m in sections], axis=0)
 
 
+def _fine_mask(chunk_size: int, size: int) -> jax.Array:
+    """Signed rows ``C x C`` whose product with ``g`` is ``e_i = b_i - b_r``, ``r`` the last token of the first half
+    of ``i``'s sub-chunk of ``size``: ``+1`` on ``(r, i]`` after ``r``, ``-1`` on ``(i, r]`` up to it (empty at ``r``)."""
+    i, t = row_and_column_iotas(chunk_size)
+    r = _block(i, size) * size + (size // 2 - 1)
+    after = (r < t) & (t <= i)
+    before = (i < t) & (t <= r)
+    return after.astype(_F32) - before.astype(_F32)
+
+
 def _run_sums(masks: jax.Array, g: jax.Array) -> jax.Array:
     """``masks @ g`` to float32 accuracy in three native bf16 passes (HIGHEST takes six).
 
-    The 0/1 masks are exact in bf16 and ``g`` splits exactly into three bf16 parts
+    The 0/1 (or -1) masks are exact in bf16 and ``g`` splits exactly into three bf16 parts
     (``bf16_parts``), so every product is exact and only the float32 accumulation rounds, as at
     HIGHEST. The high parts of the non-positive ``g`` share its sign and carry all but 2**-16 of
     each sum, so the runs keep their accuracy without cancellation (and ``RESET_LOG_DECAY`` is
@@ -110,18 +155,41 @@ class Decays:
     to_token: jax.Array  # (C, K): exp(b_i)
     to_end: jax.Array  # (C, K): exp(b_C - b_i)
     whole: jax.Array  # (K, 1): exp(b_C), a column to scale the state's rows
-    levels: tuple[tuple[jax.Array, jax.Array], ...]  # per level, finest first: (exp(b_i - b_r), exp(b_r - b_j)), (C, K) each
+    levels: tuple[tuple[jax.Array, jax.Array], ...]  # per coarse level, finest first: (exp(b_i - b_r), exp(b_r - b_j)), (C, K) each
+    fine: tuple[jax.Array, jax.Array] | None = None  # bounded path: (exp(e_i), exp(-e_i)), (C, K) each (_fine_mask)
+    fine_size: int | None = None  # bounded path: the sub-chunk (fine_block_size)
 
     @classmethod
-    def compute(cls, g: jax.Array) -> Decays:
-        """From the chunk's log decays ``g`` (float32 ``(C, K)``, zero in rows past the end of the sequence, ``-inf`` a reset)."""
+    def compute(cls, g: jax.Array, fine_size: int | None = None, resets: jax.Array | None = None) -> Decays:
+        """From the chunk's log decays ``g`` (float32 ``(C, K)``, zero in rows past the end of the sequence, ``-inf`` a
+        reset; with ``fine_size`` every one ``>= L`` of ``fine_block_size``) and ``resets`` (``(C, 1)`` bool or None:
+        rows whose every key is reset, a packed sequence's first token)."""
         C = g.shape[0]
+        bounded_g = g
+        if resets is not None:
+            g = jnp.where(resets, jnp.float32(RESET_LOG_DECAY), g)
         g = jnp.maximum(g, RESET_LOG_DECAY)
-        decays = jnp.exp(_run_sums(_run_masks(C), g))
+        sizes = coarse_level_sizes(C, fine_size)
+        masks = _run_masks(C, sizes)
+        fine_separately = fine_size is not None and resets is not None
+        if fine_size is not None and not fine_separately:  # no reset: e's run sums ride along in the one matmul
+            masks = jnp.concatenate([masks, _fine_mask(C, fine_size)], axis=0)
+        sums = _run_sums(masks, g)
+        fine = None
+        if fine_size is not None:
+            exponents = _run_sums(_fine_mask(C, fine_size), bounded_g) if fine_separately else sums[-C:]
+            sums = sums if fine_separately else sums[:-C]
+            fine = (jnp.exp(exponents), jnp.exp(-exponents))
+        decays = jnp.exp(sums)
         sections = [decays[n * C : (n + 1) * C] for n in range(decays.shape[0] // C)]
-        whole = jnp.exp(matmul(g, jnp.ones((C, 1), _F32), _F32, COLUMNS_BY_COLUMNS))
+        if fine_size is None:
+            whole = jnp.exp(matmul(g, jnp.ones((C, 1), _F32), _F32, COLUMNS_BY_COLUMNS))
+        else:  # as the run sums: three native passes over g's exact bf16 parts (HIGHEST takes six)
+            ones = jnp.ones((C, 1), jnp.bfloat16)
+            whole = jnp.exp(functools.reduce(operator.add, (
+                matmul(part, ones, jnp.bfloat16, COLUMNS_BY_COLUMNS) for part in bf16_parts(g, 3))))
         levels = tuple(zip(sections[2::2], sections[3::2]))
-        return cls(to_token=sections[0], to_end=sections[1], whole=whole, levels=levels)
+        return cls(to_token=sections[0], to_end=sections[1], whole=whole, levels=levels, fine=fine, fine_size=fine_size)
 
 
 def l2_normalised(x: jax.Array) -> jax.Array:
@@ -134,14 +202,38 @@ class Pairs:
     inverse: jax.Array  # (C, C): (I + diag(beta) Akk)^-1, unit lower-triangular
 
 
-def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands) -> Pairs:
-    """``Aqk`` and the exact inverse of ``I + diag(beta) Akk``, level by level (float32 ``q``, ``k``; ``beta`` ``(C, 1)``)."""
+def crossings(resets: jax.Array) -> jax.Array:
+    """``(C, C)``: how many of the rows ``resets`` (``(C, 1)`` bool) lie in ``(j, i]``, one exact 0/1 bf16 matmul."""
+    C = resets.shape[0]
+    i, t = row_and_column_iotas(C)
+    up_to_i = (t <= i).astype(jnp.bfloat16)  # [i, t]
+    after_j = jnp.where(resets & (i > t), 1.0, 0.0).astype(jnp.bfloat16)  # [t, j]: row t resets and t > j
+    return matmul(up_to_i, after_j, jnp.bfloat16)
+
+
+def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands, resets: jax.Array | None = None) -> Pairs:
+    """``Aqk`` and the exact inverse of ``I + diag(beta) Akk``, level by level (float32 ``q``, ``k``; ``beta`` ``(C, 1)``).
+
+    On the bounded path (``decays.fine``) the pairs inside a sub-chunk are one matmul, but for those across a row
+    of ``resets`` (``(C, 1)`` bool or None), which are zero; the levels above it are as on the exact path."""
     C = k.shape[0]
     i, j = row_and_column_iotas(C)
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     aqk = jnp.where(i == j, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
     inverse = (i == j).astype(_F32)
-    for s, (later_decay, earlier_decay) in zip(level_sizes(C), decays.levels):
+    if decays.fine is not None:
+        size = decays.fine_size
+        row_decay, column_decay = decays.fine
+        products = matmul(jnp.concatenate([k * row_decay, q * row_decay], axis=0), k * column_decay, operands, ROWS_BY_ROWS)
+        inside = (_block(i, size) == _block(j, size)) & (j < i)
+        if resets is not None:
+            inside = inside & (crossings(resets) == 0)
+        aqk = aqk + jnp.where(inside, products[C:], 0.0)
+        beta_akk = beta * jnp.where(inside, products[:C], 0.0)
+        for t in level_sizes(size):  # the fine levels' P_t: pairs of the later and earlier half of a 2t-block
+            level = (_block(i, 2 * t) == _block(j, 2 * t)) & _in_later_half(i, t) & ~_in_later_half(j, t)
+            inverse = inverse - matmul(inverse, matmul(jnp.where(level, beta_akk, 0.0), inverse, operands), operands)
+    for s, (later_decay, earlier_decay) in zip(coarse_level_sizes(C, decays.fine_size), decays.levels):
         later = _in_later_half(rows, s)
         later_keys = jnp.where(later, k * later_decay, 0.0)
         later_queries = jnp.where(later, q * later_decay, 0.0)
@@ -155,19 +247,21 @@ def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands)
     return Pairs(aqk=aqk, inverse=inverse)
 
 
-def chunk_step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool):
+def chunk_step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool, lower_bound: float | None = None, resets=None):
     """``(o, S_out)`` of one chunk: ``o`` float32 ``(C, value block)``, the state float32 ``(K_pad, value block)``.
 
     ``q``, ``k``, ``v`` in the input dtype, ``g`` ``(C, K_pad)`` and ``beta`` ``(C, 1)`` float32,
-    every row past the end of the sequence already zero (no decay, no write).
+    every row past the end of the sequence already zero (no decay, no write). ``lower_bound``: static,
+    a bound every ``g`` respects (the bounded path where ``fine_block_size`` allows it); ``resets``:
+    ``(C, 1)`` bool or None, rows whose state is reset first (every key's decay ``exp(-inf)``).
     """
     operands = mxu_operand_dtype(q.dtype)
     q, k = q.astype(_F32), k.astype(_F32)
     if use_qk_l2norm:
         q, k = l2_normalised(q), l2_normalised(k)
     q = q * scale
-    decays = Decays.compute(g)
-    p = pairs(q, k, beta, decays, operands)
+    decays = Decays.compute(g, fine_block_size(g.shape[0], lower_bound), resets)
+    p = pairs(q, k, beta, decays, operands, resets)
     residual = v.astype(_F32) - matmul(k * decays.to_token, state, operands)
     delta = matmul(p.inverse, beta * residual, operands)
     o = matmul(q * decays.to_token, state, operands) + matmul(p.aqk, delta, operands)
@@ -175,26 +269,35 @@ def chunk_step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool):
     return o, state_out
 
 
-def chunk_work(geometry: Geometry, use_qk_l2norm: bool) -> Work:
+def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | None = None, packed: bool = False) -> Work:
     """``chunk_step`` for one chunk and value block, counted op by op (a ragged last chunk computes whole;
-    with several value blocks each redoes the decays and pairs)."""
+    with several value blocks each redoes the decays and pairs); ``lower_bound`` and ``packed`` as ``chunk_step``'s
+    (resets given)."""
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
-    levels = len(level_sizes(C))
-    run_sums = 2 * (2 + 2 * levels) * C * C * K + 2 * C * K
-    per_level = 2 * (2 * C) * K * C + 2 * (2 * C * C * C)
+    fine = fine_block_size(C, lower_bound)
+    coarse = len(coarse_level_sizes(C, fine))
+    sections = 2 + 2 * coarse + (1 if fine else 0)  # the fine section e: in the one matmul, or its own when packed
+    run_sums = 2 * sections * C * C * K + 2 * C * K
+    per_level = 2 * (2 * C) * K * C  # a level's (or the sub-chunk's) products
+    inverse = len(level_sizes(C)) * 2 * (2 * C * C * C)  # D_2s = D_s - D_s P_s D_s at every level, fine or coarse
+    pairs_ = (coarse + (1 if fine else 0)) * per_level + inverse + (2 * C * C * C if fine and packed else 0)
     outputs = 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb
-    exps = (2 + 2 * levels) * C * K + K + (2 * C if use_qk_l2norm else 0)
-    return Work(flops=run_sums + levels * per_level + outputs, transcendentals=exps)
+    exps = (sections + (1 if fine else 0)) * C * K + K + (2 * C if use_qk_l2norm else 0)
+    return Work(flops=run_sums + pairs_ + outputs, transcendentals=exps)
 
 
-def chunk_body_vmem(geometry: Geometry) -> int:
+def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
     """An upper estimate of the float32 values one grid step holds at once (bytes).
 
-    The run masks and their decays (``(2 + 2 levels) C`` rows of ``C`` and ``K``), float32 q, k
-    and their decayed copies (6 of ``C x K``), a level's products (``2C x C``) and the ``C x C``
-    matrices (Aqk, a level's Akk, the inverse and a product), the state in and out, and four
-    ``C x value block`` values (residual, delta, two partial outputs).
+    The run masks and their decays (``(2 + 2 levels) C`` rows of ``C`` and ``K``, on the bounded path
+    ``(3 + 2 coarse levels) C`` and ``exp(-e)``), float32 q, k and their decayed copies (6 of ``C x K``),
+    a level's products (``2C x C``) and the ``C x C`` matrices (Aqk, a level's Akk, the inverse and a
+    product; bounded: the sub-chunk's masked Akk, a level's restriction of it and the crossings besides),
+    the state in and out, and four ``C x value block`` values (residual, delta, two partial outputs).
     """
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
-    sections = (2 + 2 * len(level_sizes(C))) * C
-    return 4 * (sections * C + 2 * sections * K + 6 * C * K + 6 * C * C + 2 * K * Vb + 4 * C * Vb)
+    fine = fine_block_size(C, lower_bound)
+    sections = (2 + 2 * len(coarse_level_sizes(C, fine)) + (1 if fine else 0)) * C
+    decays = sections + (C if fine else 0)
+    squares = 6 + (3 if fine else 0)
+    return 4 * (sections * C + 2 * decays * K + 6 * C * K + squares * C * C + 2 * K * Vb + 4 * C * Vb)

@@ -41,7 +41,6 @@ from tops_core.ops.kda import Activations
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, finish_sequence, geometry_of, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.config import check_common_fields
-from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, chunk_work
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Relayout, Scalars
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
@@ -121,9 +120,10 @@ def plans(
     outputs = [blocks.value_rows("o", geometry, dtype)]
     if output_final_state:
         outputs.append(blocks.state("final_state", geometry, jnp.float32))
-    work = (chunk_work(geometry, use_qk_l2norm) + _activation_work(activations, geometry)) * chunks_of_the_grid(geometry)
+    bound, packed = activations.decay_lower_bound, num_seqs is not None
+    work = (chunk_work(geometry, use_qk_l2norm, bound, packed) + _activation_work(activations, geometry)) * chunks_of_the_grid(geometry)
     name = "kda_fused" if num_seqs is None else "kda_varlen"
-    return (grid.grid_plan(name, geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry)),)
+    return (grid.grid_plan(name, geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry, bound)),)
 
 
 def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
@@ -153,7 +153,8 @@ def _sequence_starts(refs: dict, geometry: Geometry, number: jax.Array) -> jax.A
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
     """The fused kda kernel; with ``cu_seqlens`` among the refs (``num_seqs`` planned) the packed one: every key's
     log decay on a sequence's first row is ``RESET_LOG_DECAY`` (exp of it 0: the state is reset before that token
-    writes), which ``chunkwise`` takes exactly, so nothing else of the chunk's math changes."""
+    writes), which ``chunkwise`` takes exactly (``resets``), so nothing else of the chunk's math changes. With
+    ``activations.decay_lower_bound`` known, ``chunkwise``'s bounded path (``fine_block_size``)."""
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     packed = "cu_seqlens" in refs
@@ -173,10 +174,13 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
         if activations.use_gate:
             g = chunk.zero_past_end(activations.decay(g, A_log, dt_bias))
         g = g.astype(jnp.float32)
+        resets = None
         if packed:
-            starts = _sequence_starts(refs, geometry, step * geometry.chunks_per_step + chunk.index)
-            g = jnp.where(starts > 0, jnp.float32(RESET_LOG_DECAY), g)
-        o, state = chunk_step(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
+            resets = _sequence_starts(refs, geometry, step * geometry.chunks_per_step + chunk.index) > 0
+        o, state = chunk_step(
+            q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+            lower_bound=activations.decay_lower_bound, resets=resets,
+        )
         refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
     finish_sequence(refs, step, geometry)
@@ -193,7 +197,8 @@ def forward(
     del cu_seqlens
     return run(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm, activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval),
+        use_qk_l2norm=use_qk_l2norm,
+        activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True),
         A_log=A_log, dt_bias=dt_bias, config=config,
     )
 

@@ -54,6 +54,6 @@ def forward(
         raise ValueError(f"a packed call has B == 1, got q of shape {q.shape}")
     return fused.run(
         q, k, v, g, beta, scale=scale, initial_state=None, output_final_state=False, use_qk_l2norm=use_qk_l2norm,
-        activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval),
+        activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True),
         A_log=A_log, dt_bias=dt_bias, config=config, cu_seqlens=cu_seqlens,
     )
