@@ -147,6 +147,25 @@ def test_cli_bench_adds_the_modelled_tpu_section_off_tpu(installed, capsys, monk
     assert "Modelled on TPU v5e (a model, nothing ran; compiled for a compile-only device): simple_gla B=1 T=16 H=2 K=8 V=8 bfloat16" in out
 
 
+def test_cli_bench_models_a_bounded_kda_call_with_and_without_its_bound(installed, capsys, monkeypatch):
+    # lower_bound lets kernels take a faster path: the modelled section shows the call and the same call without it.
+    asked = []
+    _model_without_compiling(monkeypatch)
+    from tops_core.tpu import model as tpu_model
+
+    stub = tpu_model.model
+    monkeypatch.setattr(tpu_model, "model", lambda case, generation, names: asked.append(case.features) or stub(case, generation, names))
+    argv = ["bench", "kda", "--shape", "1,16,1,8,8", "--with", "use_gate,lower_bound", "--impl", "ref.recurrent", "--budget", "0.05",
+            "--tpu", "v6e", "--json"]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert asked == [{"use_gate", "lower_bound"}, {"use_gate", "A_log"}]
+    assert document["modelled_tpu"]["workload"]["features"] == ["lower_bound", "use_gate"]
+    assert document["modelled_tpu_without_lower_bound"]["workload"]["features"] == ["A_log", "use_gate"]
+    assert main(argv[:-1]) == 0
+    assert "The same call without lower_bound (the kernels' exact path, for comparison)" in capsys.readouterr().out
+
+
 def test_cli_bench_json_is_one_document_with_every_figure(installed, capsys, monkeypatch):
     _model_without_compiling(monkeypatch)
     assert main(["bench", "--shape", "1,16,2,8,8", "--impl", "fake.portable,ref.recurrent", "--budget", "0.05", "--tpu", "v5e", "--json"]) == 0

@@ -268,6 +268,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"\nwrote {args.plot}")
     model = _tpu_model(tpu_case, generation, names) if generation else None
+    unbounded = _without_lower_bound(contract, tpu_case)
+    exact_model = _tpu_model(unbounded, generation, names) if generation and unbounded else None
     if args.json:
         document = {**bench.report_json(report), "not_measured": [{"implementation": name, "why": why} for name, why in not_measured],
                     "failures": bench.failures(report), "modelled_tpu": None}
@@ -275,11 +277,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from tops_core.tpu import model as tpu_model
 
             document["modelled_tpu"] = tpu_model.model_json(model)
+            if exact_model is not None:
+                document["modelled_tpu_without_lower_bound"] = tpu_model.model_json(exact_model)
         print(json.dumps(document, indent=1, default=str))
     elif model is not None:
         from tops_core.tpu import model as tpu_model
 
         print("\n" + tpu_model.format_model(model))
+        if exact_model is not None:
+            print("\nThe same call without lower_bound (the kernels' exact path, for comparison):\n" + tpu_model.format_model(exact_model))
     if report.rows and report.accuracy_not_checked:
         _warn(f"accuracy not checked: {report.accuracy_not_checked}")
     failed = bench.failures(report)
@@ -312,6 +318,15 @@ def _check_writable(path: str) -> None:
         raise UsageError(f"--plot {path}: the directory {directory} does not exist")
     if not os.access(directory, os.W_OK):
         raise UsageError(f"--plot {path}: the directory {directory} is not writable")
+
+
+def _without_lower_bound(contract, case: Case) -> Case | None:
+    """A workload with ``lower_bound`` (kda's bounded gates, which kernels may exploit) without it, for the
+    modelled section to show both paths; None for one without. The gate then takes ``A_log`` if it had none."""
+    if "lower_bound" not in case.features:
+        return None
+    features = contract.signature.completed(frozenset(case.features - {"lower_bound"}))
+    return case.with_features(case.name, features)
 
 
 def _tpu_model(case: Case, generation: str, names: list[str]):
