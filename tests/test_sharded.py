@@ -48,10 +48,10 @@ CASES = [
     dict(BASE, op="kda", name="kda-heads-packed", mode="shard", mesh=[4], split={"heads": 0}, T=40, seqlens=[7, 0, 33],
          features=["initial_state", "output_final_state"]),
     # Grouped value heads split with their query/key heads; the gate's parameters split per value head, their
-    # gradients summed over the batch's devices.
+    # gradients summed over the batch's devices (through jax.vjp; the explicit backward is the same staging).
     dict(BASE, op="kda", name="kda-grouped-gated-batch-heads", mode="shard", mesh=[2, 2], split={"batch": 0, "heads": 1}, B=2, T=32,
          H=2, HV=6, features=["initial_state", "output_final_state", "use_gate", "A_log", "dt_bias", "lower_bound",
-                              "use_beta_sigmoid", "grouped_value_heads"], backward=True),
+                              "use_beta_sigmoid", "grouped_value_heads"]),
 ]
 
 # Unsharded inputs split over explicit mesh axes (jax.make_mesh's default): shard_map refuses an

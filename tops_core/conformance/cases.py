@@ -138,12 +138,12 @@ def grid(impl: Implementation) -> Grid:
         # Without the final state only drops an output the base case checks; the other forms of kda's gate
         # and beta than the base's bounded gate with A_log and dt_bias and beta logits with negative
         # eigenvalues: slow, but for the softplus gate (without lower_bound) and the precomputed gate; one
-        # value head per query/key head: slow, the strong and reset cases' form.
+        # value head per query/key head: slow, the strong and reset cases' form; three per head (below): slow.
         changes = {"heads": 2} if toggle == "grouped_value_heads" else {}
         slow = toggle in ("output_final_state", "A_log", "dt_bias", "use_beta_sigmoid", "allow_neg_eigval", "grouped_value_heads")
         supported.append(base.with_features(f"without-{toggle}", signature.closed(base_features - {toggle}), slow=slow, **changes))
     if "grouped_value_heads" in base_features:
-        supported.append(dataclasses.replace(base, name="grouped_value_heads=3", value_heads=3))
+        supported.append(dataclasses.replace(base, name="grouped_value_heads=3", value_heads=3, slow=True))
     # The default run keeps the first other head dims (off the 128-lane tile) and the ragged T that
     # crosses a chunk; the rest of the breadth runs with -m slow.
     for index, key_dim in enumerate(key_dims[1:]):

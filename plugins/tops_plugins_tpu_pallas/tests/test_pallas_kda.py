@@ -343,6 +343,7 @@ def test_the_bounded_path_at_the_bound_everywhere_matches_the_reference(dtype, m
     assert_matches("final_state", final_state, final_ref, dtype)
 
 
+@pytest.mark.slow  # the kit's bounded cases check it against the reference by default
 def test_the_bounded_path_far_from_the_bound_is_the_exact_paths_result(make_kda_inputs):
     # docs/ops.md's gates (log_sigmoid / 16, about -0.04): the same outputs to float32 rounding.
     inputs = make_kda_inputs(1, 100, 2, 128, 128, jnp.float32)

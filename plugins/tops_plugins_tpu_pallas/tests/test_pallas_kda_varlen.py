@@ -69,6 +69,7 @@ def _relative_error(got, want):
     return np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
 
 
+@pytest.mark.slow  # the default run checks packing against the reference (the kit) and per sequence at the bound (below)
 def test_packed_equals_the_fused_kernel_on_each_sequence():
     inputs = _inputs(sum(PACKING), jnp.float32)
     o = _packed(inputs, _cu(PACKING))
