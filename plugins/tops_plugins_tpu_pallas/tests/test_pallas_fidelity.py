@@ -246,6 +246,26 @@ def test_kda_faithful_interpreter_matches_reference(case, seed, race_reports, ma
     assert_matches("final_state", final_state, final_ref, dtype)
 
 
+@pytest.mark.parametrize("seed", SEEDS[:1])
+def test_kda_bounded_path_faithful_interpreter_matches_reference(seed, race_reports, make_kda_inputs, kda_reference, assert_matches):
+    # The bounded path (lower_bound promised) at its worst: every gate at the bound, T = 250 ragged, two chunks per step.
+    inputs = make_kda_inputs(2, 250, 2, 128, 128, jnp.float32, gate=-5.0, seed=seed)
+
+    def call(inputs):
+        with tops_core.use(interpret=True, strict=True):
+            return tops_core.op("kda").forward(
+                **inputs, output_final_state=True, lower_bound=-5.0,
+                implementation=("tpu_pallas.fused", {"chunk_size": 64, "num_steps": 2, "interpret": faithful(seed)}),
+            )
+
+    o, final_state = jax.block_until_ready(jax.jit(call)(inputs))
+    assert len(race_reports) == 1
+    assert not any(report.races_found for report in race_reports)
+    o_ref, final_ref = kda_reference(inputs, False)
+    assert_matches("o", o, o_ref, jnp.float32)
+    assert_matches("final_state", final_state, final_ref, jnp.float32)
+
+
 # kda packed (tpu_pallas.varlen, forward only): T = 250 ragged in chunks of 64, two chunks per step, two heads
 # shared by the two simulated cores; empty sequences first and inside, a one-token one, boundaries off the grid
 # and on it (128), the last sequence ending in the ragged chunk.
