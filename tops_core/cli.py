@@ -186,16 +186,17 @@ def _value_heads(features: list[str], H: int, args: argparse.Namespace) -> int:
     return 2 * H if "grouped_value_heads" in features else H
 
 
-def _shape(args: argparse.Namespace, features) -> tuple[int, ...]:
+def _shape_text(args: argparse.Namespace, features) -> str:
     """``--shape``, else the default for the call: ``PACKED_DEFAULT_SHAPE`` with ``cu_seqlens``."""
-    if args.shape is None:
-        args.shape = PACKED_DEFAULT_SHAPE if "cu_seqlens" in features else DEFAULT_SHAPE
-    return _parse_shape(args.shape)
+    if args.shape is not None:
+        return args.shape
+    return PACKED_DEFAULT_SHAPE if "cu_seqlens" in features else DEFAULT_SHAPE
 
 
 def _spec_from_args(contract, args: argparse.Namespace) -> CallSpec:
     features = set(_features(contract, args))
-    B, T, H, K, V = _shape(args, features)
+    shape = _shape_text(args, features)
+    B, T, H, K, V = _parse_shape(shape)
     ndims = {name: 1 for name in contract.variable_ndims if name in features}
     for item in args.ndim:
         name, _, value = item.partition("=")
@@ -203,7 +204,7 @@ def _spec_from_args(contract, args: argparse.Namespace) -> CallSpec:
             raise UsageError(f"--ndim takes NAME=RANK for a given input of variable rank ({', '.join(sorted(contract.variable_ndims)) or 'none'}), got {item!r}")
         ndims[name] = int(value)
     if "cu_seqlens" in features and B != 1:
-        raise UsageError(f"cu_seqlens packs the sequences along T and requires B == 1, got --shape {args.shape}")
+        raise UsageError(f"cu_seqlens packs the sequences along T and requires B == 1, got --shape {shape}")
     num_seqs = (args.num_seqs or 1) if "cu_seqlens" in features else B
     if args.chip and args.platform != "tpu":
         raise UsageError(f"--chip names the TPU generation a call is lowered for; it needs --platform tpu, not {args.platform}")
@@ -227,7 +228,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     features = _features(contract, args)
     platform = platform_of([])
     try:
-        shape = _shape(args, features)
+        shape = _parse_shape(_shape_text(args, features))
         case = bench.workload(contract.name, shape, args.dtype or _default_dtype(platform), features, args.num_seqs,
                               value_heads=_value_heads(features, shape[2], args))
     except ValueError as error:

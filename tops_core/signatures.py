@@ -28,26 +28,23 @@ class Signature:
 
     def missing(self, features: frozenset[str]) -> list[str]:
         """What a set of features lacks to be a valid call, one sentence per unmet need."""
-        return [
-            f"{feature} requires {' or '.join(sorted(needed))}"
-            for feature, needed in self.needs if feature in features and not features & needed
-        ]
+        return [f"{feature} requires {' or '.join(sorted(needed))}" for feature, needed in self._unmet(features)]
 
     def completed(self, features: frozenset[str]) -> frozenset[str]:
         """``features`` plus, for each unmet need, the first feature (by name) that meets it."""
-        while self.missing(features):
-            feature, needed = next((f, n) for f, n in self.needs if f in features and not features & n)
-            features = features | {min(needed)}
+        while unmet := self._unmet(features):
+            features = features | {min(unmet[0][1])}
         return features
 
     def closed(self, features: frozenset[str]) -> frozenset[str]:
         """``features`` less every feature whose needs they no longer meet (after one was removed)."""
-        while True:
-            unmet = {feature for feature, needed in self.needs if feature in features and not features & needed}
-            if not unmet:
-                return features
-            features = features - unmet
+        while unmet := self._unmet(features):
+            features = features - {feature for feature, _ in unmet}
+        return features
 
+    def _unmet(self, features: frozenset[str]) -> list[tuple[str, frozenset[str]]]:
+        """The needs of ``features`` that none of them meets."""
+        return [(feature, needed) for feature, needed in self.needs if feature in features and not features & needed]
 
 SIMPLE_GLA = Signature(
     "simple_gla", frozenset({"g", "g_gamma", "initial_state", "cu_seqlens", "output_final_state"}), frozenset({"g_gamma"}),

@@ -89,19 +89,30 @@ def positive_dims(name: str, x: jax.Array, layout: str) -> None:
 
 
 def negative_number(name: str, value: Any) -> float | None:
-    """None, or a static real number below 0 (Python, NumPy or a concrete JAX scalar); it is compiled into the kernels."""
+    """None, or a static real number below 0 (``static_number``)."""
     if value is None:
         return None
+    value = static_number(name, value)
+    if not (-np.inf < value < 0):
+        raise ValueError(f"{name} must be a finite number below 0, got {value!r}")
+    return value
+
+
+def static_number(name: str, value: Any) -> float:
+    """A static real number (Python, NumPy or a concrete JAX scalar): it is compiled into the kernels, so a traced value cannot be used."""
     if isinstance(value, jax.Array):
         if not is_concrete(value):
-            raise TypeError(f"{name} must be a static number, got a traced value: it is compiled into the kernels")
+            raise TypeError(
+                f"{name} must be a static number, got a traced value: it is compiled into the kernels. "
+                "Pass a Python float (close over it, or make it a static argument of your jit)"
+            )
         value = np.asarray(value)
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "fiu":
+    if isinstance(value, np.ndarray):
+        if value.ndim != 0 or value.dtype.kind not in "fiu":
+            raise TypeError(f"{name} must be a real number, got an array of shape {value.shape} and dtype {value.dtype}")
         value = value.item()
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r}")
-    if not (-np.inf < value < 0):
-        raise ValueError(f"{name} must be a finite number below 0, got {value!r}")
     return float(value)
 
 
@@ -112,26 +123,8 @@ def flag(name: str, value: Any) -> bool:
 
 
 def scale(value: Any, key_dim: int) -> float:
-    """The attention scale: ``K ** -0.5`` when None, else a static real number (Python, NumPy or a concrete JAX scalar).
-
-    It is baked into the compiled kernels, so a traced value cannot be used.
-    """
-    if value is None:
-        return float(key_dim) ** -0.5
-    if isinstance(value, jax.Array):
-        if not is_concrete(value):
-            raise TypeError(
-                "scale must be a static number, got a traced value: it is compiled into the kernels. "
-                "Pass a Python float (close over it, or make it a static argument of your jit)"
-            )
-        value = np.asarray(value)
-    if isinstance(value, np.ndarray):
-        if value.ndim != 0 or value.dtype.kind not in "fiu":
-            raise TypeError(f"scale must be a real number, got an array of shape {value.shape} and dtype {value.dtype}")
-        value = value.item()
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"scale must be a real number, got {value!r}")
-    return float(value)
+    """The attention scale: ``K ** -0.5`` when None, else a static real number (``static_number``)."""
+    return float(key_dim) ** -0.5 if value is None else static_number("scale", value)
 
 
 def cu_seqlens(value: Any, batch: int, seq_len: int) -> tuple[jax.Array | None, int]:

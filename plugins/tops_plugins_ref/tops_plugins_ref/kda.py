@@ -21,7 +21,7 @@ from tops_plugins_ref.callback import forward_results, gradient_results, on_host
 from tops_plugins_ref.host import kda as host
 
 
-# The activation arguments default to off until the contract passes them (issue 28's wiring).
+# The op always passes every argument; the gate's and beta's default to off for direct callers (the plugin's tests).
 def forward(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, use_gate=False, A_log=None,
     dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False, config,

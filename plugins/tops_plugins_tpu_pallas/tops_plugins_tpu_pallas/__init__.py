@@ -112,17 +112,21 @@ def _varlen_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
     return 200, f"packed input, N = {spec.num_seqs} sequences: the one Pallas kernel that takes cu_seqlens"
 
 
-def _capabilities(predicate, packed: bool = False) -> tops_core.Capabilities:
-    features = {"g", "g_gamma", "initial_state", "output_final_state"}
+def _capabilities(predicate, features: set[str], *, packed: bool = False, ndims=()) -> tops_core.Capabilities:
+    """Every kernel here: TPU (and the interpreter), bf16 and float32, ``features``; a packed one requires cu_seqlens."""
     return tops_core.Capabilities(
         platforms={"tpu"},
         interpretable=True,
         dtypes={"bfloat16", "float32"},
         features=features | {"cu_seqlens"} if packed else features,
         requires={"cu_seqlens"} if packed else set(),
-        ndims={"g_gamma": {0, 1}},  # a scalar is broadcast to [H] before the kernel
+        ndims=ndims,
         predicate=predicate,
     )
+
+
+_SIMPLE_GLA_FEATURES = {"g", "g_gamma", "initial_state", "output_final_state"}
+_G_GAMMA_RANKS = {"g_gamma": {0, 1}}  # a scalar is broadcast to [H] before the kernel
 
 
 def _explain_fused_config(config: fused.FusedConfig, spec: tops_core.CallSpec, direction: str) -> str:
@@ -140,7 +144,7 @@ FUSED = tops_core.Implementation(
     backward=backward_fused.backward,
     capabilities=_capabilities(_fits_vmem(
         FUSED_CONFIG, (grid.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans), forward_config=fused.resolved,
-    )),
+    ), _SIMPLE_GLA_FEATURES, ndims=_G_GAMMA_RANKS),
     priority=_fused_priority,
     config=FUSED_CONFIG,
     config_sweep=({"chunk_size": 256},),  # the chunk v6e's forward takes, which interpret mode (no chip) would not run
@@ -156,7 +160,10 @@ CHUNK = tops_core.Implementation(
     name="chunk",
     forward=chunk.forward,
     backward=backward_split.backward,
-    capabilities=_capabilities(_fits_vmem(CHUNK_CONFIG, (chunk.geometry_of, chunk.plans), (backward_split.geometry_of, backward_split.plans))),
+    capabilities=_capabilities(
+        _fits_vmem(CHUNK_CONFIG, (chunk.geometry_of, chunk.plans), (backward_split.geometry_of, backward_split.plans)),
+        _SIMPLE_GLA_FEATURES, ndims=_G_GAMMA_RANKS,
+    ),
     priority=_chunk_priority,
     config=CHUNK_CONFIG,
     description=(
@@ -177,7 +184,7 @@ VARLEN = tops_core.Implementation(
             (grid.geometry_of, functools.partial(varlen.plans, num_seqs=1)),
             (backward_varlen.geometry_of, functools.partial(backward_varlen.plans, num_seqs=1)),
         ),
-        packed=True,
+        _SIMPLE_GLA_FEATURES, packed=True, ndims=_G_GAMMA_RANKS,
     ),
     priority=_varlen_priority,
     config=varlen.VarlenConfig(),
@@ -202,13 +209,10 @@ KDA_FUSED = tops_core.Implementation(
     op="kda",
     name="fused",
     forward=kda.fused.forward,
-    capabilities=tops_core.Capabilities(
-        platforms={"tpu"},
-        interpretable=True,
-        dtypes={"bfloat16", "float32"},
-        # No cu_seqlens: the matcher rejects packed calls with that reason (tpu_pallas.varlen takes them).
-        features={"initial_state", "output_final_state"} | _KDA_OPTIONS,
-        predicate=_fits_vmem(KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.plans), op_inputs=_kda_inputs),
+    # No cu_seqlens: the matcher rejects packed calls with that reason (tpu_pallas.varlen takes them).
+    capabilities=_capabilities(
+        _fits_vmem(KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.plans), op_inputs=_kda_inputs),
+        {"initial_state", "output_final_state"} | _KDA_OPTIONS,
     ),
     priority={"tpu": 200},
     config=KDA_FUSED_CONFIG,
@@ -220,17 +224,11 @@ KDA_VARLEN = tops_core.Implementation(
     op="kda",
     name="varlen",
     forward=kda.varlen.forward,
-    capabilities=tops_core.Capabilities(
-        platforms={"tpu"},
-        interpretable=True,
-        dtypes={"bfloat16", "float32"},
-        # No per-sequence states yet: packed calls with initial_state or output_final_state go to xla.chunk.
-        features={"cu_seqlens"} | _KDA_OPTIONS,
-        requires={"cu_seqlens"},
+    # No per-sequence states yet: packed calls with initial_state or output_final_state go to xla.chunk.
+    capabilities=_capabilities(
         # VMEM does not depend on N (boundaries in SMEM): one sequence's plan stands for any N.
-        predicate=_fits_vmem(
-            KDA_FUSED_CONFIG, (kda.varlen.geometry_of, functools.partial(kda.varlen.plans, num_seqs=1)), op_inputs=_kda_inputs,
-        ),
+        _fits_vmem(KDA_FUSED_CONFIG, (kda.varlen.geometry_of, functools.partial(kda.varlen.plans, num_seqs=1)), op_inputs=_kda_inputs),
+        _KDA_OPTIONS, packed=True,
     ),
     priority=_varlen_priority,
     config=KDA_FUSED_CONFIG,

@@ -135,17 +135,22 @@ def _fine_mask(chunk_size: int, size: int) -> jax.Array:
     return after.astype(_F32) - before.astype(_F32)
 
 
-def _run_sums(masks: jax.Array, g: jax.Array) -> jax.Array:
-    """``masks @ g`` to float32 accuracy in three native bf16 passes (HIGHEST takes six).
+def _over_exact_parts(g: jax.Array, product) -> jax.Array:
+    """``product(g)`` for a product linear in ``g`` whose other operand is exact in bf16 (0/1 or -1 masks, ones), to
+    float32 accuracy in three native bf16 passes (HIGHEST takes six).
 
-    The 0/1 (or -1) masks are exact in bf16 and ``g`` splits exactly into three bf16 parts
-    (``bf16_parts``), so every product is exact and only the float32 accumulation rounds, as at
-    HIGHEST. The high parts of the non-positive ``g`` share its sign and carry all but 2**-16 of
-    each sum, so the runs keep their accuracy without cancellation (and ``RESET_LOG_DECAY`` is
-    its own high part).
+    ``g`` splits exactly into three bf16 parts (``bf16_parts``), so every product is exact and only the
+    float32 accumulation rounds, as at HIGHEST. The high parts of the non-positive ``g`` share its sign
+    and carry all but 2**-16 of each sum, so sums keep their accuracy without cancellation (and
+    ``RESET_LOG_DECAY`` is its own high part).
     """
+    return functools.reduce(operator.add, (product(part) for part in bf16_parts(g, 3)))
+
+
+def _run_sums(masks: jax.Array, g: jax.Array) -> jax.Array:
+    """``masks @ g`` (``_over_exact_parts``)."""
     masks = masks.astype(jnp.bfloat16)
-    return functools.reduce(operator.add, (matmul(masks, part, jnp.bfloat16) for part in bf16_parts(g, 3)))
+    return _over_exact_parts(g, lambda part: matmul(masks, part, jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,10 +189,9 @@ class Decays:
         sections = [decays[n * C : (n + 1) * C] for n in range(decays.shape[0] // C)]
         if fine_size is None:
             whole = jnp.exp(matmul(g, jnp.ones((C, 1), _F32), _F32, COLUMNS_BY_COLUMNS))
-        else:  # as the run sums: three native passes over g's exact bf16 parts (HIGHEST takes six)
+        else:  # as the run sums
             ones = jnp.ones((C, 1), jnp.bfloat16)
-            whole = jnp.exp(functools.reduce(operator.add, (
-                matmul(part, ones, jnp.bfloat16, COLUMNS_BY_COLUMNS) for part in bf16_parts(g, 3))))
+            whole = jnp.exp(_over_exact_parts(g, lambda part: matmul(part, ones, jnp.bfloat16, COLUMNS_BY_COLUMNS)))
         levels = tuple(zip(sections[2::2], sections[3::2]))
         return cls(to_token=sections[0], to_end=sections[1], whole=whole, levels=levels, fine=fine, fine_size=fine_size)
 

@@ -193,7 +193,7 @@ def forward(
 ):
     """The ``Forward`` protocol of ``tops_core.ops.kda`` (``cu_seqlens`` is rejected by the capabilities).
 
-    The new options default to the op without them (g and beta as given), for callers that predate them."""
+    The op always passes every argument; the gate's and beta's default to off (g and beta as given) for direct callers."""
     del cu_seqlens
     return run(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
