@@ -60,8 +60,8 @@ def _kda_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
         "g": jax.ShapeDtypeStruct((B, T, HV, K), dtype if call.get("use_gate") else jnp.float32),
         "beta": jax.ShapeDtypeStruct((B, T, HV), dtype if call.get("use_beta_sigmoid") else jnp.float32),
     }
-    if call["initial_state"]:
-        arrays["initial_state"] = jax.ShapeDtypeStruct((B, HV, K, V), jnp.float32)
+    if call["initial_state"]:  # one per sequence when packed
+        arrays["initial_state"] = jax.ShapeDtypeStruct((call.get("num_seqs") or B, HV, K, V), jnp.float32)
     if call.get("num_seqs") is not None:  # packed: B == 1 and N traced boundaries
         arrays["cu_seqlens"] = jax.ShapeDtypeStruct((call["num_seqs"] + 1,), jnp.int32)
     if call.get("A_log"):

@@ -413,26 +413,29 @@ def test_kda_forward_compiles_over_the_full_sweep(worker, generation):
 
 
 # kda packed (tpu_pallas.varlen, B = 1, traced cu_seqlens): every generation, bf16 and float32, ragged T,
-# in-place and lane-padded head dims, one with grouped value heads and the raw gate and beta logits activated.
+# in-place and lane-padded head dims, one with grouped value heads and the raw gate and beta logits activated;
+# per-sequence states (DMAs from and to HBM) in and out, out only, and neither.
 KDA_VARLEN_CALLS = (
-    dict(generation="v4", T=1000, K=128, V=128, dtype="bfloat16", use_qk_l2norm=True, num_seqs=16),
-    dict(generation="v5e", T=65, K=100, V=256, dtype="float32", use_qk_l2norm=False, num_seqs=3),
+    dict(generation="v4", T=1000, K=128, V=128, dtype="bfloat16", use_qk_l2norm=True, num_seqs=16, initial_state=True, final_state=True),
+    dict(generation="v5e", T=65, K=100, V=256, dtype="float32", use_qk_l2norm=False, num_seqs=3, initial_state=False, final_state=True),
     dict(
         generation="v5p", T=1000, K=128, V=100, dtype="bfloat16", use_qk_l2norm=True, num_seqs=256, groups=2,
         use_gate=True, A_log=True, dt_bias=True, lower_bound=None, use_beta_sigmoid=True, allow_neg_eigval=False,
+        initial_state=True, final_state=True,
     ),
-    dict(generation="v6e", T=1000, K=128, V=128, dtype="float32", use_qk_l2norm=True, num_seqs=16),
+    dict(generation="v6e", T=1000, K=128, V=128, dtype="float32", use_qk_l2norm=True, num_seqs=16, initial_state=False, final_state=False),
 )
 
 
 def _kda_varlen_label(call: dict) -> str:
     extra = f"-G{call['groups']}-gate" if "groups" in call else ""
-    return f"kda-varlen-{call['generation']}-N{call['num_seqs']}-T{call['T']}-K{call['K']}-V{call['V']}-{call['dtype']}{extra}"
+    states = "-h0" * call["initial_state"] + "-ht" * call["final_state"]
+    return f"kda-varlen-{call['generation']}-N{call['num_seqs']}-T{call['T']}-K{call['K']}-V{call['V']}-{call['dtype']}{extra}{states}"
 
 
 @pytest.mark.parametrize("call", KDA_VARLEN_CALLS, ids=_kda_varlen_label)
 def test_kda_packed_forward_compiles_with_traced_cu_seqlens(worker, call):
-    request = {**call, "op": "kda", "kernel": "varlen", "B": 1, "H": 3, "initial_state": False, "final_state": False, "gradient": False}
+    request = {**call, "op": "kda", "kernel": "varlen", "B": 1, "H": 3, "gradient": False}
     facts = worker.ask({"call": request})
     assert facts["kernels"] == 1
     assert facts["implementations"] == ["tpu_pallas.varlen.forward"]

@@ -268,33 +268,36 @@ def test_kda_bounded_path_faithful_interpreter_matches_reference(seed, race_repo
 
 # kda packed (tpu_pallas.varlen, forward only): T = 250 ragged in chunks of 64, two chunks per step, two heads
 # shared by the two simulated cores; empty sequences first and inside, a one-token one, boundaries off the grid
-# and on it (128), the last sequence ending in the ragged chunk.
+# and on it (128), the last sequence ending in the ragged chunk; every sequence's initial state read and final
+# state written by DMA (empty ones: set around the kernel).
 KDA_PACKING = (0, 1, 70, 57, 0, 3, 119)
 
 
 @pytest.mark.parametrize("seed", SEEDS[:1])
 def test_kda_packed_faithful_interpreter_matches_reference(seed, race_reports, make_kda_inputs, assert_matches):
     inputs = make_kda_inputs(1, sum(KDA_PACKING), 2, 128, 128, jnp.float32, seed=seed, initial_state=False)
+    inputs["initial_state"] = jnp.asarray(np.random.default_rng(seed).standard_normal((len(KDA_PACKING), 2, 128, 128)), jnp.float32)
     cu_seqlens = np.cumsum((0, *KDA_PACKING)).astype(np.int32)
 
     def call(inputs, cu_seqlens):
         with tops_core.use(interpret=True, strict=True):
             return tops_core.op("kda").forward(
-                **inputs, cu_seqlens=cu_seqlens,
+                **inputs, cu_seqlens=cu_seqlens, output_final_state=True,
                 implementation=("tpu_pallas.varlen", {"chunk_size": 64, "num_steps": 2, "interpret": faithful(seed)}),
-            )[0]
+            )
 
-    o = jax.block_until_ready(jax.jit(call)(inputs, jnp.asarray(cu_seqlens)))
+    o, final_state = jax.block_until_ready(jax.jit(call)(inputs, jnp.asarray(cu_seqlens)))
     assert len(race_reports) == 1
     assert not any(report.races_found for report in race_reports)
     previous = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)
     try:
-        o_ref, _ = tops_core.op("kda").forward(
+        o_ref, final_ref = tops_core.op("kda").forward(
             **{name: jnp.asarray(np.asarray(x, np.float64)) for name, x in inputs.items()}, cu_seqlens=jnp.asarray(cu_seqlens),
-            implementation="ref.recurrent",
+            output_final_state=True, implementation="ref.recurrent",
         )
-        o_ref = np.asarray(o_ref)
+        o_ref, final_ref = np.asarray(o_ref), np.asarray(final_ref)
     finally:
         jax.config.update("jax_enable_x64", previous)
     assert_matches("o", o, o_ref, jnp.float32)
+    assert_matches("final_state", final_state, final_ref, jnp.float32)

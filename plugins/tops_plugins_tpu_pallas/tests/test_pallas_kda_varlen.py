@@ -4,7 +4,7 @@ The conformance kit runs its packings against the float64 reference; these tests
 to this kernel: a packed call equals the fused kernel on each sequence alone (empty and one-token
 sequences, one crossing chunks, a boundary on the chunk grid, a ragged last chunk), one trace for every
 packing of the same ``T`` and ``N``, the bytes of the unpacked kernel, and the dispatcher's choice on TPU
-(packed forward here, xla.chunk's backward; packed calls with states to xla.chunk). The faithful
+(packed forward here, states too, and xla.chunk's backward). The faithful
 interpreter (test_pallas_fidelity.py) and the compile-only TPUs (test_pallas_compile.py) have their own cases.
 """
 
@@ -161,11 +161,9 @@ def test_a_packed_call_on_tpu_runs_varlen_forward_and_xla_chunks_backward():
     assert kda.decide(_packed_spec(), "backward").implementation.name == "xla.chunk"
     every_option = {"cu_seqlens", "use_qk_l2norm", "grouped_value_heads", "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval"}
     assert not KDA_VARLEN.capabilities.reasons(_packed_spec(every_option, value_heads=32))
-    # No per-sequence states yet: those packed calls go to xla.chunk, and unpacked calls never come here.
-    for state in ("initial_state", "output_final_state"):
-        spec = _packed_spec(frozenset({"cu_seqlens", state}))
-        assert any(state in reason for reason in KDA_VARLEN.capabilities.reasons(spec))
-        assert kda.decide(spec, "forward").implementation.name == "xla.chunk"
+    # Per-sequence states are the kernel's too; unpacked calls never come here.
+    states = _packed_spec(frozenset({"cu_seqlens", "initial_state", "output_final_state"}))
+    assert kda.decide(states, "forward").implementation.name == "tpu_pallas.varlen"
     assert any("requires cu_seqlens" in reason for reason in KDA_VARLEN.capabilities.reasons(_packed_spec(frozenset(), batch=2)))
 
 

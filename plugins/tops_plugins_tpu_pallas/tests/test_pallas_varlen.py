@@ -137,15 +137,13 @@ def _assert_gradients_match(grads, want, dtype):
         assert measurement.passed, measurement.describe()
 
 
-# The default run takes the packing with boundaries inside chunks, on a chunk edge (token 128 of
-# "anywhere") and empty and one-token sequences; the slow run the other three, and bf16.
-QUICK_PACKINGS = ("anywhere",)
-
-
+# Slow (each separate length compiles its own programs): the default run checks packed gradients against the
+# reference through the kit (empty and one-token sequences, boundaries inside chunks and on their edges), and
+# that backward segments change no bit (test_backward_segments_do_not_change_a_bit, below).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("packing", "dtype"),
-    [pytest.param(packing, jnp.float32, marks=() if packing in QUICK_PACKINGS else pytest.mark.slow) for packing in PACKINGS]
-    + [pytest.param("anywhere", jnp.bfloat16, marks=pytest.mark.slow)],
+    [(packing, jnp.float32) for packing in PACKINGS] + [("anywhere", jnp.bfloat16)],
     ids=[f"{packing}-f32" for packing in PACKINGS] + ["anywhere-bf16"],
 )
 def test_packed_gradients_equal_separate_calls(packing, dtype):

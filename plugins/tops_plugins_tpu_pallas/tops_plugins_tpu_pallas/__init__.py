@@ -224,17 +224,16 @@ KDA_VARLEN = tops_core.Implementation(
     op="kda",
     name="varlen",
     forward=kda.varlen.forward,
-    # No per-sequence states yet: packed calls with initial_state or output_final_state go to xla.chunk.
     capabilities=_capabilities(
-        # VMEM does not depend on N (boundaries in SMEM): one sequence's plan stands for any N.
+        # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plan stands for any N.
         _fits_vmem(KDA_FUSED_CONFIG, (kda.varlen.geometry_of, functools.partial(kda.varlen.plans, num_seqs=1)), op_inputs=_kda_inputs),
-        _KDA_OPTIONS, packed=True,
+        {"initial_state", "output_final_state"} | _KDA_OPTIONS, packed=True,
     ),
     priority=_varlen_priority,
     config=KDA_FUSED_CONFIG,
     description=(
         "fused's pallas_call over packed sequences: cu_seqlens in SMEM, every key's decay 0 on each sequence's first token "
-        "(the state reset); forward only, no per-sequence states yet"
+        "(the state reset), per-sequence states moved by DMA where each sequence starts and ends; forward only"
     ),
 )
 

@@ -160,8 +160,9 @@ def step_chunks(geometry: Geometry, step: jax.Array) -> list[Chunk]:
     ]
 
 
-def start_sequence(refs: dict, step: jax.Array) -> None:
-    """Load ``initial_state`` (or zeros) into the VMEM ``state`` at the first time step of each (batch, head, value tile).
+def start_sequence(refs: dict, step: jax.Array, from_initial_state: bool = True) -> None:
+    """Load ``initial_state`` (or zeros; always zeros when not ``from_initial_state``) into the VMEM ``state`` at the
+    first time step of each (batch, head, value tile).
 
     Parallel grid points run on either core in any order, so the scratch never carries anything
     from one (batch, head, value tile) to the next.
@@ -170,7 +171,7 @@ def start_sequence(refs: dict, step: jax.Array) -> None:
     @pl.when(step == 0)
     def _start():
         state = refs["state"]
-        if "initial_state" in refs:
+        if from_initial_state and "initial_state" in refs:
             state[...] = refs["initial_state"][...].astype(_F32)
         else:
             state[...] = jnp.zeros(state.shape, _F32)

@@ -24,7 +24,7 @@ earlier-half rows of ``k``), masked to pairs inside one block.
 **Exponents without cancellation.** Every exponent is a sum of ``g`` over a run of tokens inside
 the chunk: ``b_i`` (from the chunk start), ``b_C - b_j`` (after ``j`` to the end) and, per level,
 ``b_i - b_r`` and ``b_r - b_j``. All are computed at once as one matmul of 0/1 run masks with
-``g`` (``_run_sums``, as exact as float32); none is a difference of two large cumulative sums, so a decay near 1 keeps float32
+``g`` (``run_sums``, as exact as float32); none is a difference of two large cumulative sums, so a decay near 1 keeps float32
 accuracy however large ``|b|`` grows. Rows a mask leaves empty get exponent 0, never a positive one.
 
 **Resets.** A gate of ``-inf`` (``exp(-inf) = 0``: the key's row of the state is reset) would make the
@@ -50,7 +50,8 @@ row, so still no cancellation); the levels ``s .. C/2`` stay as they are. The in
 exact recursion: the fine levels' ``P_t`` are masks of the one sub-chunk matrix. A packed call
 resets the state at sequence starts (``resets``): those rows are ``RESET_LOG_DECAY`` for every
 run sum but ``e``, which runs over the gate as given (finite, ``>= L``), and pairs with a start in
-``(j, i]`` (``crossings``, a 0/1 matmul) are masked to zero, so every reset is still exact.
+``(j, i]`` (``crossings``, a 0/1 matmul) are masked to zero, so every reset is still exact. Where a packed
+sequence's own initial state enters and its final state leaves: ``kda/sequences.py``.
 """
 
 from __future__ import annotations
@@ -147,10 +148,16 @@ def _over_exact_parts(g: jax.Array, product) -> jax.Array:
     return functools.reduce(operator.add, (product(part) for part in bf16_parts(g, 3)))
 
 
-def _run_sums(masks: jax.Array, g: jax.Array) -> jax.Array:
-    """``masks @ g`` (``_over_exact_parts``)."""
+def run_sums(masks: jax.Array, g: jax.Array) -> jax.Array:
+    """``masks @ g`` for 0/1 (or -1) ``masks`` (``_over_exact_parts``)."""
     masks = masks.astype(jnp.bfloat16)
     return _over_exact_parts(g, lambda part: matmul(masks, part, jnp.bfloat16))
+
+
+def column_sums(g: jax.Array, rows: jax.Array) -> jax.Array:
+    """``(K, 1)``: the sum of ``g``'s rows marked in the 0/1 column ``rows`` (``(C, 1)``), per key (``_over_exact_parts``)."""
+    rows = rows.astype(jnp.bfloat16)
+    return _over_exact_parts(g, lambda part: matmul(part, rows, jnp.bfloat16, COLUMNS_BY_COLUMNS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +186,10 @@ class Decays:
         fine_separately = fine_size is not None and resets is not None
         if fine_size is not None and not fine_separately:  # no reset: e's run sums ride along in the one matmul
             masks = jnp.concatenate([masks, _fine_mask(C, fine_size)], axis=0)
-        sums = _run_sums(masks, g)
+        sums = run_sums(masks, g)
         fine = None
         if fine_size is not None:
-            exponents = _run_sums(_fine_mask(C, fine_size), bounded_g) if fine_separately else sums[-C:]
+            exponents = run_sums(_fine_mask(C, fine_size), bounded_g) if fine_separately else sums[-C:]
             sums = sums if fine_separately else sums[:-C]
             fine = (jnp.exp(exponents), jnp.exp(-exponents))
         decays = jnp.exp(sums)
@@ -190,8 +197,7 @@ class Decays:
         if fine_size is None:
             whole = jnp.exp(matmul(g, jnp.ones((C, 1), _F32), _F32, COLUMNS_BY_COLUMNS))
         else:  # as the run sums
-            ones = jnp.ones((C, 1), jnp.bfloat16)
-            whole = jnp.exp(_over_exact_parts(g, lambda part: matmul(part, ones, jnp.bfloat16, COLUMNS_BY_COLUMNS)))
+            whole = jnp.exp(column_sums(g, jnp.ones((C, 1), jnp.bool_)))
         levels = tuple(zip(sections[2::2], sections[3::2]))
         return cls(to_token=sections[0], to_end=sections[1], whole=whole, levels=levels, fine=fine, fine_size=fine_size)
 
@@ -251,25 +257,37 @@ def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands,
     return Pairs(aqk=aqk, inverse=inverse)
 
 
-def chunk_step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool, lower_bound: float | None = None, resets=None):
+def chunk_step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool, lower_bound: float | None = None, packed=None):
     """``(o, S_out)`` of one chunk: ``o`` float32 ``(C, value block)``, the state float32 ``(K_pad, value block)``.
 
     ``q``, ``k``, ``v`` in the input dtype, ``g`` ``(C, K_pad)`` and ``beta`` ``(C, 1)`` float32,
     every row past the end of the sequence already zero (no decay, no write). ``lower_bound``: static,
-    a bound every ``g`` respects (the bounded path where ``fine_block_size`` allows it); ``resets``:
-    ``(C, 1)`` bool or None, rows whose state is reset first (every key's decay ``exp(-inf)``).
+    a bound every ``g`` respects (the bounded path where ``fine_block_size`` allows it). ``packed``: a packed
+    chunk's sequences (``kda.sequences.PackedChunk``) or None: its sequences' first rows reset the state
+    (every key's decay ``exp(-inf)``), their initial states enter there and their final states leave.
     """
     operands = mxu_operand_dtype(q.dtype)
     q, k = q.astype(_F32), k.astype(_F32)
     if use_qk_l2norm:
         q, k = l2_normalised(q), l2_normalised(k)
     q = q * scale
+    resets = None
+    if packed is not None:
+        g = jnp.maximum(g, RESET_LOG_DECAY)  # for the sequences' run sums too: -inf times a mask's 0 would be NaN
+        resets = packed.resets()
     decays = Decays.compute(g, fine_block_size(g.shape[0], lower_bound), resets)
     p = pairs(q, k, beta, decays, operands, resets)
-    residual = v.astype(_F32) - matmul(k * decays.to_token, state, operands)
-    delta = matmul(p.inverse, beta * residual, operands)
-    o = matmul(q * decays.to_token, state, operands) + matmul(p.aqk, delta, operands)
-    state_out = decays.whole * state + matmul(k * decays.to_end, delta, operands, COLUMNS_BY_COLUMNS)
+    keys_by_state = matmul(k * decays.to_token, state, operands)
+    o = matmul(q * decays.to_token, state, operands)
+    state_out = decays.whole * state
+    entering = None if packed is None else packed.entering(q, k, g, operands)
+    if entering is not None:
+        keys_by_state, o, state_out = keys_by_state + entering.keys, o + entering.queries, state_out + entering.leaving
+    delta = matmul(p.inverse, beta * (v.astype(_F32) - keys_by_state), operands)
+    o = o + matmul(p.aqk, delta, operands)
+    state_out = state_out + matmul(k * decays.to_end, delta, operands, COLUMNS_BY_COLUMNS)
+    if packed is not None:
+        packed.leave(k, g, delta, state, operands)
     return o, state_out
 
 

@@ -32,9 +32,7 @@ import dataclasses
 import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations
 
@@ -42,9 +40,10 @@ from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, finish_sequence, geometry_of, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, chunk_work
-from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Relayout, Scalars
+from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
-from tops_plugins_tpu_pallas.simple_gla.varlen import boundaries, boundary_operands
+from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
+from tops_plugins_tpu_pallas.simple_gla.varlen import SequenceStates, boundaries, boundary_operands, sequence_states
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 
@@ -115,15 +114,31 @@ def plans(
     ]
     if dt_bias_dtype is not None:
         inputs.append(_gate_bias(geometry, dt_bias_dtype))
-    if initial_state_dtype is not None:
-        inputs.append(blocks.state("initial_state", geometry, initial_state_dtype))
     outputs = [blocks.value_rows("o", geometry, dtype)]
-    if output_final_state:
-        outputs.append(blocks.state("final_state", geometry, jnp.float32))
+    scratch = None
+    if num_seqs is None:
+        if initial_state_dtype is not None:
+            inputs.append(blocks.state("initial_state", geometry, initial_state_dtype))
+        if output_final_state:
+            outputs.append(blocks.state("final_state", geometry, jnp.float32))
+    else:  # per sequence, in HBM: moved by DMA through VMEM buffers where a sequence starts or ends (kda.sequences)
+        state_block = (geometry.padded_key_dim, geometry.value_block)
+        scratch = [blocks.running_state(geometry)]
+        if initial_state_dtype is not None:
+            inputs.append(sequence_states("initial_state", geometry, num_seqs, initial_state_dtype))
+            scratch.append(Scratch("loaded", state_block, initial_state_dtype))
+        if output_final_state:
+            outputs.append(sequence_states("final_state", geometry, num_seqs, jnp.float32))
+            scratch.append(Scratch("leaving", state_block, jnp.float32))
+        if len(scratch) > 1:
+            scratch.append(DmaSemaphores("copies", 2))
     bound, packed = activations.decay_lower_bound, num_seqs is not None
     work = (chunk_work(geometry, use_qk_l2norm, bound, packed) + _activation_work(activations, geometry)) * chunks_of_the_grid(geometry)
+    if packed:
+        states = sequence_work(geometry, initial_state_dtype is not None, output_final_state)
+        work = work + states * (geometry.heads * geometry.value_tiles * num_seqs)
     name = "kda_fused" if num_seqs is None else "kda_varlen"
-    return (grid.grid_plan(name, geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry, bound)),)
+    return (grid.grid_plan(name, geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry, bound), scratch),)
 
 
 def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
@@ -131,34 +146,18 @@ def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UN
     return grid.fitted_plans(plans, geometry, dtype, target=target, **inputs)
 
 
-def _sequence_starts(refs: dict, geometry: Geometry, number: jax.Array) -> jax.Array:
-    """``(C, 1)``: which rows of chunk ``number`` are a packed sequence's first token (int32, 1 or 0).
-
-    The sequences the chunk overlaps, ``first_sequence .. last_sequence`` (SMEM, computed before the
-    launch), each compare their start ``cu_seqlens[n]`` with the row iota: the chunk's first sequence
-    starts on row 0 or before the chunk (then on no row), the others inside it. An empty sequence
-    between them starts where the next one does, so it marks nothing of its own.
-    """
-    C = geometry.chunk_size
-    first_token = number * C
-    rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-    cu = refs["cu_seqlens"]
-
-    def mark(n, starts):
-        return jnp.where(rows == cu[n] - first_token, 1, starts)
-
-    return lax.fori_loop(refs["first_sequence"][number], refs["last_sequence"][number] + 1, mark, jnp.zeros((C, 1), jnp.int32))
-
-
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
     """The fused kda kernel; with ``cu_seqlens`` among the refs (``num_seqs`` planned) the packed one: every key's
     log decay on a sequence's first row is ``RESET_LOG_DECAY`` (exp of it 0: the state is reset before that token
-    writes), which ``chunkwise`` takes exactly (``resets``), so nothing else of the chunk's math changes. With
-    ``activations.decay_lower_bound`` known, ``chunkwise``'s bounded path (``fine_block_size``)."""
+    writes), which ``chunkwise`` takes exactly, and the per-sequence states enter and leave where each sequence
+    starts and ends (``kda.sequences``). With ``activations.decay_lower_bound`` known, ``chunkwise``'s bounded path
+    (``fine_block_size``)."""
     refs = plan.bind(refs)
-    head, step = pl.program_id(1), pl.program_id(3)
+    head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     packed = "cu_seqlens" in refs
-    start_sequence(refs, step)
+    # Packed, the carried state starts as zeros (decays of 0 times unset memory could be NaN); initial states enter per sequence.
+    start_sequence(refs, step, from_initial_state=not packed)
+    states = SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape) if packed else None
 
     A_log = refs["A_log"][head] if "A_log" in refs else None  # a scalar, broadcast by gate
     dt_bias = refs["dt_bias"][...] if "dt_bias" in refs else None
@@ -174,16 +173,17 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
         if activations.use_gate:
             g = chunk.zero_past_end(activations.decay(g, A_log, dt_bias))
         g = g.astype(jnp.float32)
-        resets = None
+        sequences = None
         if packed:
-            resets = _sequence_starts(refs, geometry, step * geometry.chunks_per_step + chunk.index) > 0
+            sequences = PackedChunk.of(refs, step * geometry.chunks_per_step + chunk.index, geometry.chunk_size, states)
         o, state = chunk_step(
             q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-            lower_bound=activations.decay_lower_bound, resets=resets,
+            lower_bound=activations.decay_lower_bound, packed=sequences,
         )
         refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
-    finish_sequence(refs, step, geometry)
+    if not packed:  # packed, each sequence's final state left where it ended
+        finish_sequence(refs, step, geometry)
 
 
 def forward(

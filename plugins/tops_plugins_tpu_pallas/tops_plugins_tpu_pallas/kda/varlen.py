@@ -9,9 +9,9 @@ per chunk, the first and last sequence it overlaps (``simple_gla.varlen.boundary
 before the launch); no modified ``g`` is ever written to HBM. Boundaries may fall anywhere, on the chunk
 grid or off it; empty sequences cover no token and one-token sequences are a reset on their row.
 
-Not yet: per-sequence ``initial_state`` and final states (the capabilities do not declare them, so such
-packed calls go to ``xla.chunk``). Forward only, like fused: the dispatcher pairs it with ``xla.chunk``'s
-backward.
+Per-sequence states (``initial_state`` and the final states ``[N, HV, K, V]``) stay in HBM, each moved by one DMA
+where its sequence starts or ends (``kda/sequences.py``); an empty sequence's final state is its initial state,
+set around the kernel. Forward only, like fused: the dispatcher pairs it with ``xla.chunk``'s backward.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tops_plugins_tpu_pallas.kda import fused
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, geometry_of
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.plan import LaunchPlan
+from tops_plugins_tpu_pallas.simple_gla.varlen import with_empty_sequences
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 
@@ -44,16 +45,15 @@ def forward(
     use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
     config: KdaFusedConfig,
 ):
-    """The ``Forward`` protocol of ``tops_core.ops.kda`` for packed input (``B == 1``, ``cu_seqlens`` given; no states:
-    the capabilities declare neither ``initial_state`` nor ``output_final_state``)."""
+    """The ``Forward`` protocol of ``tops_core.ops.kda`` for packed input (``B == 1``, ``cu_seqlens`` given)."""
     if cu_seqlens is None:
         raise ValueError("tpu_pallas.varlen (kda) takes packed calls only: cu_seqlens is required")
-    if initial_state is not None or output_final_state:
-        raise ValueError("tpu_pallas.varlen (kda) has no per-sequence states yet: initial_state and output_final_state are xla.chunk's")
     if q.shape[0] != 1:
         raise ValueError(f"a packed call has B == 1, got q of shape {q.shape}")
-    return fused.run(
-        q, k, v, g, beta, scale=scale, initial_state=None, output_final_state=False, use_qk_l2norm=use_qk_l2norm,
+    o, final_state = fused.run(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm,
         activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True),
         A_log=A_log, dt_bias=dt_bias, config=config, cu_seqlens=cu_seqlens,
     )
+    return o, None if final_state is None else with_empty_sequences(final_state, cu_seqlens, initial_state)

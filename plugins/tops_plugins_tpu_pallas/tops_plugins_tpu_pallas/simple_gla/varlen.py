@@ -194,6 +194,10 @@ class SequenceStates:
     value_block: int
     shape: tuple[int, int]  # (K_pad, value block)
 
+    def has(self, name: str) -> bool:
+        """Whether the call has the state array ``name``."""
+        return name in self.refs
+
     def _region(self, name: str, sequence: jax.Array):
         Vb = self.value_block
         return self.refs[name].at[sequence, self.head, :, pl.ds(pl.multiple_of(self.block * Vb, Vb), Vb)]
@@ -286,8 +290,11 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
         initial_state=initial_state, output_final_state=output_final_state, config=config,
         operands=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size),
     )
-    if output_final_state:
-        # The kernel writes the final state of every sequence that covers a token; an empty one ends where it starts.
-        empty = (cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None, None]
-        final_state = jnp.where(empty, 0.0 if initial_state is None else initial_state.astype(_F32), final_state)
-    return o, final_state
+    return o, None if final_state is None else with_empty_sequences(final_state, cu_seqlens, initial_state)
+
+
+def with_empty_sequences(final_state: jax.Array, cu_seqlens: jax.Array, initial_state: jax.Array | None) -> jax.Array:
+    """A packed kernel's ``final_state`` with the rows of empty sequences set: a kernel writes the final state of every
+    sequence that covers a token, and an empty one ends where it starts (``initial_state[n]`` or zeros)."""
+    empty = (cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None, None]
+    return jnp.where(empty, 0.0 if initial_state is None else initial_state.astype(_F32), final_state)
