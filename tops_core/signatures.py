@@ -46,6 +46,7 @@ class Signature:
         """The needs of ``features`` that none of them meets."""
         return [(feature, needed) for feature, needed in self.needs if feature in features and not features & needed]
 
+
 SIMPLE_GLA = Signature(
     "simple_gla", frozenset({"g", "g_gamma", "initial_state", "cu_seqlens", "output_final_state"}), frozenset({"g_gamma"}),
 )

@@ -194,10 +194,7 @@ class Decays:
             fine = (jnp.exp(exponents), jnp.exp(-exponents))
         decays = jnp.exp(sums)
         sections = [decays[n * C : (n + 1) * C] for n in range(decays.shape[0] // C)]
-        if fine_size is None:
-            whole = jnp.exp(matmul(g, jnp.ones((C, 1), _F32), _F32, COLUMNS_BY_COLUMNS))
-        else:  # as the run sums
-            whole = jnp.exp(column_sums(g, jnp.ones((C, 1), jnp.bool_)))
+        whole = jnp.exp(column_sums(g, jnp.ones((C, 1), jnp.bool_)))
         levels = tuple(zip(sections[2::2], sections[3::2]))
         return cls(to_token=sections[0], to_end=sections[1], whole=whole, levels=levels, fine=fine, fine_size=fine_size)
 

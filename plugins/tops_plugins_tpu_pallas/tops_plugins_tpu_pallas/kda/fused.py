@@ -102,7 +102,8 @@ def plans(
     ``g`` and ``beta`` are always inputs; a dtype of None (a ``CallSpec``, which carries neither)
     plans them as float32, the larger. ``num_seqs``: a packed call (``kda/varlen.py``) of that many
     sequences, whose boundaries the kernel reads from SMEM (``varlen.boundaries``: ``N + 1 + 2 * chunks``
-    int32); its blocks, work and VMEM are the unpacked kernel's at ``B = 1``.
+    int32); without states its blocks, work and VMEM are the unpacked kernel's at ``B = 1``, and its
+    per-sequence states sit in HBM, moved through VMEM buffers, their work counted per sequence.
     """
     scalars = [Scalars("A_log", (geometry.heads,), jnp.float32)] if with_A_log else []
     if num_seqs is not None:
@@ -125,7 +126,9 @@ def plans(
         state_block = (geometry.padded_key_dim, geometry.value_block)
         scratch = [blocks.running_state(geometry)]
         if initial_state_dtype is not None:
-            inputs.append(sequence_states("initial_state", geometry, num_seqs, initial_state_dtype))
+            # Read once where its sequence starts and, when it also ends in that chunk, again for its final state.
+            moves = 2 if output_final_state else 1
+            inputs.append(sequence_states("initial_state", geometry, num_seqs, initial_state_dtype, moves))
             scratch.append(Scratch("loaded", state_block, initial_state_dtype))
         if output_final_state:
             outputs.append(sequence_states("final_state", geometry, num_seqs, jnp.float32))

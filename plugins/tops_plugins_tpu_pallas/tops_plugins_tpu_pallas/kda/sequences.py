@@ -91,8 +91,8 @@ class PackedChunk:
 
     def entering(self, q: jax.Array, k: jax.Array, g: jax.Array, operands) -> Entering | None:
         """The initial states' terms (``q``, ``k`` as the chunk math holds them, ``g`` ``(C, K)`` as given but ``-inf``
-        taken as ``RESET_LOG_DECAY``), or None
-        without ``initial_state`` (every sequence starts from zeros, which a reset already is)."""
+        taken as ``RESET_LOG_DECAY``), or None without ``initial_state`` (every sequence starts from zeros, which a
+        reset already is)."""
         if not self.states.has("initial_state"):
             return None
         C, K = k.shape
@@ -130,6 +130,7 @@ class PackedChunk:
         def write(n, unused):
             start, end = self._rows_of(n)
             begun = self._begins_before(n)
+            # A sequence that began in this chunk reads its initial state a second time (``entering``'s copy is gone).
             entering = jnp.where(begun, carried, self.states.load("initial_state", "loaded", n, ~begun))
             inside = (rows >= start) & (rows < end)
             decays = jnp.where(inside, jnp.exp(run_sums((j < t) & (t < end), g)), 0.0)

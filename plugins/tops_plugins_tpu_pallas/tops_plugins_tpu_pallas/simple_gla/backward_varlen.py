@@ -237,7 +237,4 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)
     if initial_state is None:
         return grads
-    # An empty sequence covers no token, so no kernel writes its dinitial_state: its final state is its initial one.
-    empty = (cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None, None]
-    passed_through = jnp.zeros((), initial_state.dtype) if dht is None else dht.astype(initial_state.dtype)
-    return dataclasses.replace(grads, dinitial_state=jnp.where(empty, passed_through, grads.dinitial_state))
+    return dataclasses.replace(grads, dinitial_state=varlen.with_empty_sequences(grads.dinitial_state, cu_seqlens, dht))

@@ -207,7 +207,7 @@ class SequenceStates:
 
         Where not ``when`` the buffer holds an earlier copy (or nothing yet): the caller selects the value away.
         """
-        if name not in self.refs:
+        if not self.has(name):
             return jnp.zeros(self.shape, _F32)
 
         @pl.when(when)
@@ -218,7 +218,7 @@ class SequenceStates:
 
     def store(self, name: str, buffer: str, sequence: jax.Array, value: jax.Array, when: jax.Array) -> None:
         """Write ``value`` to ``refs[name][sequence]`` through VMEM ``buffer``, only ``when`` (nothing when the call has no ``name``)."""
-        if name not in self.refs:
+        if not self.has(name):
             return
 
         @pl.when(when)
@@ -293,8 +293,10 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
     return o, None if final_state is None else with_empty_sequences(final_state, cu_seqlens, initial_state)
 
 
-def with_empty_sequences(final_state: jax.Array, cu_seqlens: jax.Array, initial_state: jax.Array | None) -> jax.Array:
-    """A packed kernel's ``final_state`` with the rows of empty sequences set: a kernel writes the final state of every
-    sequence that covers a token, and an empty one ends where it starts (``initial_state[n]`` or zeros)."""
+def with_empty_sequences(per_sequence: jax.Array, cu_seqlens: jax.Array, passed_through: jax.Array | None) -> jax.Array:
+    """A packed kernel's per-sequence result ``[N, H, K, V]`` (a final state, or ``dinitial_state``) with the rows of
+    empty sequences set to ``passed_through``'s (None: zeros). A kernel writes the rows of the sequences that cover a
+    token; an empty one passes its state (forward: ``initial_state[n]``) or its state's gradient (``dht[n]``) through."""
     empty = (cu_seqlens[1:] == cu_seqlens[:-1])[:, None, None, None]
-    return jnp.where(empty, 0.0 if initial_state is None else initial_state.astype(_F32), final_state)
+    value = jnp.zeros((), per_sequence.dtype) if passed_through is None else passed_through.astype(per_sequence.dtype)
+    return jnp.where(empty, value, per_sequence)
