@@ -26,8 +26,8 @@ them (read off the compiled program) at HBM bandwidth, in two settings:
 
 An implementation with its own backward is modelled backward too: its backward alone (``op.backward``,
 its kernels modelled the same way), against the backward's floor, which reads ``q``, ``k``, ``v``,
-``do`` and writes ``dq``, ``dk``, ``dv`` once (any other gradient, and recomputing the forward's
-states, is above it).
+``do`` and writes ``dq``, ``dk``, ``dv`` once (kda: also reads ``g``, ``beta`` and writes ``dg``, ``dbeta``;
+any other gradient, and recomputing the forward's states, is above it).
 
 The floor time reads ``q``, ``k``, ``v`` (kda: and ``g``, ``beta``) and writes ``o`` once at HBM bandwidth. The per-generation
 constants (bandwidth, peak, clock, MXUs, VLIW slots) and their sources are in
@@ -172,10 +172,21 @@ class TpuModel:
 
     @property
     def backward_floor_bytes(self) -> int:
-        """Read q, k, v, do and write dq, dk, dv once: ``B*T*(4*H*K + 3*HV*V)`` elements."""
+        """Read q, k, v, do and write dq, dk, dv once: ``B*T*(4*H*K + 3*HV*V)`` elements; kda also reads g and beta and
+        writes dg and dbeta (``2 (K + 1)`` gate-dtype elements per value head)."""
         case = self.workload
         per_token = 4 * case.heads * case.key_dim + 3 * case.value_heads * case.value_dim
-        return case.batch * case.seq_len * per_token * jnp.dtype(case.dtype).itemsize
+        floor = case.batch * case.seq_len * per_token * jnp.dtype(case.dtype).itemsize
+        if case.op == "kda":
+            floor += self.tokens * 2 * (case.key_dim + 1) * state_dtype(case.dtype).itemsize
+        return floor
+
+    @property
+    def backward_floor_moves(self) -> str:
+        """What the backward's floor reads and writes, for the section's text."""
+        if self.workload.op == "kda":
+            return "read q, k, v, g, beta, do and write dq, dk, dv, dg, dbeta once"
+        return "read q, k, v, do and write dq, dk, dv once"
 
     @property
     def backward_floor_seconds(self) -> float:
@@ -379,8 +390,8 @@ def format_model(model: TpuModel) -> str:
     ]
     if any(row.backward is not None for row in model.rows):
         lines.append(
-            f"Backward (an implementation's own): alone, its kernels and the copies around them; (x) is against its floor (read q, k, v, "
-            f"do and write dq, dk, dv once): {model.backward_floor_bytes / tokens:.0f} B/token, {_time(model.backward_floor_seconds)}. "
+            "Backward (an implementation's own): alone, its kernels and the copies around them; (x) is against its floor "
+            f"({model.backward_floor_moves}): {model.backward_floor_bytes / tokens:.0f} B/token, {_time(model.backward_floor_seconds)}. "
             "Forward+backward in a layer: the forward in a layer and the backward's kernels."
         )
     lines += [f"{name}: not modelled, {why}." for name, why in model.not_modelled]

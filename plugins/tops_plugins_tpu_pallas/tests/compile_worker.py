@@ -7,9 +7,8 @@ line on stdin and answers each with one JSON line on stdout: the facts of the co
 
 Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<kernel>`` or, given
 ``"implementation"``, of that one (null: the dispatcher's choice) (simple_gla, packed with traced
-``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"``, packed through the public op and
-``tpu_pallas.varlen`` when it names ``num_seqs``, else through ``tpu_pallas.fused``'s forward
-itself when it names ``groups``, grouped value heads and the in-kernel activations, until the op passes them), or with ``"gradient": true`` the
+``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"``, with the activation options it names, and
+``groups`` value heads per query/key head), or with ``"gradient": true`` the
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
 text of ``tops bench``'s modelled TPU section.
@@ -71,43 +70,20 @@ def _kda_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
     return arrays
 
 
-def _kda_kernel_forward(call: dict):
-    """``tpu_pallas.fused``'s kda forward itself, with the call's activation options (inputs absent from the arrays: None)."""
-    from tops_plugins_tpu_pallas.kda import fused
-
-    options = {name: call[name] for name in ("use_gate", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval")}
-
-    def forward(arrays):
-        return fused.forward(
-            **{"initial_state": None, **arrays}, scale=call["K"] ** -0.5, output_final_state=call["final_state"], cu_seqlens=None,
-            use_qk_l2norm=call["use_qk_l2norm"], config=fused.KdaFusedConfig(), **options,
-        )
-
-    return forward
-
-
-def _kda_packed_forward(call: dict):
-    """kda's packed forward through the public op (``tpu_pallas.varlen``), with the call's activation options."""
+def _kda_forward(call: dict):
+    """kda's forward through the public op and ``tpu_pallas.<kernel>`` (or ``implementation``), with the call's activation options."""
     options = {name: call[name] for name in ("use_gate", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval") if name in call}
 
     def forward(arrays):
         return kda.forward(**arrays, output_final_state=call["final_state"], use_qk_l2norm=call["use_qk_l2norm"],
-                           implementation=call.get("implementation", "tpu_pallas.varlen"), **options)
+                           implementation=call.get("implementation", f"tpu_pallas.{call['kernel']}"), **options)
 
     return forward
 
 
 def _forward(call: dict):
-    if call.get("op") == "kda" and call.get("num_seqs") is not None:
-        return _kda_packed_forward(call)
-    if call.get("op") == "kda" and "groups" in call:
-        return _kda_kernel_forward(call)
     if call.get("op") == "kda":
-        def forward(arrays):
-            return kda.forward(**arrays, output_final_state=call["final_state"], use_qk_l2norm=call["use_qk_l2norm"],
-                               implementation=f"tpu_pallas.{call['kernel']}")
-
-        return forward
+        return _kda_forward(call)
 
     def forward(arrays):
         return sg.forward(**arrays, output_final_state=call["final_state"], implementation=call.get("implementation", f"tpu_pallas.{call['kernel']}"))

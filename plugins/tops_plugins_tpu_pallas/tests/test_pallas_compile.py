@@ -276,7 +276,7 @@ KDA_GRADIENTS = (
     dict(generation="v4", T=1000, K=200, V=256, dtype="bfloat16", initial_state=True, final_state=True, use_qk_l2norm=True),
     dict(generation="v5e", T=65, K=128, V=100, dtype="float32", initial_state=False, final_state=False, use_qk_l2norm=False),
     dict(generation="v5p", T=1, K=32, V=128, dtype="bfloat16", initial_state=True, final_state=False, use_qk_l2norm=True),
-    dict(generation="v6e", T=1000, K=128, V=128, dtype="float32", initial_state=False, final_state=True, use_qk_l2norm=False),
+    dict(generation="v6e", T=65, K=128, V=128, dtype="float32", initial_state=False, final_state=True, use_qk_l2norm=False),
 )
 
 
@@ -316,15 +316,15 @@ def test_kda_forward_compiles_to_the_mosaic_kernel(worker, call):
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 
 
-# xla.chunk's KDA backward takes tens of seconds to compile for TPU: only the slow run compiles the gradients
-# (the default run checks the pairing through explain, test_pallas_kda.py).
-@pytest.mark.slow
-@pytest.mark.parametrize("call", KDA_GRADIENTS, ids=_kda_label)
-def test_kda_gradient_compiles_the_kernel_and_xla_chunks_backward(worker, call):
-    # Forward-only: the dispatcher pairs it with xla.chunk's KDA backward, in the same TPU program.
+# v4's (T = 1000, K = 200, 12 s) with -m slow; the grouped heads' gradient below compiles for v4 by default.
+@pytest.mark.parametrize(
+    "call", [pytest.param(c, marks=pytest.mark.slow) if c["generation"] == "v4" else c for c in KDA_GRADIENTS], ids=_kda_label,
+)
+def test_kda_gradient_compiles_the_forward_and_its_own_backward(worker, call):
+    # The loss's forward kernel, then the backward's checkpoints and gradients kernels; nothing of xla.chunk.
     facts = compile_call(worker, _kda_call(call), gradient=True)
-    assert facts["kernels"] == 1
-    assert facts["implementations"] == ["tpu_pallas.fused.forward", "xla.chunk.backward"]
+    assert facts["kernels"] == 1 + 2
+    assert facts["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
 
 
 # Grouped value heads, the raw gate and beta logits in bf16, activated in the kernel: each gate form on
@@ -355,6 +355,20 @@ def test_kda_forward_with_grouped_heads_and_the_activations_compiles_to_the_mosa
     facts = compile_call(worker, _kda_call(call))
     assert facts["kernels"] == 1
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["transcendentals"] > 0
+
+
+# Grouped heads and the activations' gradients: v4 and v5p by default (seconds), v5e and v6e (T = 1000, 15 s each) with -m slow.
+KDA_ACTIVATED_GRADIENTS = [
+    call if call["generation"] in ("v4", "v5p") else pytest.param(call, marks=pytest.mark.slow) for call in KDA_ACTIVATED
+]
+
+
+@pytest.mark.parametrize("call", KDA_ACTIVATED_GRADIENTS, ids=_kda_activated_label)
+def test_kda_gradient_with_grouped_heads_and_the_activations_compiles_its_own_backward(worker, call):
+    # Every gradient: dq, dk summed over a group, d(raw gate), d(beta logits), dA_log, ddt_bias, dinitial_state.
+    facts = compile_call(worker, _kda_call(call), gradient=True)
+    assert facts["kernels"] == 1 + 2
+    assert facts["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
 
 
 # Bounded gates (chunkwise's bounded path, sub-chunks of 16 at lower_bound = -5): the gate's bound on v5e (v5p and

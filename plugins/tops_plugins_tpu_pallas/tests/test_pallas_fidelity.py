@@ -1,4 +1,4 @@
-"""The kernels, forward and backward (kda's fused and packed varlen: forward), under Pallas' faithful TPU interpreter, against the float64 reference (slow).
+"""The kernels, forward and backward (kda's packed varlen: forward only), under Pallas' faithful TPU interpreter, against the float64 reference (slow).
 
 ``pltpu.InterpretParams`` simulates what the fast interpreter hides: uninitialised VMEM and
 outputs full of NaN, two cores sharing the parallel grid axes, the order of parallel grid points
@@ -214,7 +214,7 @@ def test_faithful_interpreter_gradients_match_reference_packed(case, race_report
         assert measurement.passed, measurement.describe()
 
 
-# kda's fused kernel (forward only): B, T, H, K, V, dtype, make_kda_inputs options, use_qk_l2norm,
+# kda's fused kernel: B, T, H, K, V, dtype, make_kda_inputs options, use_qk_l2norm,
 # config. Every case is ragged and has several (batch, head, value block) points, so the two
 # simulated cores share them in a random order: a state carried over from another grid point would show.
 KDA_CASES = {
@@ -244,6 +244,33 @@ def test_kda_faithful_interpreter_matches_reference(case, seed, race_reports, ma
     o_ref, final_ref = kda_reference(inputs, use_qk_l2norm)
     assert_matches("o", o, o_ref, dtype)
     assert_matches("final_state", final_state, final_ref, dtype)
+
+
+@pytest.mark.parametrize("case", ["in-place-f32-h0-two-chunks-per-step-ragged", "default-config-bf16-h0-ragged"])
+def test_kda_backward_faithful_interpreter_matches_reference(case, race_reports, make_kda_inputs):
+    # kda.backward's two kernels (checkpoints, then dS in VMEM along the reverse time axis) on two simulated
+    # cores in a random order, every gradient against ref.recurrent's (float64 inside).
+    shape, dtype, given, use_qk_l2norm, config = KDA_CASES[case]
+    seed = SEEDS[0]
+    inputs = make_kda_inputs(*shape, dtype, seed=seed, **given)
+    weights = jnp.cos(jnp.arange(shape[-1] * shape[-1], dtype=jnp.float32)).reshape(shape[-1], shape[-1])
+
+    def gradients(implementation):
+        def loss(inputs):
+            o, final_state = tops_core.op("kda").forward(
+                **inputs, output_final_state=True, use_qk_l2norm=use_qk_l2norm, implementation=implementation,
+            )
+            return jnp.sum(o.astype(jnp.float32) @ weights) + jnp.sum(final_state * weights)
+
+        with tops_core.use(interpret=True, strict=True):
+            return jax.block_until_ready(jax.jit(jax.grad(loss))(inputs))
+
+    got = gradients(("tpu_pallas.fused", {**config, "interpret": faithful(seed)}))
+    assert len(race_reports) >= 2 and not any(report.races_found for report in race_reports)
+    want = gradients("ref.recurrent")
+    for name in inputs:
+        measurement = measure(f"d{name}", got[name], want[name], tolerance(jnp.dtype(dtype).name, gradient=True))
+        assert measurement.passed, measurement.describe()
 
 
 @pytest.mark.parametrize("seed", SEEDS[:1])

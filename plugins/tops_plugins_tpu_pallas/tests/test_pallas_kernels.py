@@ -246,6 +246,17 @@ def test_gates_go_along_lanes_with_per_token_gates_from_chunk_128():
     assert not fused.gates_along_lanes(gated=True, chunk_size=64)  # a step's tokens would not fill 128 lanes
 
 
+def equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside it (``mxu.matmul``'s products sit in custom_vjp calls)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)
+
+
 @pytest.mark.parametrize(
     ("dtype", "precision"), [(jnp.bfloat16, jax.lax.Precision.DEFAULT), (jnp.float32, jax.lax.Precision.HIGHEST)]
 )
@@ -261,7 +272,7 @@ def test_mxu_operands_follow_the_input_dtype(dtype, precision):
         return chunkwise.chunk_output(q, k, v, state, gates, 0.1), chunkwise.advance_state(state, k, v, gates)
 
     jaxpr = jax.make_jaxpr(chunk_math)(tokens, tokens, tokens, state)
-    dots = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
+    dots = [eqn for eqn in equations(jaxpr.jaxpr) if eqn.primitive.name == "dot_general"]
     assert len(dots) == 4  # scores, from the state, attention x values, the state's update
     for dot in dots:
         assert [x.aval.dtype for x in dot.invars] == [jnp.dtype(dtype)] * 2
@@ -470,6 +481,7 @@ def test_split_operands_keep_about_16_bits_in_two_bf16_passes():
 
     assert error(mxu.SPLIT_BFLOAT16) < 2**-15 < 2**-10 < error(jnp.bfloat16)
     for operands, passes in (((a, b), 2), ((b, b), 3)):
-        dots = [e for e in jax.make_jaxpr(lambda x, y: mxu.matmul(x, y, mxu.SPLIT_BFLOAT16))(*operands).eqns if e.primitive.name == "dot_general"]
+        jaxpr = jax.make_jaxpr(lambda x, y: mxu.matmul(x, y, mxu.SPLIT_BFLOAT16))(*operands).jaxpr
+        dots = [e for e in equations(jaxpr) if e.primitive.name == "dot_general"]
         assert len(dots) == passes
         assert all(x.aval.dtype == jnp.bfloat16 for dot in dots for x in dot.invars)

@@ -3,8 +3,8 @@ sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla); ``tpu_pallas.fus
 ``tpu_pallas.varlen`` for kda (``kda/``).
 
 Each simple_gla kernel has its own backward (``backward_fused``, ``backward_split``,
-``backward_varlen``); kda's is forward-only, and the dispatcher pairs it with another
-implementation's backward. All run natively on TPU and, with interpret mode on, in Pallas' TPU
+``backward_varlen``), and so has kda's fused kernel (``kda.backward``); kda's packed one is
+forward-only, and the dispatcher pairs it with another implementation's backward. All run natively on TPU and, with interpret mode on, in Pallas' TPU
 interpreter anywhere else.
 """
 
@@ -209,14 +209,21 @@ KDA_FUSED = tops_core.Implementation(
     op="kda",
     name="fused",
     forward=kda.fused.forward,
+    backward=kda.backward.backward,
     # No cu_seqlens: the matcher rejects packed calls with that reason (tpu_pallas.varlen takes them).
     capabilities=_capabilities(
-        _fits_vmem(KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.plans), op_inputs=_kda_inputs),
+        _fits_vmem(
+            KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.plans), (kda.backward.geometry_of, kda.backward.plans),
+            op_inputs=_kda_inputs,
+        ),
         {"initial_state", "output_final_state"} | _KDA_OPTIONS,
     ),
     priority={"tpu": 200},
     config=KDA_FUSED_CONFIG,
-    description="one pallas_call: state in VMEM along a sequential time axis, exact per-chunk inverse; forward only",
+    description=(
+        "one pallas_call: state in VMEM along a sequential time axis, exact per-chunk inverse; "
+        "backward: the state entering every chunk, then each chunk's VJP with dS in VMEM along the reverse time axis"
+    ),
 )
 
 
@@ -240,7 +247,7 @@ KDA_VARLEN = tops_core.Implementation(
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register the simple_gla kernels, each with its own backward, and kda's forwards (unpacked and packed)."""
+    """Register the simple_gla kernels, each with its own backward, and kda's (unpacked with its own backward, and packed)."""
     register(FUSED)
     register(CHUNK)
     register(VARLEN)

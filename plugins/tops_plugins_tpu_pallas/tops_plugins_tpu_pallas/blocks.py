@@ -122,6 +122,21 @@ def chunk_states(geometry: Geometry) -> Blocked:
     )
 
 
+def token_rows(name: str, geometry: Geometry) -> Blocked:
+    """One float32 number per token of each head, ``[B, H, steps, chunks per step, C]``: one row per chunk (a
+    gradient per token, reduced over a block's lanes in the kernel). The last two block dimensions equal the
+    array's, a legal TPU block for any chunk count."""
+    g = geometry
+
+    def head_rows(b, h, tile, t, *_):
+        return (b, h, t, 0, 0)
+
+    return Blocked(
+        name, (g.batch, g.heads, g.time_steps, g.chunks_per_step, g.chunk_size), jnp.float32,
+        (None, None, None, g.chunks_per_step, g.chunk_size), head_rows,
+    )
+
+
 def running_state(geometry: Geometry) -> Scratch:
     """The float32 state carried along the sequential time axis, in VMEM only."""
     return Scratch("state", (geometry.padded_key_dim, geometry.value_block), jnp.float32)

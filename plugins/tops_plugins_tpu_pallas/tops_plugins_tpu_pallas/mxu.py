@@ -60,11 +60,39 @@ def matmul(a: jax.Array, b: jax.Array, operands, contracting=ROWS_BY_COLUMNS) ->
             for i, a_part in enumerate(a_parts) for j, b_part in enumerate(b_parts) if i + j < 2
         ]
         return functools.reduce(operator.add, products)
-    operands = jnp.dtype(operands)
+    return _product(a, b, jnp.dtype(operands), contracting)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _product(a: jax.Array, b: jax.Array, operands: jnp.dtype, contracting) -> jax.Array:
+    """One MXU product of ``a`` and ``b`` rounded to ``operands``, float32 accumulation.
+
+    Differentiable with products of the same kind (``_product_cotangents``): float32 cotangents, each
+    contraction one Mosaic takes as it is (no transpose of an operand), where jax's own rule would
+    round the cotangents to the operands' dtype and transpose.
+    """
     precision = lax.Precision.HIGHEST if operands == _F32 else lax.Precision.DEFAULT
     return lax.dot_general(
         a.astype(operands), b.astype(operands), (contracting, ((), ())), precision=precision, preferred_element_type=_F32
     )
+
+
+def _product_forward(a, b, operands, contracting):
+    return _product(a, b, operands, contracting), (a, b)
+
+
+def _product_cotangents(operands, contracting, residuals, cotangent):
+    a, b = residuals
+    if contracting == ROWS_BY_COLUMNS:  # a @ b
+        da, db = _product(cotangent, b, operands, ROWS_BY_ROWS), _product(a, cotangent, operands, COLUMNS_BY_COLUMNS)
+    elif contracting == ROWS_BY_ROWS:  # a @ b.T
+        da, db = _product(cotangent, b, operands, ROWS_BY_COLUMNS), _product(cotangent, a, operands, COLUMNS_BY_COLUMNS)
+    else:  # a.T @ b
+        da, db = _product(b, cotangent, operands, ROWS_BY_ROWS), _product(a, cotangent, operands, ROWS_BY_COLUMNS)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+_product.defvjp(_product_forward, _product_cotangents)
 
 
 def row_and_column_iotas(size: int) -> tuple[jax.Array, jax.Array]:

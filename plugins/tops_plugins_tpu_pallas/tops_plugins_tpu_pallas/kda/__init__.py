@@ -1,6 +1,7 @@
-"""KDA's Pallas TPU forwards: ``tpu_pallas.fused`` (the kernel in ``fused``, one chunk's math in ``chunkwise``) and
-``tpu_pallas.varlen`` for packed sequences (``varlen``: the same kernel with a state reset at every sequence start)."""
+"""KDA's Pallas TPU kernels: ``tpu_pallas.fused`` (the forward in ``fused``, one chunk's math in ``chunkwise``, its
+backward in ``backward``) and ``tpu_pallas.varlen`` for packed sequences (``varlen``: the same forward with a state
+reset at every sequence start)."""
 
-from tops_plugins_tpu_pallas.kda import chunkwise, fused, varlen
+from tops_plugins_tpu_pallas.kda import backward, chunkwise, fused, varlen
 
-__all__ = ["chunkwise", "fused", "varlen"]
+__all__ = ["backward", "chunkwise", "fused", "varlen"]

@@ -148,16 +148,43 @@ def _over_exact_parts(g: jax.Array, product) -> jax.Array:
     return functools.reduce(operator.add, (product(part) for part in bf16_parts(g, 3)))
 
 
+@jax.custom_vjp
 def run_sums(masks: jax.Array, g: jax.Array) -> jax.Array:
-    """``masks @ g`` for 0/1 (or -1) ``masks`` (``_over_exact_parts``)."""
+    """``masks @ g`` for 0/1 (or -1) ``masks`` (``_over_exact_parts``); its gradient ``masks.T @ dsums`` likewise."""
     masks = masks.astype(jnp.bfloat16)
     return _over_exact_parts(g, lambda part: matmul(masks, part, jnp.bfloat16))
 
 
+def _run_sums_forward(masks, g):
+    return run_sums(masks, g), masks
+
+
+def _run_sums_cotangents(masks, dsums):
+    masks = masks.astype(jnp.bfloat16)
+    return None, _over_exact_parts(dsums, lambda part: matmul(masks, part, jnp.bfloat16, COLUMNS_BY_COLUMNS))
+
+
+run_sums.defvjp(_run_sums_forward, _run_sums_cotangents)
+
+
+@jax.custom_vjp
 def column_sums(g: jax.Array, rows: jax.Array) -> jax.Array:
-    """``(K, 1)``: the sum of ``g``'s rows marked in the 0/1 column ``rows`` (``(C, 1)``), per key (``_over_exact_parts``)."""
+    """``(K, 1)``: the sum of ``g``'s rows marked in the 0/1 column ``rows`` (``(C, 1)``), per key (``_over_exact_parts``);
+    its gradient, ``dsums`` (``(K, 1)``) as a row on each marked row, likewise."""
     rows = rows.astype(jnp.bfloat16)
     return _over_exact_parts(g, lambda part: matmul(part, rows, jnp.bfloat16, COLUMNS_BY_COLUMNS))
+
+
+def _column_sums_forward(g, rows):
+    return column_sums(g, rows), rows
+
+
+def _column_sums_cotangents(rows, dsums):
+    rows = rows.astype(jnp.bfloat16)
+    return _over_exact_parts(dsums, lambda part: matmul(rows, part, jnp.bfloat16, ROWS_BY_ROWS)), None
+
+
+column_sums.defvjp(_column_sums_forward, _column_sums_cotangents)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,8 @@ KDA's own inputs, read in place:
   the array's, so no padding in HBM); the kernel takes its head's column (and, with
   ``use_beta_sigmoid``, its ``beta_activation``).
 
-Forward only: the dispatcher pairs it with another implementation's backward (xla.chunk's).
+Its backward (``kda/backward.py``) runs this kernel again for the state entering every chunk (``checkpoints`` in
+place of ``o``), then the VJP of ``activated_chunk_step`` chunk by chunk in reverse.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
-from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, finish_sequence, geometry_of, start_sequence, step_chunks
+from tops_plugins_tpu_pallas.grid import Chunk, Work, chunks_of_the_grid, finish_sequence, geometry_of, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, chunk_work
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Relayout, Scalars, Scratch
@@ -72,7 +74,7 @@ class KdaFusedConfig:
             raise TypeError(f"KdaFusedConfig.full_values must be a bool, got {self.full_values!r}")
 
 
-def _activation_work(activations: Activations, geometry: Geometry) -> Work:
+def activation_work(activations: Activations, geometry: Geometry) -> Work:
     """Per chunk and value block: two transcendentals per element activated (softplus: exp and log;
     sigmoid: exp and a reciprocal)."""
     gated = geometry.chunk_size * geometry.padded_key_dim if activations.use_gate else 0
@@ -136,7 +138,7 @@ def plans(
         if len(scratch) > 1:
             scratch.append(DmaSemaphores("copies", 2))
     bound, packed = activations.decay_lower_bound, num_seqs is not None
-    work = (chunk_work(geometry, use_qk_l2norm, bound, packed) + _activation_work(activations, geometry)) * chunks_of_the_grid(geometry)
+    work = (chunk_work(geometry, use_qk_l2norm, bound, packed) + activation_work(activations, geometry)) * chunks_of_the_grid(geometry)
     if packed:
         states = sequence_work(geometry, initial_state_dtype is not None, output_final_state)
         work = work + states * (geometry.heads * geometry.value_tiles * num_seqs)
@@ -149,7 +151,30 @@ def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UN
     return grid.fitted_plans(plans, geometry, dtype, target=target, **inputs)
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
+def read_chunk(refs: dict, chunk: Chunk, head) -> tuple[jax.Array, ...]:
+    """The chunk's ``q``, ``k``, ``v``, ``g`` (as given: raw with ``use_gate``) and ``beta`` (float32 ``(C, 1)``, as given)."""
+    return (*(chunk.read(refs[name]) for name in ("q", "k", "v", "g")), chunk.head_column(refs["beta"], head))
+
+
+def activated_chunk_step(
+    chunk: Chunk, q, k, v, g, beta, state, A_log, dt_bias, *, scale: float, use_qk_l2norm: bool, activations: Activations,
+    packed: PackedChunk | None = None,
+):
+    """``chunk_step`` of the gate and beta as the caller gave them, activated here: the forward's whole chunk, whose
+    VJP is the backward's (``kda.backward``). ``A_log``: a scalar or ``(1, 1)``; ``dt_bias``: ``(1, K_pad)``."""
+    # Rows past the end of the sequence are read as zeros, but the activations of zero are not zero
+    # (a decay, a write strength), and chunk_step needs those rows to decay and write nothing.
+    if activations.use_beta_sigmoid:
+        beta = chunk.zero_past_end(activations.strength(beta))
+    if activations.use_gate:
+        g = chunk.zero_past_end(activations.decay(g, A_log, dt_bias))
+    return chunk_step(
+        q, k, v, g.astype(jnp.float32), beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        lower_bound=activations.decay_lower_bound, packed=packed,
+    )
+
+
+def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
     """The fused kda kernel; with ``cu_seqlens`` among the refs (``num_seqs`` planned) the packed one: every key's
     log decay on a sequence's first row is ``RESET_LOG_DECAY`` (exp of it 0: the state is reset before that token
     writes), which ``chunkwise`` takes exactly, and the per-sequence states enter and leave where each sequence
@@ -166,24 +191,17 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
     dt_bias = refs["dt_bias"][...] if "dt_bias" in refs else None
     state = refs["state"][...]
     for chunk in step_chunks(geometry, step):
-        # Rows past the end of the sequence are read as zeros, but the activations of zero are not zero
-        # (a decay, a write strength), and chunk_step needs those rows to decay and write nothing.
-        beta = chunk.head_column(refs["beta"], head)
-        if activations.use_beta_sigmoid:
-            beta = chunk.zero_past_end(activations.strength(beta))
-        q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        g = chunk.read(refs["g"])
-        if activations.use_gate:
-            g = chunk.zero_past_end(activations.decay(g, A_log, dt_bias))
-        g = g.astype(jnp.float32)
+        if "checkpoints" in refs:  # the backward's first walk (kda.backward): the state entering every chunk, no o
+            refs["checkpoints"][chunk.index] = state
         sequences = None
         if packed:
             sequences = PackedChunk.of(refs, step * geometry.chunks_per_step + chunk.index, geometry.chunk_size, states)
-        o, state = chunk_step(
-            q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-            lower_bound=activations.decay_lower_bound, packed=sequences,
+        o, state = activated_chunk_step(
+            chunk, *read_chunk(refs, chunk, head), state, A_log, dt_bias,
+            scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations, packed=sequences,
         )
-        refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
+        if "o" in refs:
+            refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
     if not packed:  # packed, each sequence's final state left where it ended
         finish_sequence(refs, step, geometry)
@@ -206,14 +224,24 @@ def forward(
     )
 
 
+def gate_operands(g, beta, A_log, dt_bias, geometry: Geometry) -> dict:
+    """kda's own operands beyond ``layout.kernel_operands``, by name: ``g`` laid out as ``k`` (per value head),
+    ``beta`` as given, and ``A_log`` and ``dt_bias`` when given."""
+    value_heads, key_dim = g.shape[2:]
+    operands = {"g": heads_flattened(g, geometry.padded_key_dim), "beta": beta}
+    if A_log is not None:
+        operands["A_log"] = A_log.astype(jnp.float32)  # SMEM holds 32-bit words; gate computes in float32 anyway
+    if dt_bias is not None:
+        operands["dt_bias"] = heads_flattened(dt_bias.reshape(value_heads, 1, 1, key_dim), geometry.padded_key_dim)  # [HV, 1, K_pad]
+    return operands
+
+
 def run(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, activations: Activations,
     A_log, dt_bias, config, cu_seqlens=None,
 ):
     """One launch of the kernel: unpacked, or (``cu_seqlens`` given, ``B == 1``) packed, ``kda/varlen.py``'s."""
-    value_heads, key_dim = g.shape[2:]
-    padded_key_dim = geometry_of(*q.shape, v.shape[-1], config).padded_key_dim
-    operands = {"g": heads_flattened(g, padded_key_dim), "beta": beta}
+    operands = gate_operands(g, beta, A_log, dt_bias, geometry_of(*q.shape, v.shape[-1], config))
     num_seqs = None
     if cu_seqlens is not None:
         num_seqs = cu_seqlens.shape[0] - 1
@@ -222,12 +250,8 @@ def run(
         for name in ("first_sequence", "last_sequence"):
             boundary[name] = jnp.clip(boundary[name], 0, num_seqs - 1)
         operands.update(boundary)
-    if A_log is not None:
-        operands["A_log"] = A_log.astype(jnp.float32)  # SMEM holds 32-bit words; gate computes in float32 anyway
-    if dt_bias is not None:
-        operands["dt_bias"] = heads_flattened(dt_bias.reshape(value_heads, 1, 1, key_dim), padded_key_dim)  # [HV, 1, K_pad]
     return grid.run(
-        functools.partial(_kernel, use_qk_l2norm=use_qk_l2norm, activations=activations),
+        functools.partial(kernel, use_qk_l2norm=use_qk_l2norm, activations=activations),
         functools.partial(
             plans, beta_dtype=beta.dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
             with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype, num_seqs=num_seqs,

@@ -79,19 +79,8 @@ def state_checkpoints(geometry: Geometry, every_chunk: bool) -> Blocked:
 
 
 def decay_gradients(geometry: Geometry) -> Blocked:
-    """Per-token gradient of the log decay, float32 ``[B, H, steps, chunks per step, C]``: one row per chunk.
-
-    The last two block dimensions equal the array's, a legal TPU block for any chunk count.
-    """
-    g = geometry
-
-    def head_rows(b, h, tile, t, *_):
-        return (b, h, t, 0, 0)
-
-    return Blocked(
-        "da", (g.batch, g.heads, g.time_steps, g.chunks_per_step, g.chunk_size), _F32,
-        (None, None, None, g.chunks_per_step, g.chunk_size), head_rows,
-    )
+    """Per-token gradient of the log decay, float32 ``[B, H, steps, chunks per step, C]``: one row per chunk."""
+    return blocks.token_rows("da", geometry)
 
 
 def state_gradient(geometry: Geometry) -> Scratch:

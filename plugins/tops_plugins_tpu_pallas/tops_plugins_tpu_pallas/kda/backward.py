@@ -1,0 +1,209 @@
+"""The backward of kda's ``tpu_pallas.fused``: every gradient in two ``pallas_call``s on the fused grid.
+
+1. **checkpoints**: the forward kernel itself (``fused.kernel``) walking time, writing the float32 state
+   entering every chunk instead of ``o``. KDA's chunk is compute-bound (its inverse and pairs), so one
+   checkpoint per chunk (``4 K V / C`` bytes per token written and read again) costs less than
+   recomputing a segment's states in the reverse walk.
+2. **gradients**: the grid's time axis reversed (``gradients.reversed_in_time``; nothing flipped or
+   copied). Each chunk's gradients are the VJP of the forward's own chunk function
+   (``fused.activated_chunk_step``: the gate and beta activations, ``use_qk_l2norm``, the decays, the
+   pairs, the exact inverse, the output and the state leaving), taken by ``jax.vjp`` inside the kernel at
+   the chunk's inputs and its checkpoint, with ``do`` and the state gradient ``dS`` carried in VMEM
+   from the chunk after it. So the backward computes exactly what the forward computes, both paths
+   (exact and bounded gates) and every option, and a change to the chunk math changes both.
+
+Two things keep the VJP as exact as the forward, both in the forward's own building blocks:
+``mxu.matmul`` differentiates into products of the same kind with float32 cotangents (jax's rule
+would round each cotangent to the operands' dtype), and the run sums of ``g`` (``chunkwise.run_sums``,
+``column_sums``) into the same three exact bf16 passes over the cotangent (jax's rule would round it to
+bf16: ``dg`` off by 1e-3 in float32). No ``exp`` is taken that the forward does not take: the VJP of
+``exp`` reuses its value, so strong decays give no Inf or NaN here either.
+
+Outputs per value head: ``dv``, ``dg`` (of the gate as given), ``dbeta`` (as given: of the logits with
+``use_beta_sigmoid``), one row ``(1, C)`` per chunk like simple_gla's decay gradient; ``dq`` and ``dk``
+per value head too (float32 when value heads are grouped, summed over each group after the kernel);
+``dA_log`` and ``ddt_bias`` summed over the chunks in blocks that stay in VMEM along the time axis, then
+over the batch after the kernel; ``dinitial_state`` from ``dS`` after the first chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from tops_core.ops.kda import Activations, KDAGrads
+
+from tops_plugins_tpu_pallas import blocks, grid, launch
+from tops_plugins_tpu_pallas.grid import Work, step_chunks
+from tops_plugins_tpu_pallas.kda import fused
+from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_work
+from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_chunk_step, geometry_of, read_chunk
+from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan
+from tops_plugins_tpu_pallas.simple_gla.gradients import (
+    backward_geometry, finish_state_gradient, reversed_in_time, start_state_gradient, state_checkpoints, state_gradient,
+)
+
+__all__ = ["backward", "geometry_of", "plans"]
+
+_F32 = jnp.float32
+
+VJP_WORK_FACTOR = 3
+"""The gradients kernel's work per chunk, in units of the forward chunk's (``chunk_work``): the VJP recomputes the
+forward and transposes each product twice (both operands' cotangents). Declared to XLA as the cost estimate."""
+
+VJP_VMEM_FACTOR = 3
+"""The gradients kernel's body values, in units of the forward chunk's (``chunk_body_vmem``): the forward's values
+are the VJP's residuals, held while their cotangents are computed."""
+
+
+def _per_head_sums(name: str, geometry: Geometry, width: int) -> Blocked:
+    """A float32 ``[B, HV, 1, width]`` sum over the chunks of one (batch, head): a block that stays in VMEM along the
+    time axis (its index does not change with the time step), accumulated there."""
+    g = geometry
+
+    def head_block(b, h, tile, t, *_):
+        return (b, h, 0, 0)
+
+    return Blocked(name, (g.batch, g.heads, 1, width), _F32, (None, None, 1, width), head_block)
+
+
+def plans(
+    geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None, output_final_state: bool = False,
+    use_qk_l2norm: bool = False, activations: Activations = Activations(), with_A_log: bool = False, dt_bias_dtype=None,
+) -> tuple[LaunchPlan, LaunchPlan]:
+    """The checkpoints and gradients plans of one call; ``output_final_state``: a ``dht`` is given; the other
+    arguments as ``fused.plans``'."""
+    geometry = backward_geometry(geometry)
+    forward_inputs = dict(
+        gate_dtype=gate_dtype, beta_dtype=beta_dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
+        with_A_log=with_A_log, dt_bias_dtype=dt_bias_dtype,
+    )
+    (forward,) = fused.plans(geometry, dtype, initial_state_dtype=initial_state_dtype, **forward_inputs)
+    checkpoints = dataclasses.replace(
+        forward, name="kda_backward_checkpoints", outputs=(state_checkpoints(geometry, every_chunk=True),),
+    )
+    steps = functools.partial(reversed_in_time, geometry=geometry)
+    (without_state,) = fused.plans(geometry, dtype, **forward_inputs)
+    inputs = [steps(x) if x.name != "dt_bias" else x for x in without_state.inputs]
+    inputs += [steps(blocks.value_rows("do", geometry, dtype)), steps(state_checkpoints(geometry, every_chunk=True))]
+    if output_final_state:
+        inputs.append(blocks.state("dht", geometry, _F32))
+    # Per value head; grouped value heads sum dq and dk over their group after the kernel, in float32.
+    key_dtype = dtype if geometry.groups == 1 else _F32
+    outputs = [
+        steps(blocks.key_rows("dq", geometry, key_dtype, per_value_head=True)),
+        steps(blocks.key_rows("dk", geometry, key_dtype, per_value_head=True)),
+        steps(blocks.value_rows("dv", geometry, dtype)),
+        steps(blocks.key_rows("dg", geometry, gate_dtype or _F32, per_value_head=True)),
+        steps(blocks.token_rows("dbeta", geometry)),
+    ]
+    if initial_state_dtype is not None:
+        outputs.append(blocks.state("dinitial_state", geometry, initial_state_dtype))
+    if with_A_log:
+        outputs.append(_per_head_sums("dA_log", geometry, 1))
+    if dt_bias_dtype is not None:
+        outputs.append(_per_head_sums("ddt_bias", geometry, geometry.padded_key_dim))
+    chunk = chunk_work(geometry, use_qk_l2norm, activations.decay_lower_bound) + fused.activation_work(activations, geometry)
+    work = chunk * (VJP_WORK_FACTOR * grid.chunks_of_the_grid(geometry))
+    body = VJP_VMEM_FACTOR * chunk_body_vmem(geometry, activations.decay_lower_bound)
+    gradients = grid.grid_plan(
+        "kda_fused_backward", geometry, without_state.scalars, inputs, outputs, work, body, scratch=(state_gradient(geometry),),
+    )
+    return checkpoints, gradients
+
+
+def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
+    """``plans`` at the geometry ``backward`` launches (fewer chunks per step while ``target``'s VMEM is short)."""
+    return launch.fit(plans, geometry, dtype, target, **inputs)[1]
+
+
+def _as_row(column: jax.Array) -> jax.Array:
+    """``(C, 1)`` -> ``(1, C)``, exactly: a product with the identity at HIGHEST, each term one value times 1 or 0."""
+    size = column.shape[0]
+    identity = (jax.lax.broadcasted_iota(jnp.int32, (size, size), 0) == jax.lax.broadcasted_iota(jnp.int32, (size, size), 1))
+    return jax.lax.dot_general(
+        column, identity.astype(_F32), (((0,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32,
+    )
+
+
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
+    refs = plan.bind(refs)
+    head, step = pl.program_id(1), pl.program_id(3)
+    start_state_gradient(refs, step)
+    sums = [name for name in ("dA_log", "ddt_bias") if name in refs]
+
+    @pl.when(step == 0)
+    def _start_sums():
+        for name in sums:
+            refs[name][...] = jnp.zeros(refs[name].shape, _F32)
+
+    A_log = jnp.full((1, 1), refs["A_log"][head], _F32) if "A_log" in refs else None
+    dt_bias = refs["dt_bias"][...] if "dt_bias" in refs else None
+    dstate = refs["dstate"][...]
+    for chunk in reversed(step_chunks(geometry, geometry.time_steps - 1 - step)):
+        primals = (*read_chunk(refs, chunk, head), refs["checkpoints"][chunk.index], A_log, dt_bias)
+        forward = functools.partial(activated_chunk_step, chunk, scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations)
+        _, vjp = jax.vjp(forward, *primals)
+        dq, dk, dv, dg, dbeta, dstate, dA_log, ddt_bias = vjp((chunk.read(refs["do"]).astype(_F32), dstate))
+        for name, value in (("dq", dq), ("dk", dk), ("dv", dv), ("dg", dg)):
+            refs[name][chunk.rows, :] = value.astype(refs[name].dtype)
+        refs["dbeta"][chunk.index : chunk.index + 1, :] = _as_row(dbeta)
+        for name, value in (("dA_log", dA_log), ("ddt_bias", ddt_bias)):
+            if name in refs:
+                refs[name][...] += value.astype(_F32)
+    refs["dstate"][...] = dstate
+    finish_state_gradient(refs, step, geometry)
+
+
+def backward(
+    q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm,
+    use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
+    config: KdaFusedConfig,
+) -> KDAGrads:
+    """The ``Backward`` protocol of ``tops_core.ops.kda`` (``cu_seqlens`` is rejected by the capabilities)."""
+    del cu_seqlens
+    B, T, H, K = q.shape
+    value_heads, V = v.shape[2:]
+    activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True)
+    geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
+        plans, geometry_of(B, T, value_heads, K, V, config, value_heads // H), q.dtype, config.interpret,
+        gate_dtype=g.dtype, beta_dtype=beta.dtype, initial_state_dtype=None if initial_state is None else initial_state.dtype,
+        output_final_state=dht is not None, use_qk_l2norm=use_qk_l2norm, activations=activations,
+        with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype,
+    )
+    arrays = {**kernel_operands(q, k, v, None, None, initial_state, geometry), **fused.gate_operands(g, beta, A_log, dt_bias, geometry)}
+    arrays["do"] = heads_flattened(do, geometry.padded_value_dim)
+    if dht is not None:
+        arrays["dht"] = padded_state(dht.astype(_F32), geometry)
+    static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations)
+    checkpoints = run(checkpoints_plan, fused.kernel, arrays, **static)
+    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, **static)
+    return _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry)
+
+
+def _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry: Geometry) -> KDAGrads:
+    """The kernels' outputs in the caller's shapes and dtypes: dq and dk summed over each group of value heads."""
+    B, T, HV, K = geometry.batch, geometry.seq_len, geometry.heads, geometry.key_dim
+    keys = dataclasses.replace(geometry, value_dim=K)  # dq, dk, dg: the layout of o, K wide
+
+    def query_key(name):
+        per_value_head = caller_output(results[name], keys)
+        return per_value_head.reshape(B, T, HV // geometry.groups, geometry.groups, K).sum(axis=3).astype(q.dtype)
+
+    dbeta = jnp.swapaxes(results["dbeta"].reshape(B, HV, -1)[:, :, :T], 1, 2).astype(beta.dtype)
+    dinitial_state = dA_log = ddt_bias = None
+    if initial_state is not None:
+        dinitial_state = caller_state(results["dinitial_state"], geometry).astype(initial_state.dtype)
+    if A_log is not None:
+        dA_log = results["dA_log"].sum(axis=0).reshape(HV).astype(A_log.dtype)
+    if dt_bias is not None:
+        ddt_bias = results["ddt_bias"].sum(axis=0)[:, 0, :K].reshape(dt_bias.shape).astype(dt_bias.dtype)
+    return KDAGrads(
+        dq=query_key("dq"), dk=query_key("dk"), dv=caller_output(results["dv"], geometry),
+        dg=caller_output(results["dg"], keys).astype(g.dtype), dbeta=dbeta,
+        dinitial_state=dinitial_state, dA_log=dA_log, ddt_bias=ddt_bias,
+    )
