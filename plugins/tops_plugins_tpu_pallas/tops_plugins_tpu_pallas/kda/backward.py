@@ -37,10 +37,11 @@ from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations, KDAGrads
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
-from tops_plugins_tpu_pallas.grid import Work, step_chunks
+from tops_plugins_tpu_pallas.grid import step_chunks
 from tops_plugins_tpu_pallas.kda import fused
 from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_work
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_chunk_step, geometry_of, read_chunk
+from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, row_and_column_iotas
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan
 from tops_plugins_tpu_pallas.simple_gla.gradients import (
@@ -87,8 +88,8 @@ def plans(
         forward, name="kda_backward_checkpoints", outputs=(state_checkpoints(geometry, every_chunk=True),),
     )
     steps = functools.partial(reversed_in_time, geometry=geometry)
-    (without_state,) = fused.plans(geometry, dtype, **forward_inputs)
-    inputs = [steps(x) if x.name != "dt_bias" else x for x in without_state.inputs]
+    # The forward's inputs but the initial state (the checkpoints hold it); dt_bias's block ignores the time step.
+    inputs = [steps(x) for x in forward.inputs if x.name != "initial_state"]
     inputs += [steps(blocks.value_rows("do", geometry, dtype)), steps(state_checkpoints(geometry, every_chunk=True))]
     if output_final_state:
         inputs.append(blocks.state("dht", geometry, _F32))
@@ -111,23 +112,15 @@ def plans(
     work = chunk * (VJP_WORK_FACTOR * grid.chunks_of_the_grid(geometry))
     body = VJP_VMEM_FACTOR * chunk_body_vmem(geometry, activations.decay_lower_bound)
     gradients = grid.grid_plan(
-        "kda_fused_backward", geometry, without_state.scalars, inputs, outputs, work, body, scratch=(state_gradient(geometry),),
+        "kda_fused_backward", geometry, forward.scalars, inputs, outputs, work, body, scratch=(state_gradient(geometry),),
     )
     return checkpoints, gradients
 
 
-def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
-    """``plans`` at the geometry ``backward`` launches (fewer chunks per step while ``target``'s VMEM is short)."""
-    return launch.fit(plans, geometry, dtype, target, **inputs)[1]
-
-
 def _as_row(column: jax.Array) -> jax.Array:
     """``(C, 1)`` -> ``(1, C)``, exactly: a product with the identity at HIGHEST, each term one value times 1 or 0."""
-    size = column.shape[0]
-    identity = (jax.lax.broadcasted_iota(jnp.int32, (size, size), 0) == jax.lax.broadcasted_iota(jnp.int32, (size, size), 1))
-    return jax.lax.dot_general(
-        column, identity.astype(_F32), (((0,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32,
-    )
+    rows, columns = row_and_column_iotas(column.shape[0])
+    return matmul(column, (rows == columns).astype(_F32), _F32, COLUMNS_BY_COLUMNS)
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
@@ -182,10 +175,10 @@ def backward(
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations)
     checkpoints = run(checkpoints_plan, fused.kernel, arrays, **static)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, **static)
-    return _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry)
+    return _caller_gradients(results, q, beta, initial_state, A_log, dt_bias, geometry)
 
 
-def _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry: Geometry) -> KDAGrads:
+def _caller_gradients(results, q, beta, initial_state, A_log, dt_bias, geometry: Geometry) -> KDAGrads:
     """The kernels' outputs in the caller's shapes and dtypes: dq and dk summed over each group of value heads."""
     B, T, HV, K = geometry.batch, geometry.seq_len, geometry.heads, geometry.key_dim
     keys = dataclasses.replace(geometry, value_dim=K)  # dq, dk, dg: the layout of o, K wide
@@ -204,6 +197,6 @@ def _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geomet
         ddt_bias = results["ddt_bias"].sum(axis=0)[:, 0, :K].reshape(dt_bias.shape).astype(dt_bias.dtype)
     return KDAGrads(
         dq=query_key("dq"), dk=query_key("dk"), dv=caller_output(results["dv"], geometry),
-        dg=caller_output(results["dg"], keys).astype(g.dtype), dbeta=dbeta,
+        dg=caller_output(results["dg"], keys), dbeta=dbeta,
         dinitial_state=dinitial_state, dA_log=dA_log, ddt_bias=ddt_bias,
     )
