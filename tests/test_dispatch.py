@@ -296,6 +296,18 @@ def test_explanation_on_success_shows_candidates_reasons_winner_and_cause(regist
     assert "rejected: forward only (no backward)" in backward and "selected: fake.chosen" in backward
 
 
+def test_a_backward_predicate_rejects_the_backward_alone(registry):
+    # A kernel whose backward serves fewer calls than its forward (say, a chip its compiler rejects it on).
+    fakes.register("narrow_backward", priority={"cpu": 20}, backward_predicate=lambda s: "not for T > 8" if s.seq_len > 8 else None)
+    fakes.register("spare", priority={"cpu": 10})
+    assert sg.decide(spec(), "forward").implementation.name == "fake.narrow_backward"
+    assert sg.decide(spec(), "backward").implementation.name == "fake.spare"
+    assert sg.decide(spec(seq_len=8), "backward").implementation.name == "fake.narrow_backward"
+    q, k, v, _, g_gamma = fakes.inputs(B=2, T=16, H=3, K=8, V=5)
+    backward = str(sg.explain(q, k, v, g_gamma=g_gamma)).split("simple_gla backward:")[1]
+    assert re.search(r"x fake.narrow_backward +rejected: backward: not for T > 8", backward), backward
+
+
 def test_forced_forward_only_implementation_pairs_with_a_backward(registry):
     fakes.register("kernel", backward=None, priority={"cpu": 1})
     fakes.register("portable", priority={"cpu": 10})

@@ -49,6 +49,8 @@ class Capabilities:
     options it accepts (see ``CallSpec.features``); ``requires``: features it cannot do without.
     ``ndims``: accepted ranks per input whose rank may vary, e.g. ``{"g_gamma": {1}}``.
     ``predicate``: anything else; returns a reason string to reject, ``None`` to accept.
+    ``backward_predicate``: the same for the backward alone, where its kernels serve fewer calls than the
+    forward's (a chip its compiler rejects them on): its reason leaves the forward selectable.
     Whether it has a backward is not declared here: it is whether the implementation has one.
     """
 
@@ -62,6 +64,7 @@ class Capabilities:
     value_dim: DimRule = DimRule()
     deterministic: bool = True
     predicate: Callable[[CallSpec], str | None] | None = None
+    backward_predicate: Callable[[CallSpec], str | None] | None = None
 
     def __post_init__(self):
         for name in ("platforms", "dtypes", "features", "requires"):
@@ -117,6 +120,11 @@ class Capabilities:
             if reason:
                 reasons.append(reason)
         return reasons
+
+    def backward_reasons(self, spec: CallSpec) -> list[str]:
+        """Why the backward alone cannot serve this call (``backward_predicate``); empty when it can."""
+        reason = self.backward_predicate(spec) if self.backward_predicate is not None else None
+        return [f"backward: {reason}"] if reason else []
 
     def accepted_ndims(self, name: str) -> frozenset[int] | None:
         return dict(self.ndims).get(name)

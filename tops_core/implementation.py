@@ -48,6 +48,8 @@ class Implementation:
         reasons = self.capabilities.reasons(spec)
         if direction == "backward" and self.backward is None:
             reasons.insert(0, "forward only (no backward)")
+        elif direction == "backward":
+            reasons += self.capabilities.backward_reasons(spec)
         return reasons
 
     def rank(self, spec: CallSpec) -> tuple[int, str]:

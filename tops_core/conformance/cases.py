@@ -134,13 +134,16 @@ def grid(impl: Implementation) -> Grid:
     accepted_ndims = caps.accepted_ndims("g_gamma")
     if "g_gamma" in base_features and (accepted_ndims is None or 0 in accepted_ndims):
         supported.append(dataclasses.replace(base, name="g_gamma-scalar", ndims=(("g_gamma", 0),)))
+    # An implementation that requires cu_seqlens runs every case packed, so its option toggles, its other head dims
+    # and its second packing repeat what its packed base, strong, reset and bf16 cases already hold packed: slow.
+    packed_only = "cu_seqlens" in caps.requires
     for toggle in sorted((toggles & base_features) - caps.requires):
         # Without the final state only drops an output the base case checks; the other forms of kda's gate
         # and beta than the base's bounded gate with A_log and dt_bias and beta logits with negative
         # eigenvalues: slow, but for the softplus gate (without lower_bound) and the precomputed gate; one
         # value head per query/key head: slow, the strong and reset cases' form; three per head (below): slow.
         changes = {"heads": 2} if toggle == "grouped_value_heads" else {}
-        slow = toggle in ("output_final_state", "A_log", "dt_bias", "use_beta_sigmoid", "allow_neg_eigval", "grouped_value_heads")
+        slow = packed_only or toggle in ("output_final_state", "A_log", "dt_bias", "use_beta_sigmoid", "allow_neg_eigval", "grouped_value_heads")
         supported.append(base.with_features(f"without-{toggle}", signature.closed(base_features - {toggle}), slow=slow, **changes))
     if "grouped_value_heads" in base_features:
         supported.append(dataclasses.replace(base, name="grouped_value_heads=3", value_heads=3, slow=True))
@@ -148,7 +151,8 @@ def grid(impl: Implementation) -> Grid:
     # crosses a chunk; the rest of the breadth runs with -m slow.
     for index, key_dim in enumerate(key_dims[1:]):
         value_dim = key_dim if caps.value_dim.accepts(key_dim) else value_dims[-1]
-        supported.append(dataclasses.replace(base, name=f"K={key_dim},V={value_dim}", key_dim=key_dim, value_dim=value_dim, slow=index > 0))
+        supported.append(dataclasses.replace(
+            base, name=f"K={key_dim},V={value_dim}", key_dim=key_dim, value_dim=value_dim, slow=packed_only or index > 0))
     if key_dims[0] != value_dims[-1]:
         supported.append(dataclasses.replace(base, name=f"K={key_dims[0]},V={value_dims[-1]}", value_dim=value_dims[-1], slow=True))
     if "cu_seqlens" not in base_features:
@@ -158,7 +162,7 @@ def grid(impl: Implementation) -> Grid:
         for index, seqlens in enumerate(PACKINGS):
             name = "varlen=" + "+".join(map(str, seqlens))
             supported.append(base.with_features(
-                name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens), slow=index > 0))
+                name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens), slow=packed_only or index > 0))
     # The strong and reset cases are kda's plain call (one value head per query/key head; the log decays and
     # beta given as they are), which the default run checks nowhere else.
     plain_features = signature.closed(base_features - {"use_gate", "lower_bound", "use_beta_sigmoid", "grouped_value_heads"})

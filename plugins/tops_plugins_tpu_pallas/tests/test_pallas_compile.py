@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu (the test extra installs it)")
 
 from tops_core.tpu import compile_only  # noqa: E402
+from tops_plugins_tpu_pallas import KDA_PACKED_BACKWARD_UNCOMPILABLE  # noqa: E402
 
 FACTORS = {
     "kernel": ("fused", "chunk"),
@@ -454,3 +455,23 @@ def test_kda_packed_forward_compiles_with_traced_cu_seqlens(worker, call):
     assert facts["kernels"] == 1
     assert facts["implementations"] == ["tpu_pallas.varlen.forward"]
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
+
+
+# The packed gradients (kda.backward over the packed grid: dS from dht[n], dinitial_state[n] by DMA): by default a short
+# v6e call with both states; the calls above (T = 1000 and v5e's, which pairs with xla.chunk's backward:
+# KDA_PACKED_BACKWARD_UNCOMPILABLE; 9 to 25 s each) with -m slow.
+KDA_VARLEN_GRADIENTS = [
+    dict(generation="v6e", T=65, K=100, V=128, dtype="bfloat16", use_qk_l2norm=True, num_seqs=3, initial_state=True, final_state=True),
+    *(pytest.param(c, marks=pytest.mark.slow) for c in KDA_VARLEN_CALLS),
+]
+
+
+@pytest.mark.parametrize("call", KDA_VARLEN_GRADIENTS, ids=_kda_varlen_label)
+def test_kda_packed_gradient_compiles_the_forward_and_its_own_backward_where_it_can(worker, call):
+    request = {**call, "op": "kda", "kernel": "varlen", "B": 1, "H": 3, "gradient": True}
+    facts = worker.ask({"call": request})
+    if call["generation"] in KDA_PACKED_BACKWARD_UNCOMPILABLE:
+        assert facts["implementations"] == ["tpu_pallas.varlen.forward", "xla.chunk.backward"]
+    else:
+        assert facts["kernels"] == 1 + 2
+        assert facts["implementations"] == ["tpu_pallas.varlen.backward", "tpu_pallas.varlen.forward"]

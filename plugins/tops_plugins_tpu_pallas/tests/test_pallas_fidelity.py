@@ -293,7 +293,7 @@ def test_kda_bounded_path_faithful_interpreter_matches_reference(seed, race_repo
     assert_matches("final_state", final_state, final_ref, jnp.float32)
 
 
-# kda packed (tpu_pallas.varlen, forward only): T = 250 ragged in chunks of 64, two chunks per step, two heads
+# kda packed (tpu_pallas.varlen): T = 250 ragged in chunks of 64, two chunks per step, two heads
 # shared by the two simulated cores; empty sequences first and inside, a one-token one, boundaries off the grid
 # and on it (128), the last sequence ending in the ragged chunk; every sequence's initial state read and final
 # state written by DMA (empty ones: set around the kernel).
@@ -328,3 +328,31 @@ def test_kda_packed_faithful_interpreter_matches_reference(seed, race_reports, m
         jax.config.update("jax_enable_x64", previous)
     assert_matches("o", o, o_ref, jnp.float32)
     assert_matches("final_state", final_state, final_ref, jnp.float32)
+
+
+@pytest.mark.slow
+def test_kda_packed_backward_faithful_interpreter_matches_reference(race_reports, make_kda_inputs):
+    # The packed backward's two kernels on KDA_PACKING: dS from each sequence's dht where it ends, dinitial_state
+    # written by DMA where it starts, on two simulated cores with NaN-filled memory; every gradient against ref.recurrent's.
+    seed = SEEDS[0]
+    inputs = make_kda_inputs(1, sum(KDA_PACKING), 2, 128, 128, jnp.float32, seed=seed, initial_state=False)
+    inputs["initial_state"] = jnp.asarray(np.random.default_rng(seed).standard_normal((len(KDA_PACKING), 2, 128, 128)), jnp.float32)
+    cu_seqlens = jnp.asarray(np.cumsum((0, *KDA_PACKING)), jnp.int32)
+    weights = jnp.cos(jnp.arange(128 * 128, dtype=jnp.float32)).reshape(128, 128)
+
+    def gradients(implementation):
+        def loss(inputs):
+            o, final_state = tops_core.op("kda").forward(
+                **inputs, cu_seqlens=cu_seqlens, output_final_state=True, implementation=implementation,
+            )
+            return jnp.sum(o @ weights) + jnp.sum(final_state * weights)
+
+        with tops_core.use(interpret=True, strict=True):
+            return jax.block_until_ready(jax.jit(jax.grad(loss))(inputs))
+
+    got = gradients(("tpu_pallas.varlen", {"chunk_size": 64, "num_steps": 2, "interpret": faithful(seed)}))
+    assert len(race_reports) >= 2 and not any(report.races_found for report in race_reports)
+    want = gradients("ref.recurrent")
+    for name in inputs:
+        measurement = measure(f"d{name}", got[name], want[name], tolerance("float32", gradient=True))
+        assert measurement.passed, measurement.describe()

@@ -3,7 +3,7 @@
 The conformance kit covers the case grid; these tests cover what is particular to this kernel:
 the chunk math against direct formulas (the exact inverse, decays of ``g = -10`` that never
 overflow), ragged last blocks, chunks per grid step, lane-padded head dimensions, the capability
-declaration and the pairing with its own backward (a packed call's with xla.chunk's); and grouped value heads, the gate and beta
+declaration and the pairing with its own backward (a packed call's with varlen's); and grouped value heads, the gate and beta
 logits computed in the kernel, bit for bit what the kernel computes from repeated q, k and from
 precomputed ``gate``, ``beta_activation``.
 """
@@ -62,6 +62,32 @@ def test_num_steps_do_not_change_a_bit(make_kda_inputs):
     for num_steps in (2, 4):
         for got, want in zip(run(inputs, chunk_size=64, num_steps=num_steps), one):
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fused", "varlen"])  # varlen: 19 s
+def test_num_steps_do_not_change_a_bit_of_the_gradients(packed, make_kda_inputs):
+    # The interpreter runs one chunk per step by default (grid.steps_of), a TPU eight: both backward walks, the
+    # packed one's per-sequence loops too, give the same bits at one chunk per step as at two (3 chunks, the last ragged).
+    inputs = make_kda_inputs(1, 190, 2, 64, 64, jnp.float32, seed=2)
+    extra = {}
+    if packed:
+        extra["cu_seqlens"] = jnp.asarray([0, 3, 3, 100, 128, 190], jnp.int32)
+        inputs["initial_state"] = inputs["initial_state"] * jnp.arange(1.0, 6.0)[:, None, None, None]  # one per sequence
+    implementation = "tpu_pallas.varlen" if packed else "tpu_pallas.fused"
+
+    def gradients(num_steps):
+        def loss(inputs):
+            o, final_state = kda.forward(
+                **inputs, **extra, output_final_state=True, implementation=(implementation, dict(num_steps=num_steps)),
+            )
+            return jnp.sum(o * o) + jnp.sum(final_state * final_state)
+
+        with tops_core.use(interpret=True, strict=True):
+            return jax.jit(jax.grad(loss))(inputs)
+
+    one, two = gradients(1), gradients(2)
+    for name in inputs:
+        np.testing.assert_array_equal(two[name], one[name], err_msg=name)
 
 
 def _direct_pairs(q, k, g, beta, same_segment=True):
@@ -142,13 +168,13 @@ def test_packed_sequences_are_rejected_with_a_reason():
     assert kda.decide(packed).implementation.name != "tpu_pallas.fused"
 
 
-def test_explain_pairs_the_forward_with_its_own_backward_and_a_packed_one_with_xla_chunks(make_kda_inputs):
+def test_explain_pairs_each_forward_with_its_own_backward(make_kda_inputs):
     inputs = make_kda_inputs(1, 64, 2, 128, 128, jnp.bfloat16)
     with tops_core.use(interpret=True):
         explanation = kda.explain(**inputs, output_final_state=True)
     assert "selected: tpu_pallas.fused" in str(explanation.forward) and "selected: tpu_pallas.fused" in str(explanation.backward)
     packed = _spec(batch=1, num_seqs=3, features={"cu_seqlens"})
-    assert kda.decide(packed, "backward").implementation.name == "xla.chunk"
+    assert kda.decide(packed, "backward").implementation.name == "tpu_pallas.varlen"
 
 
 def test_the_public_op_lowers_to_the_kernel_for_tpu():
@@ -175,7 +201,7 @@ def test_config_names_the_bad_field():
 
 def test_vmem_fitting_walks_fewer_chunks_per_step_for_a_large_key_dim():
     # K = 1024: eight chunks of 64 per step would not fit the budget; the forward's launch takes fewer.
-    geometry = kda_fused.geometry_of(1, 4096, 1, 1024, 128, kda_fused.KdaFusedConfig())
+    geometry = kda_fused.geometry_of(1, 4096, 1, 1024, 128, kda_fused.KdaFusedConfig(num_steps=kda_fused.KdaFusedConfig.TPU_NUM_STEPS))
     (plan,) = kda_fused.fitted_plans(geometry, jnp.bfloat16)
     assert traffic.vmem_bytes(kda_fused.plans(geometry, jnp.bfloat16)[0]) > UNKNOWN_CHIP_VMEM_BUDGET
     assert plan.grid[3] > geometry.time_steps and traffic.vmem_bytes(plan) <= UNKNOWN_CHIP_VMEM_BUDGET

@@ -1,10 +1,10 @@
-"""``tpu_pallas.varlen`` for kda (packed sequences, forward only), in the fast interpreter, its traffic and its dispatch.
+"""``tpu_pallas.varlen`` for kda (packed sequences), in the fast interpreter, its traffic and its dispatch.
 
 The conformance kit runs its packings against the float64 reference; these tests cover what is particular
 to this kernel: a packed call equals the fused kernel on each sequence alone (empty and one-token
 sequences, one crossing chunks, a boundary on the chunk grid, a ragged last chunk), one trace for every
 packing of the same ``T`` and ``N``, the bytes of the unpacked kernel, and the dispatcher's choice on TPU
-(packed forward here, states too, and xla.chunk's backward). The faithful
+(the packed forward and its own backward, states too). The faithful
 interpreter (test_pallas_fidelity.py) and the compile-only TPUs (test_pallas_compile.py) have their own cases.
 """
 
@@ -156,14 +156,22 @@ def _packed_spec(features=frozenset({"cu_seqlens", "use_qk_l2norm"}), **changes)
     return tops_core.CallSpec(**{**fields, **changes}, features=features)
 
 
-def test_a_packed_call_on_tpu_runs_varlen_forward_and_xla_chunks_backward():
+def test_a_packed_call_on_tpu_runs_varlen_forward_and_backward():
     assert kda.decide(_packed_spec(), "forward").implementation.name == "tpu_pallas.varlen"
-    assert kda.decide(_packed_spec(), "backward").implementation.name == "xla.chunk"
+    assert kda.decide(_packed_spec(), "backward").implementation.name == "tpu_pallas.varlen"
     every_option = {"cu_seqlens", "use_qk_l2norm", "grouped_value_heads", "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval"}
     assert not KDA_VARLEN.capabilities.reasons(_packed_spec(every_option, value_heads=32))
     # Per-sequence states are the kernel's too; unpacked calls never come here.
     states = _packed_spec(frozenset({"cu_seqlens", "initial_state", "output_final_state"}))
     assert kda.decide(states, "forward").implementation.name == "tpu_pallas.varlen"
+    assert kda.decide(states, "backward").implementation.name == "tpu_pallas.varlen"
+    # Where the chip's compiler rejects the packed gradients kernel, the backward alone falls to xla.chunk's, saying why.
+    for chip in ("v5e", "v5p"):
+        assert kda.decide(_packed_spec(chip=chip), "forward").implementation.name == "tpu_pallas.varlen"
+        assert kda.decide(_packed_spec(chip=chip), "backward").implementation.name == "xla.chunk"
+        assert any("fails an internal check" in reason for reason in KDA_VARLEN.reasons(_packed_spec(chip=chip), "backward"))
+    for chip in ("v4", "v6e"):
+        assert kda.decide(_packed_spec(chip=chip), "backward").implementation.name == "tpu_pallas.varlen"
     assert any("requires cu_seqlens" in reason for reason in KDA_VARLEN.capabilities.reasons(_packed_spec(frozenset(), batch=2)))
 
 

@@ -3,8 +3,7 @@ sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla); ``tpu_pallas.fus
 ``tpu_pallas.varlen`` for kda (``kda/``).
 
 Each simple_gla kernel has its own backward (``backward_fused``, ``backward_split``,
-``backward_varlen``), and so has kda's fused kernel (``kda.backward``); kda's packed one is
-forward-only, and the dispatcher pairs it with another implementation's backward. All run natively on TPU and, with interpret mode on, in Pallas' TPU
+``backward_varlen``), and so have kda's fused and packed kernels (``kda.backward``, one for both). All run natively on TPU and, with interpret mode on, in Pallas' TPU
 interpreter anywhere else.
 """
 
@@ -112,7 +111,7 @@ def _varlen_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
     return 200, f"packed input, N = {spec.num_seqs} sequences: the one Pallas kernel that takes cu_seqlens"
 
 
-def _capabilities(predicate, features: set[str], *, packed: bool = False, ndims=()) -> tops_core.Capabilities:
+def _capabilities(predicate, features: set[str], *, packed: bool = False, ndims=(), backward_predicate=None) -> tops_core.Capabilities:
     """Every kernel here: TPU (and the interpreter), bf16 and float32, ``features``; a packed one requires cu_seqlens."""
     return tops_core.Capabilities(
         platforms={"tpu"},
@@ -122,6 +121,7 @@ def _capabilities(predicate, features: set[str], *, packed: bool = False, ndims=
         requires={"cu_seqlens"} if packed else set(),
         ndims=ndims,
         predicate=predicate,
+        backward_predicate=backward_predicate,
     )
 
 
@@ -227,27 +227,46 @@ KDA_FUSED = tops_core.Implementation(
 )
 
 
+KDA_PACKED_BACKWARD_UNCOMPILABLE = frozenset({"v5e", "v5p"})
+"""Chips whose compiler (libtpu 0.0.52) stops on kda's packed gradients kernel: an internal check of its MXU pass
+(``RET_CHECK ... mxu_lmr_transform.cc ... XposeSequenceAssignment::kLmrWontHelp``) fails on the loops over a chunk's
+sequences there (by bisection: with any of the per-sequence terms in them; the forward's loops with the same terms
+compile). v4 and v6e compile it; on these two a packed call's backward is xla.chunk's."""
+
+
+def _packed_kda_backward_compiles(spec: tops_core.CallSpec) -> str | None:
+    """the packed gradients kernel must compile for the chip (KDA_PACKED_BACKWARD_UNCOMPILABLE)"""
+    if spec.chip in KDA_PACKED_BACKWARD_UNCOMPILABLE:
+        return f"{spec.chip}'s compiler (libtpu 0.0.52) fails an internal check on the packed gradients kernel"
+    return None
+
+
 KDA_VARLEN = tops_core.Implementation(
     op="kda",
     name="varlen",
     forward=kda.varlen.forward,
+    backward=kda.backward.backward,
     capabilities=_capabilities(
-        # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plan stands for any N.
-        _fits_vmem(KDA_FUSED_CONFIG, (kda.varlen.geometry_of, functools.partial(kda.varlen.plans, num_seqs=1)), op_inputs=_kda_inputs),
-        {"initial_state", "output_final_state"} | _KDA_OPTIONS, packed=True,
+        # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
+        _fits_vmem(
+            KDA_FUSED_CONFIG, (kda.varlen.geometry_of, functools.partial(kda.varlen.plans, num_seqs=1)),
+            (kda.backward.geometry_of, functools.partial(kda.backward.plans, num_seqs=1)), op_inputs=_kda_inputs,
+        ),
+        {"initial_state", "output_final_state"} | _KDA_OPTIONS, packed=True, backward_predicate=_packed_kda_backward_compiles,
     ),
     priority=_varlen_priority,
     config=KDA_FUSED_CONFIG,
     description=(
         "fused's pallas_call over packed sequences: cu_seqlens in SMEM, every key's decay 0 on each sequence's first token "
-        "(the state reset), per-sequence states moved by DMA where each sequence starts and ends; forward only"
+        "(the state reset), per-sequence states moved by DMA where each sequence starts and ends; "
+        "backward: fused's, dS from dht where each sequence ends and dinitial_state written where it starts"
     ),
 )
 
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register the simple_gla kernels, each with its own backward, and kda's (unpacked with its own backward, and packed)."""
+    """Register the simple_gla kernels and kda's (unpacked and packed), each with its own backward."""
     register(FUSED)
     register(CHUNK)
     register(VARLEN)

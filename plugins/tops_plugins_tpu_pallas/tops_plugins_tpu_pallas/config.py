@@ -14,7 +14,8 @@ def check_common_fields(config: Any, chunk_sizes: tuple = CHUNK_SIZES) -> None:
     name = type(config).__name__
     if config.chunk_size not in chunk_sizes or isinstance(config.chunk_size, bool):
         raise ValueError(f"{name}.chunk_size must be one of {chunk_sizes}, got {config.chunk_size!r}")
-    if not isinstance(config.num_steps, int) or isinstance(config.num_steps, bool) or config.num_steps < 1:
+    resolved_per_call = config.num_steps is None and hasattr(config, "TPU_NUM_STEPS")  # grid.steps_of
+    if not resolved_per_call and (not isinstance(config.num_steps, int) or isinstance(config.num_steps, bool) or config.num_steps < 1):
         raise ValueError(f"{name}.num_steps must be an int >= 1, got {config.num_steps!r}")
     if not (config.interpret is None or isinstance(config.interpret, (bool, pltpu.InterpretParams))):
         raise TypeError(

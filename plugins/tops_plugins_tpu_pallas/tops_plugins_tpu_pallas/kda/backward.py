@@ -37,13 +37,17 @@ from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations, KDAGrads
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
-from tops_plugins_tpu_pallas.grid import step_chunks
+from tops_plugins_tpu_pallas.grid import Chunk, step_chunks
 from tops_plugins_tpu_pallas.kda import fused
-from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_work
-from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_chunk_step, geometry_of, read_chunk
-from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, row_and_column_iotas
+from tops_plugins_tpu_pallas.kda.chunkwise import (
+    chunk_body_vmem, chunk_core, chunk_work, packed_log_decays, prepared_queries_keys,
+)
+from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and_strength, geometry_of, read_chunk
+from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
+from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_dtype, row_and_column_iotas
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
-from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan
+from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.simple_gla.varlen import SequenceStates, sequence_states, with_empty_sequences
 from tops_plugins_tpu_pallas.simple_gla.gradients import (
     backward_geometry, finish_state_gradient, reversed_in_time, start_state_gradient, state_checkpoints, state_gradient,
 )
@@ -75,13 +79,15 @@ def _per_head_sums(name: str, geometry: Geometry, width: int) -> Blocked:
 def plans(
     geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None, output_final_state: bool = False,
     use_qk_l2norm: bool = False, activations: Activations = Activations(), with_A_log: bool = False, dt_bias_dtype=None,
+    num_seqs: int | None = None,
 ) -> tuple[LaunchPlan, LaunchPlan]:
-    """The checkpoints and gradients plans of one call; ``output_final_state``: a ``dht`` is given; the other
-    arguments as ``fused.plans``'."""
+    """The checkpoints and gradients plans of one call; ``output_final_state``: a ``dht`` is given; ``num_seqs``: a packed
+    call (``B == 1``) of that many sequences, whose per-sequence ``initial_state``, ``dht`` and ``dinitial_state`` sit in
+    HBM and move by DMA where each sequence starts or ends; the other arguments as ``fused.plans``'."""
     geometry = backward_geometry(geometry)
     forward_inputs = dict(
         gate_dtype=gate_dtype, beta_dtype=beta_dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
-        with_A_log=with_A_log, dt_bias_dtype=dt_bias_dtype,
+        with_A_log=with_A_log, dt_bias_dtype=dt_bias_dtype, num_seqs=num_seqs,
     )
     (forward,) = fused.plans(geometry, dtype, initial_state_dtype=initial_state_dtype, **forward_inputs)
     checkpoints = dataclasses.replace(
@@ -91,8 +97,6 @@ def plans(
     # The forward's inputs but the initial state (the checkpoints hold it); dt_bias's block ignores the time step.
     inputs = [steps(x) for x in forward.inputs if x.name != "initial_state"]
     inputs += [steps(blocks.value_rows("do", geometry, dtype)), steps(state_checkpoints(geometry, every_chunk=True))]
-    if output_final_state:
-        inputs.append(blocks.state("dht", geometry, _F32))
     # Per value head; grouped value heads sum dq and dk over their group after the kernel, in float32.
     key_dtype = dtype if geometry.groups == 1 else _F32
     outputs = [
@@ -102,18 +106,38 @@ def plans(
         steps(blocks.key_rows("dg", geometry, gate_dtype or _F32, per_value_head=True)),
         steps(blocks.token_rows("dbeta", geometry)),
     ]
-    if initial_state_dtype is not None:
-        outputs.append(blocks.state("dinitial_state", geometry, initial_state_dtype))
+    scratch = [state_gradient(geometry)]
+    if num_seqs is None:
+        if output_final_state:
+            inputs.append(blocks.state("dht", geometry, _F32))
+        if initial_state_dtype is not None:
+            outputs.append(blocks.state("dinitial_state", geometry, initial_state_dtype))
+    else:
+        state_block = (geometry.padded_key_dim, geometry.value_block)
+        # initial_state: read by the recomputed forward and by its VJP; dht: by the leaving and the entering VJPs.
+        if initial_state_dtype is not None:
+            inputs.append(sequence_states("initial_state", geometry, num_seqs, initial_state_dtype, moves=2))
+            outputs.append(sequence_states("dinitial_state", geometry, num_seqs, initial_state_dtype))
+            scratch += [Scratch("loaded", state_block, initial_state_dtype), Scratch("initial_gradient", state_block, initial_state_dtype)]
+        if output_final_state:
+            inputs.append(sequence_states("dht", geometry, num_seqs, _F32, moves=2))
+            scratch.append(Scratch("final_gradient", state_block, _F32))
+        if len(scratch) > 1:
+            scratch.append(DmaSemaphores("copies", 2))
     if with_A_log:
         outputs.append(_per_head_sums("dA_log", geometry, 1))
     if dt_bias_dtype is not None:
         outputs.append(_per_head_sums("ddt_bias", geometry, geometry.padded_key_dim))
-    chunk = chunk_work(geometry, use_qk_l2norm, activations.decay_lower_bound) + fused.activation_work(activations, geometry)
+    bound, packed = activations.decay_lower_bound, num_seqs is not None
+    chunk = chunk_work(geometry, use_qk_l2norm, bound, packed) + fused.activation_work(activations, geometry)
     work = chunk * (VJP_WORK_FACTOR * grid.chunks_of_the_grid(geometry))
-    body = VJP_VMEM_FACTOR * chunk_body_vmem(geometry, activations.decay_lower_bound)
-    gradients = grid.grid_plan(
-        "kda_fused_backward", geometry, forward.scalars, inputs, outputs, work, body, scratch=(state_gradient(geometry),),
-    )
+    body = VJP_VMEM_FACTOR * chunk_body_vmem(geometry, bound)
+    if packed:  # each sequence's terms recomputed and differentiated; the loops carry three (C, K) sums
+        states = sequence_work(geometry, initial_state_dtype is not None, output_final_state)
+        work = work + states * ((1 + VJP_WORK_FACTOR) * geometry.heads * geometry.value_tiles * num_seqs)
+        body += 4 * 3 * geometry.chunk_size * geometry.padded_key_dim
+    name = "kda_fused_backward" if num_seqs is None else "kda_varlen_backward"
+    gradients = grid.grid_plan(name, geometry, forward.scalars, inputs, outputs, work, body, scratch=scratch)
     return checkpoints, gradients
 
 
@@ -123,10 +147,52 @@ def _as_row(column: jax.Array) -> jax.Array:
     return matmul(column, (rows == columns).astype(_F32), _F32, COLUMNS_BY_COLUMNS)
 
 
+def _chunk_gradients(chunk: Chunk, refs: dict, head, A_log, dt_bias, dstate, sequences: PackedChunk | None, *,
+                     scale: float, use_qk_l2norm: bool, activations: Activations):
+    """One chunk's gradients, ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)``, and ``dS`` entering it: the VJPs of the
+    forward's steps (``fused.activated_chunk_step``) in reverse, ``dS`` leaving it (``dstate``) and ``do`` given.
+
+    The activations and ``prepared_queries_keys``, then ``chunk_core``; a packed chunk's sequences (``sequences``) add
+    the VJPs of their final states (to ``delta``, from ``dht``) and of their initial states' terms (``dinitial_state``)."""
+    q, k, v, g, beta = read_chunk(refs, chunk, head)
+    operands = mxu_operand_dtype(q.dtype)
+
+    def chunk_inputs(q, k, g, beta, A_log, dt_bias):
+        g, beta = activated_gate_and_strength(chunk, g, beta, A_log, dt_bias, activations)
+        q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        return q, k, g if sequences is None else packed_log_decays(g), beta
+
+    (q, k, g, beta), inputs_vjp = jax.vjp(chunk_inputs, q, k, g, beta, A_log, dt_bias)
+    carried = refs["checkpoints"][chunk.index]
+    resets = entering = None
+    if sequences is not None:
+        resets, entering = sequences.resets(), sequences.entering(q, k, g, operands)
+    core = functools.partial(chunk_core, operands=operands, lower_bound=activations.decay_lower_bound, resets=resets)
+    (_, _, delta), core_vjp = jax.vjp(core, q, k, v, g, beta, carried, entering)
+    leaving = None if sequences is None else sequences.leave_gradients(k, g, delta, carried, operands)
+    ddelta = jnp.zeros(delta.shape, _F32) if leaving is None else leaving[2]
+    dq, dk, dv, dg, dbeta, dcarried, dentering = core_vjp((chunk.read(refs["do"]).astype(_F32), dstate, ddelta))
+    if leaving is not None:
+        dk, dg, dcarried = dk + leaving[0], dg + leaving[1], dcarried + leaving[3]
+    if entering is not None:
+        dq, dk, dg = (x + more for x, more in zip((dq, dk, dg), sequences.entering_gradients(q, k, g, dentering, operands)))
+    dq, dk, dg, dbeta, dA_log, ddt_bias = inputs_vjp((dq, dk, dg, dbeta))
+    return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias), dcarried
+
+
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
     refs = plan.bind(refs)
-    head, step = pl.program_id(1), pl.program_id(3)
-    start_state_gradient(refs, step)
+    head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    packed = "cu_seqlens" in refs
+    states = None
+    if packed:  # dS is each sequence's dht where it ends (kda.sequences); what the carried state reaches past T is zero
+        states = SequenceStates(refs, head, block, geometry.value_block, refs["dstate"].shape)
+
+        @pl.when(step == 0)
+        def _start():
+            refs["dstate"][...] = jnp.zeros(refs["dstate"].shape, _F32)
+    else:
+        start_state_gradient(refs, step)
     sums = [name for name in ("dA_log", "ddt_bias") if name in refs]
 
     @pl.when(step == 0)
@@ -137,11 +203,15 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
     A_log = jnp.full((1, 1), refs["A_log"][head], _F32) if "A_log" in refs else None
     dt_bias = refs["dt_bias"][...] if "dt_bias" in refs else None
     dstate = refs["dstate"][...]
-    for chunk in reversed(step_chunks(geometry, geometry.time_steps - 1 - step)):
-        primals = (*read_chunk(refs, chunk, head), refs["checkpoints"][chunk.index], A_log, dt_bias)
-        forward = functools.partial(activated_chunk_step, chunk, scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations)
-        _, vjp = jax.vjp(forward, *primals)
-        dq, dk, dv, dg, dbeta, dstate, dA_log, ddt_bias = vjp((chunk.read(refs["do"]).astype(_F32), dstate))
+    forward_step = geometry.time_steps - 1 - step
+    for chunk in reversed(step_chunks(geometry, forward_step)):
+        sequences = None
+        if packed:
+            sequences = PackedChunk.of(refs, forward_step * geometry.chunks_per_step + chunk.index, geometry.chunk_size, states)
+        gradients, dstate = _chunk_gradients(
+            chunk, refs, head, A_log, dt_bias, dstate, sequences, scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations,
+        )
+        dq, dk, dv, dg, dbeta, dA_log, ddt_bias = gradients
         for name, value in (("dq", dq), ("dk", dk), ("dv", dv), ("dg", dg)):
             refs[name][chunk.rows, :] = value.astype(refs[name].dtype)
         refs["dbeta"][chunk.index : chunk.index + 1, :] = _as_row(dbeta)
@@ -149,7 +219,8 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
             if name in refs:
                 refs[name][...] += value.astype(_F32)
     refs["dstate"][...] = dstate
-    finish_state_gradient(refs, step, geometry)
+    if not packed:  # packed, each sequence's dinitial_state is written where it starts
+        finish_state_gradient(refs, step, geometry)
 
 
 def backward(
@@ -157,25 +228,30 @@ def backward(
     use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
     config: KdaFusedConfig,
 ) -> KDAGrads:
-    """The ``Backward`` protocol of ``tops_core.ops.kda`` (``cu_seqlens`` is rejected by the capabilities)."""
-    del cu_seqlens
+    """The ``Backward`` protocol of ``tops_core.ops.kda``: unpacked (fused's), or packed (``cu_seqlens`` given, ``B == 1``: varlen's)."""
     B, T, H, K = q.shape
     value_heads, V = v.shape[2:]
+    num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True)
     geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
         plans, geometry_of(B, T, value_heads, K, V, config, value_heads // H), q.dtype, config.interpret,
         gate_dtype=g.dtype, beta_dtype=beta.dtype, initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=dht is not None, use_qk_l2norm=use_qk_l2norm, activations=activations,
-        with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype,
+        with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype, num_seqs=num_seqs,
     )
     arrays = {**kernel_operands(q, k, v, None, None, initial_state, geometry), **fused.gate_operands(g, beta, A_log, dt_bias, geometry)}
     arrays["do"] = heads_flattened(do, geometry.padded_value_dim)
     if dht is not None:
         arrays["dht"] = padded_state(dht.astype(_F32), geometry)
+    if cu_seqlens is not None:
+        arrays.update(fused.packed_boundaries(cu_seqlens, T, config.chunk_size))
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations)
     checkpoints = run(checkpoints_plan, fused.kernel, arrays, **static)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, **static)
-    return _caller_gradients(results, q, beta, initial_state, A_log, dt_bias, geometry)
+    grads = _caller_gradients(results, q, beta, initial_state, A_log, dt_bias, geometry)
+    if cu_seqlens is None or initial_state is None:
+        return grads
+    return dataclasses.replace(grads, dinitial_state=with_empty_sequences(grads.dinitial_state, cu_seqlens, dht))
 
 
 def _caller_gradients(results, q, beta, initial_state, A_log, dt_bias, geometry: Geometry) -> KDAGrads:

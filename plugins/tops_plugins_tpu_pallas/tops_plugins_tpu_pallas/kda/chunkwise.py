@@ -281,6 +281,35 @@ def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands,
     return Pairs(aqk=aqk, inverse=inverse)
 
 
+def prepared_queries_keys(q, k, *, scale: float, use_qk_l2norm: bool) -> tuple[jax.Array, jax.Array]:
+    """``q`` and ``k`` as the chunk math takes them: float32, normalised when asked, ``q`` times ``scale``."""
+    q, k = q.astype(_F32), k.astype(_F32)
+    if use_qk_l2norm:
+        q, k = l2_normalised(q), l2_normalised(k)
+    return q * scale, k
+
+
+def chunk_core(q, k, v, g, beta, state, entering, *, operands, lower_bound: float | None, resets: jax.Array | None):
+    """``(o, S_out, delta)`` of one chunk from ``prepared_queries_keys``' ``q`` and ``k``: the pairs, the inverse, the
+    writes ``delta`` (float32 ``(C, value block)``) and what they and ``state`` give.
+
+    ``entering``: None, or a packed chunk's initial-state terms ``(keys, queries, leaving)`` (``kda.sequences``) added to
+    ``k S``, ``o`` and ``S_out``; ``resets``: None or the packed chunk's ``(C, 1)`` sequence starts. A pure function
+    of its array arguments, so its VJP is the backward's (``kda.backward``)."""
+    decays = Decays.compute(g, fine_block_size(g.shape[0], lower_bound), resets)
+    p = pairs(q, k, beta, decays, operands, resets)
+    keys_by_state = matmul(k * decays.to_token, state, operands)
+    o = matmul(q * decays.to_token, state, operands)
+    state_out = decays.whole * state
+    if entering is not None:
+        keys, queries, leaving = entering
+        keys_by_state, o, state_out = keys_by_state + keys, o + queries, state_out + leaving
+    delta = matmul(p.inverse, beta * (v.astype(_F32) - keys_by_state), operands)
+    o = o + matmul(p.aqk, delta, operands)
+    state_out = state_out + matmul(k * decays.to_end, delta, operands, COLUMNS_BY_COLUMNS)
+    return o, state_out, delta
+
+
 def chunk_step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool, lower_bound: float | None = None, packed=None):
     """``(o, S_out)`` of one chunk: ``o`` float32 ``(C, value block)``, the state float32 ``(K_pad, value block)``.
 
@@ -291,28 +320,22 @@ def chunk_step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool, lo
     (every key's decay ``exp(-inf)``), their initial states enter there and their final states leave.
     """
     operands = mxu_operand_dtype(q.dtype)
-    q, k = q.astype(_F32), k.astype(_F32)
-    if use_qk_l2norm:
-        q, k = l2_normalised(q), l2_normalised(k)
-    q = q * scale
-    resets = None
+    q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    resets = entering = None
     if packed is not None:
-        g = jnp.maximum(g, RESET_LOG_DECAY)  # for the sequences' run sums too: -inf times a mask's 0 would be NaN
+        g = packed_log_decays(g)
         resets = packed.resets()
-    decays = Decays.compute(g, fine_block_size(g.shape[0], lower_bound), resets)
-    p = pairs(q, k, beta, decays, operands, resets)
-    keys_by_state = matmul(k * decays.to_token, state, operands)
-    o = matmul(q * decays.to_token, state, operands)
-    state_out = decays.whole * state
-    entering = None if packed is None else packed.entering(q, k, g, operands)
-    if entering is not None:
-        keys_by_state, o, state_out = keys_by_state + entering.keys, o + entering.queries, state_out + entering.leaving
-    delta = matmul(p.inverse, beta * (v.astype(_F32) - keys_by_state), operands)
-    o = o + matmul(p.aqk, delta, operands)
-    state_out = state_out + matmul(k * decays.to_end, delta, operands, COLUMNS_BY_COLUMNS)
+        entering = packed.entering(q, k, g, operands)
+    o, state_out, delta = chunk_core(q, k, v, g, beta, state, entering, operands=operands, lower_bound=lower_bound, resets=resets)
     if packed is not None:
         packed.leave(k, g, delta, state, operands)
     return o, state_out
+
+
+def packed_log_decays(g: jax.Array) -> jax.Array:
+    """A packed chunk's ``g`` with ``-inf`` taken as ``RESET_LOG_DECAY``, for the sequences' run sums too (``-inf`` times a
+    mask's 0 would be NaN)."""
+    return jnp.maximum(g, RESET_LOG_DECAY)
 
 
 def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | None = None, packed: bool = False) -> Work:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -58,13 +58,15 @@ class KdaFusedConfig:
     per token, the run sums and the pair products of its ``log2 C`` halving levels cost
     ``O(C K log C)`` flops, so chunks of 128 do about twice the matmul work of chunks of 64
     (README "kda"), for the same bytes. ``num_steps``: chunks per grid step, at most (fewer when
-    VMEM is short, ``launch.fit``). ``full_values``: one grid point per (batch, head)
+    VMEM is short, ``launch.fit``); None: ``TPU_NUM_STEPS`` lowered for a TPU, 1 in the interpreter (``grid.steps_of``). ``full_values``: one grid point per (batch, head)
     holding all of ``V`` (the decays, pairs and inverse computed once, not per 128-lane value
     tile). ``interpret``: as ``FusedConfig``'s.
     """
 
+    TPU_NUM_STEPS: ClassVar[int] = 8
+
     chunk_size: int = 64
-    num_steps: int = 8
+    num_steps: int | None = None
     full_values: bool = True
     interpret: Any = None
 
@@ -156,21 +158,26 @@ def read_chunk(refs: dict, chunk: Chunk, head) -> tuple[jax.Array, ...]:
     return (*(chunk.read(refs[name]) for name in ("q", "k", "v", "g")), chunk.head_column(refs["beta"], head))
 
 
-def activated_chunk_step(
-    chunk: Chunk, q, k, v, g, beta, state, A_log, dt_bias, *, scale: float, use_qk_l2norm: bool, activations: Activations,
-    packed: PackedChunk | None = None,
-):
-    """``chunk_step`` of the gate and beta as the caller gave them, activated here: the forward's whole chunk, whose
-    VJP is the backward's (``kda.backward``). ``A_log``: a scalar or ``(1, 1)``; ``dt_bias``: ``(1, K_pad)``."""
+def activated_gate_and_strength(chunk: Chunk, g, beta, A_log, dt_bias, activations: Activations) -> tuple[jax.Array, jax.Array]:
+    """The chunk's log decays (float32 ``(C, K_pad)``) and write strengths from the gate and beta as the caller gave them.
+    ``A_log``: a scalar or ``(1, 1)``; ``dt_bias``: ``(1, K_pad)``."""
     # Rows past the end of the sequence are read as zeros, but the activations of zero are not zero
     # (a decay, a write strength), and chunk_step needs those rows to decay and write nothing.
     if activations.use_beta_sigmoid:
         beta = chunk.zero_past_end(activations.strength(beta))
     if activations.use_gate:
         g = chunk.zero_past_end(activations.decay(g, A_log, dt_bias))
+    return g.astype(jnp.float32), beta
+
+
+def activated_chunk_step(
+    chunk: Chunk, q, k, v, g, beta, state, A_log, dt_bias, *, scale: float, use_qk_l2norm: bool, activations: Activations,
+    packed: PackedChunk | None = None,
+):
+    """``chunk_step`` of the gate and beta as the caller gave them, activated here: the forward's whole chunk."""
+    g, beta = activated_gate_and_strength(chunk, g, beta, A_log, dt_bias, activations)
     return chunk_step(
-        q, k, v, g.astype(jnp.float32), beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        lower_bound=activations.decay_lower_bound, packed=packed,
+        q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=activations.decay_lower_bound, packed=packed,
     )
 
 
@@ -236,6 +243,16 @@ def gate_operands(g, beta, A_log, dt_bias, geometry: Geometry) -> dict:
     return operands
 
 
+def packed_boundaries(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> dict[str, jax.Array]:
+    """A packed call's SMEM scalars (``simple_gla.varlen.boundary_operands``), each chunk's sequences clipped to ``[0, N)``:
+    a no-op for valid boundaries; invalid traced ones (the op's outputs are NaN then) still read SMEM in bounds."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    boundary = boundary_operands(cu_seqlens.astype(jnp.int32), seq_len, chunk_size)
+    for name in ("first_sequence", "last_sequence"):
+        boundary[name] = jnp.clip(boundary[name], 0, num_seqs - 1)
+    return boundary
+
+
 def run(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, activations: Activations,
     A_log, dt_bias, config, cu_seqlens=None,
@@ -245,11 +262,7 @@ def run(
     num_seqs = None
     if cu_seqlens is not None:
         num_seqs = cu_seqlens.shape[0] - 1
-        boundary = boundary_operands(cu_seqlens.astype(jnp.int32), q.shape[1], config.chunk_size)
-        # A no-op for valid boundaries; invalid traced ones (the op's outputs are NaN then) still read SMEM in bounds.
-        for name in ("first_sequence", "last_sequence"):
-            boundary[name] = jnp.clip(boundary[name], 0, num_seqs - 1)
-        operands.update(boundary)
+        operands.update(packed_boundaries(cu_seqlens, q.shape[1], config.chunk_size))
     return grid.run(
         functools.partial(kernel, use_qk_l2norm=use_qk_l2norm, activations=activations),
         functools.partial(

@@ -20,6 +20,10 @@ exact, at most zero):
 Only the sequences with a boundary in the chunk are visited (``fori_loop``s over bounds read from SMEM), so a
 chunk inside one sequence costs nothing more. The per-sequence states live in HBM
 (``simple_gla.varlen.SequenceStates``: boundaries are traced, so no block index map could fetch them).
+
+Each term is a pure function of the chunk's values and one sequence's bounds (``_entering_terms``,
+``_carried_through``, ``_writes``), so the backward (``kda.backward``) takes their VJPs one sequence at a time
+(``leave_gradients``, ``entering_gradients``): the same math, differentiated as computed.
 """
 
 from __future__ import annotations
@@ -39,13 +43,37 @@ from tops_plugins_tpu_pallas.simple_gla.varlen import SequenceStates
 _F32 = jnp.float32
 
 
-@dataclasses.dataclass(frozen=True)
-class Entering:
-    """What the initial states of the sequences starting in a chunk add to it (``chunkwise.chunk_step``)."""
+def _inside(start: jax.Array, end: jax.Array, chunk_size: int) -> jax.Array:
+    rows = lax.broadcasted_iota(jnp.int32, (chunk_size, 1), 0)
+    return (rows >= start) & (rows < end)
 
-    keys: jax.Array  # (C, value block): to k S, the residual's
-    queries: jax.Array  # (C, value block): to the output
-    leaving: jax.Array  # (K, value block): to the state leaving the chunk
+
+def _entering_terms(start, end, is_last, q, k, g, initial, operands) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What ``initial`` (the initial state of the sequence on rows ``[start, end)``, which starts in the chunk) adds to
+    the chunk's ``k S``, its output, and (``is_last``: the chunk's last sequence) the state leaving it."""
+    C = k.shape[0]
+    i, t = row_and_column_iotas(C)
+    decays = jnp.where(_inside(start, end, C), jnp.exp(run_sums((start <= t) & (t <= i), g)), 0.0)
+    # The chunk's last sequence runs on to its last row: its state, decayed from row a, leaves the chunk.
+    rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+    whole = jnp.exp(column_sums(g, rows >= start))
+    return (
+        matmul(k * decays, initial, operands), matmul(q * decays, initial, operands),
+        jnp.where(is_last, whole * initial, 0.0),
+    )
+
+
+def _carried_through(start, end, g, entering) -> jax.Array:
+    """The state entering the sequence on rows ``[start, end)``, decayed over those rows."""
+    return jnp.exp(column_sums(g, _inside(start, end, g.shape[0]))) * entering
+
+
+def _writes(start, end, k, g, delta, operands) -> jax.Array:
+    """The writes ``delta`` of rows ``[start, end)``, each decayed to the sequence's end: its final state's other part."""
+    C = k.shape[0]
+    j, t = row_and_column_iotas(C)
+    decays = jnp.where(_inside(start, end, C), jnp.exp(run_sums((j < t) & (t < end), g)), 0.0)
+    return matmul(k * decays, delta, operands, COLUMNS_BY_COLUMNS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +104,21 @@ class PackedChunk:
     def _begins_before(self, sequence: jax.Array) -> jax.Array:
         return self.cu_seqlens[sequence] < self.first_token
 
+    def _goes_on(self, sequence: jax.Array) -> jax.Array:
+        return self.cu_seqlens[sequence + 1] > self.first_token + self.chunk_size
+
+    def _starting(self) -> tuple[jax.Array, jax.Array]:
+        """The bounds of a loop over the sequences that start in the chunk: all it overlaps but a first one begun before it."""
+        return self.first_sequence + self._begins_before(self.first_sequence).astype(jnp.int32), self.last_sequence + 1
+
+    def _ending(self) -> tuple[jax.Array, jax.Array]:
+        """The bounds of a loop over the sequences that end in the chunk: all it overlaps but a last one going on past it."""
+        return self.first_sequence, self.last_sequence + 1 - self._goes_on(self.last_sequence).astype(jnp.int32)
+
+    def _final_gradient(self, sequence: jax.Array, ends_here: jax.Array) -> jax.Array:
+        """``dht[sequence]`` (copied only ``ends_here``), zeros elsewhere."""
+        return jnp.where(ends_here, self.states.load("dht", "final_gradient", sequence, ends_here), 0.0)
+
     def resets(self) -> jax.Array:
         """``(C, 1)`` bool: the rows that are a sequence's first token.
 
@@ -89,60 +132,87 @@ class PackedChunk:
 
         return lax.fori_loop(self.first_sequence, self.last_sequence + 1, mark, jnp.zeros((self.chunk_size, 1), jnp.int32)) > 0
 
-    def entering(self, q: jax.Array, k: jax.Array, g: jax.Array, operands) -> Entering | None:
-        """The initial states' terms (``q``, ``k`` as the chunk math holds them, ``g`` ``(C, K)`` as given but ``-inf``
-        taken as ``RESET_LOG_DECAY``), or None without ``initial_state`` (every sequence starts from zeros, which a
-        reset already is)."""
+    def entering(self, q: jax.Array, k: jax.Array, g: jax.Array, operands) -> tuple[jax.Array, ...] | None:
+        """The initial states' terms ``(keys, queries, leaving)`` for ``chunkwise.chunk_core`` (``q``, ``k`` as the chunk math
+        holds them, ``g`` ``(C, K)`` as given but ``-inf`` taken as ``RESET_LOG_DECAY``), or None without
+        ``initial_state`` (every sequence starts from zeros, which a reset already is)."""
         if not self.states.has("initial_state"):
             return None
         C, K = k.shape
         Vb = self.states.shape[1]
-        i, t = row_and_column_iotas(C)
-        rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
 
         def add(n, terms):
-            keys, queries, leaving = terms
             start, end = self._rows_of(n)
             initial = self.states.load("initial_state", "loaded", n, True)
-            inside = (rows >= start) & (rows < end)
-            decays = jnp.where(inside, jnp.exp(run_sums((start <= t) & (t <= i), g)), 0.0)
-            keys = keys + matmul(k * decays, initial, operands)
-            queries = queries + matmul(q * decays, initial, operands)
-            # The chunk's last sequence runs on to its last row: its state, decayed from row a, leaves the chunk.
-            whole = jnp.exp(column_sums(g, rows >= start))
-            leaving = leaving + jnp.where(n == self.last_sequence, whole * initial, 0.0)
-            return keys, queries, leaving
+            added = _entering_terms(start, end, n == self.last_sequence, q, k, g, initial, operands)
+            return tuple(term + more for term, more in zip(terms, added))
 
-        # Sequences that start in the chunk: all it overlaps but a first one begun before it.
-        first = self.first_sequence + self._begins_before(self.first_sequence).astype(jnp.int32)
         zeros = (jnp.zeros((C, Vb), _F32), jnp.zeros((C, Vb), _F32), jnp.zeros((K, Vb), _F32))
-        return Entering(*lax.fori_loop(first, self.last_sequence + 1, add, zeros))
+        return lax.fori_loop(*self._starting(), add, zeros)
 
     def leave(self, k: jax.Array, g: jax.Array, delta: jax.Array, carried: jax.Array, operands) -> None:
         """Write the final state of every sequence that ends in the chunk (nothing without ``final_state``):
         ``delta`` the chunk's writes, ``carried`` the state that entered the chunk."""
         if not self.states.has("final_state"):
             return
-        C = self.chunk_size
-        j, t = row_and_column_iotas(C)
-        rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
 
         def write(n, unused):
             start, end = self._rows_of(n)
             begun = self._begins_before(n)
             # A sequence that began in this chunk reads its initial state a second time (``entering``'s copy is gone).
             entering = jnp.where(begun, carried, self.states.load("initial_state", "loaded", n, ~begun))
-            inside = (rows >= start) & (rows < end)
-            decays = jnp.where(inside, jnp.exp(run_sums((j < t) & (t < end), g)), 0.0)
-            whole = jnp.exp(column_sums(g, inside))
-            final = whole * entering + matmul(k * decays, delta, operands, COLUMNS_BY_COLUMNS)
+            final = _carried_through(start, end, g, entering) + _writes(start, end, k, g, delta, operands)
             # An empty sequence covers no row of any chunk: its final state is set around the kernel.
             self.states.store("final_state", "leaving", n, final, end > start)
             return unused
 
-        # Sequences that end in the chunk: all it overlaps but a last one going on past it.
-        goes_on = self.cu_seqlens[self.last_sequence + 1] > self.first_token + C
-        lax.fori_loop(self.first_sequence, self.last_sequence + 1 - goes_on.astype(jnp.int32), write, 0)
+        lax.fori_loop(*self._ending(), write, 0)
+
+    # -- the backward (kda.backward): the VJPs of the per-sequence terms above ---------------------------------------
+
+    def leave_gradients(self, k, g, delta, carried, operands) -> tuple[jax.Array, ...] | None:
+        """``(dk, dg, ddelta, dcarried)`` from ``dht`` of the sequences that end in the chunk (None without ``dht``).
+
+        A sequence that starts in the chunk contributes its writes' part only: what its initial state carries through is
+        taken, with that state's other terms, by ``entering_gradients``."""
+        if not self.states.has("dht"):
+            return None
+
+        def add(n, sums):
+            start, end = self._rows_of(n)
+            begun = self._begins_before(n)
+
+            def final(k, g, delta, carried):
+                return _carried_through(start, end, g, jnp.where(begun, carried, 0.0)) + _writes(start, end, k, g, delta, operands)
+
+            _, vjp = jax.vjp(final, k, g, delta, carried)
+            return tuple(total + more for total, more in zip(sums, vjp(self._final_gradient(n, end > start))))
+
+        return lax.fori_loop(*self._ending(), add, tuple(jnp.zeros(x.shape, _F32) for x in (k, g, delta, carried)))
+
+    def entering_gradients(self, q, k, g, dentering, operands) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(dq, dk, dg)`` of the initial states' terms, from their cotangents ``dentering`` (``chunk_core``'s VJP) and, for a
+        sequence that also ends in the chunk, ``dht``; writes ``dinitial_state`` of every sequence that starts in the chunk."""
+        with_final = self.states.has("dht")
+
+        def add(n, sums):
+            start, end = self._rows_of(n)
+            initial = self.states.load("initial_state", "loaded", n, True)
+            cotangents = tuple(dentering)
+
+            def terms(q, k, g, initial):
+                entering = _entering_terms(start, end, n == self.last_sequence, q, k, g, initial, operands)
+                return (*entering, _carried_through(start, end, g, initial)) if with_final else entering
+
+            if with_final:
+                cotangents += (self._final_gradient(n, (end > start) & ~self._goes_on(n)),)
+            _, vjp = jax.vjp(terms, q, k, g, initial)
+            dq, dk, dg, dinitial = vjp(cotangents)
+            # An empty sequence's gradient (dht[n] or zeros: its final state is its initial state) is set around the kernel.
+            self.states.store("dinitial_state", "initial_gradient", n, dinitial, end > start)
+            return tuple(total + more for total, more in zip(sums, (dq, dk, dg)))
+
+        return lax.fori_loop(*self._starting(), add, tuple(jnp.zeros(x.shape, _F32) for x in (q, k, g)))
 
 
 def sequence_work(geometry: Geometry, initial_state: bool, final_state: bool) -> Work:

@@ -11,7 +11,8 @@ grid or off it; empty sequences cover no token and one-token sequences are a res
 
 Per-sequence states (``initial_state`` and the final states ``[N, HV, K, V]``) stay in HBM, each moved by one DMA
 where its sequence starts or ends (``kda/sequences.py``); an empty sequence's final state is its initial state,
-set around the kernel. Forward only, like fused: the dispatcher pairs it with ``xla.chunk``'s backward.
+set around the kernel. Its backward is fused's (``kda/backward.py``) over the same packed grid: ``dS`` starts from each
+sequence's ``dht[n]`` where it ends and leaves as ``dinitial_state[n]`` where it starts.
 """
 
 from __future__ import annotations
