@@ -4,7 +4,7 @@
 ``v`` unit-normal, ``g = log_sigmoid(normal) / 16``, ``g_gamma`` from ALiBi slopes (kda's gate
 computed in the op: raw ``normal - 3`` in the inputs' dtype, ``A_log = log(uniform(0.5, 2))``,
 ``dt_bias`` normal / 2, ``lower_bound = -5``; beta logits unit-normal), and strong
-decays (``g_gamma = -1``; ``g <= -1``) that overflow a naive ``exp`` of the masked triangle,
+decays (``g_gamma = -1``; ``g <= -1``; kda's every other key at ``-10``) that overflow a naive ``exp`` of the masked triangle,
 weak ones (``g_gamma = -2**-8``; ``g`` 16 times weaker than the default) under which the decay gradient cancels,
 and gates of ``-inf`` (``reset_mask``), which reset the state.
 """
@@ -118,6 +118,8 @@ def _kda_gate_and_beta(case: Case, rng: np.random.Generator, shape: tuple[int, .
             inputs["dt_bias"] = jnp.asarray(rng.standard_normal(shape[2] * shape[3]) / 2, gate_dtype)
     else:
         g = -1.0 - np.abs(rng.standard_normal(shape)) if case.strong_decay else _log_sigmoid(rng.standard_normal(shape)) / 16
+        if case.strong_decay:  # and every other key at -10: exp of its chunk sum underflows, of its negation overflows
+            g[..., ::2] = -10.0
         inputs["g"] = jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, gate_dtype)
     if "lower_bound" in features:
         inputs["lower_bound"] = LOWER_BOUND
