@@ -1,6 +1,7 @@
 """The fused grid every forward of this plugin runs on, whatever the op: ``(batch, head, value block,
 time step)``, the first three parallel, time sequential, the running state in VMEM scratch, each grid
-step unrolling its chunks (``step_chunks``); and ``Work``, the flops and exps a kernel declares.
+step unrolling its chunks (``step_chunks``); the same grid walked in reverse by the backwards (state
+checkpoints, ``dS`` in VMEM: ``reversed_in_time`` and below); and ``Work``, the flops and exps a kernel declares.
 Op-independent; ``simple_gla/`` and ``kda/`` hold what a chunk of each op computes."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tops_core import target_chip
 
 from tops_plugins_tpu_pallas import blocks, launch
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, kernel_operands
-from tops_plugins_tpu_pallas.plan import LaunchPlan
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scratch
 
 _F32 = jnp.float32
 
@@ -200,3 +201,62 @@ def finish_sequence(refs: dict, step: jax.Array, geometry: Geometry) -> None:
     @pl.when(step == geometry.time_steps - 1)
     def _finish():
         refs["final_state"][...] = refs["state"][...]
+
+
+# -- the reverse walk every backward on this grid takes ------------------------------------------------
+
+
+def backward_geometry(geometry: Geometry) -> Geometry:
+    """``geometry`` with one value block of the whole ``V_pad``: the grid ``(batch, head, 1, time step)``."""
+    return dataclasses.replace(geometry, full_values=True)
+
+
+def reversed_in_time(operand: Blocked, geometry: Geometry) -> Blocked:
+    """The operand walked from the last time step to the first (an index map ``t -> steps - 1 - t``, no copy)."""
+    last = geometry.time_steps - 1
+
+    def index_map(b, h, tile, t, *scalars):
+        return operand.index_map(b, h, tile, last - t, *scalars)
+
+    return dataclasses.replace(operand, index_map=index_map)
+
+
+def state_checkpoints(geometry: Geometry, every_chunk: bool) -> Blocked:
+    """The float32 forward state entering every time step (``every_chunk``: every chunk), ``[B, H, steps, per step, K_pad, V_pad]``."""
+    g = geometry
+    per_step = g.chunks_per_step if every_chunk else 1
+
+    def step_states(b, h, tile, t, *_):
+        return (b, h, t, 0, 0, 0)
+
+    return Blocked(
+        "checkpoints", (g.batch, g.heads, g.time_steps, per_step, g.padded_key_dim, g.padded_value_dim), _F32,
+        (None, None, None, per_step, g.padded_key_dim, g.padded_value_dim), step_states,
+    )
+
+
+def state_gradient(geometry: Geometry) -> Scratch:
+    """The float32 gradient of the state, carried along the reverse time axis in VMEM only."""
+    return Scratch("dstate", (geometry.padded_key_dim, geometry.padded_value_dim), _F32)
+
+
+def start_state_gradient(refs: dict, step) -> None:
+    """Set the VMEM ``dstate`` to ``dht`` (or zeros) at the first reverse step of each (batch, head).
+
+    Parallel grid points run on either core in any order, so nothing carries over from the previous (batch, head).
+    """
+
+    @pl.when(step == 0)
+    def _start():
+        dstate = refs["dstate"]
+        dstate[...] = refs["dht"][...].astype(_F32) if "dht" in refs else jnp.zeros(dstate.shape, _F32)
+
+
+def finish_state_gradient(refs: dict, step, geometry: Geometry) -> None:
+    """Write ``dstate`` to ``dinitial_state`` (when it is an output) after the last reverse step."""
+    if "dinitial_state" not in refs:
+        return
+
+    @pl.when(step == geometry.time_steps - 1)
+    def _finish():
+        refs["dinitial_state"][...] = refs["dstate"][...].astype(refs["dinitial_state"].dtype)

@@ -4,7 +4,7 @@
    entering every chunk instead of ``o``. KDA's chunk is compute-bound (its inverse and pairs), so one
    checkpoint per chunk (``4 K V / C`` bytes per token written and read again) costs less than
    recomputing a segment's states in the reverse walk.
-2. **gradients**: the grid's time axis reversed (``gradients.reversed_in_time``; nothing flipped or
+2. **gradients**: the grid's time axis reversed (``grid.reversed_in_time``; nothing flipped or
    copied). Each chunk's gradients are the VJP of the forward's own chunk function
    (``fused.activated_chunk_step``: the gate and beta activations, ``use_qk_l2norm``, the decays, the
    pairs, the exact inverse, the output and the state leaving), taken by ``jax.vjp`` inside the kernel at
@@ -37,7 +37,10 @@ from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations, KDAGrads
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
-from tops_plugins_tpu_pallas.grid import Chunk, step_chunks
+from tops_plugins_tpu_pallas.grid import (
+    Chunk, backward_geometry, finish_state_gradient, reversed_in_time, start_state_gradient, state_checkpoints, state_gradient,
+    step_chunks,
+)
 from tops_plugins_tpu_pallas.kda import fused
 from tops_plugins_tpu_pallas.kda.chunkwise import (
     chunk_body_vmem, chunk_core, chunk_work, packed_log_decays, prepared_queries_keys,
@@ -48,9 +51,6 @@ from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.simple_gla.varlen import SequenceStates, sequence_states, with_empty_sequences
-from tops_plugins_tpu_pallas.simple_gla.gradients import (
-    backward_geometry, finish_state_gradient, reversed_in_time, start_state_gradient, state_checkpoints, state_gradient,
-)
 
 __all__ = ["backward", "geometry_of", "plans"]
 

@@ -60,7 +60,7 @@ def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
     chunks per segment (None: ``SEGMENT_TOKENS`` tokens' worth), all of ``V`` per block; before VMEM fitting (``fitted_plans``)."""
     chunk_size = chunk_size_of(config)
     chunks = config.backward_num_steps or max(1, SEGMENT_TOKENS // chunk_size)
-    return gradients.backward_geometry(Geometry(B, T, H, K, V, chunk_size, chunks))
+    return grid.backward_geometry(Geometry(B, T, H, K, V, chunk_size, chunks))
 
 
 def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
@@ -70,12 +70,12 @@ def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UN
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True) -> tuple[LaunchPlan, LaunchPlan]:
     """The checkpoints and gradients plans; ``output_final_state``: a ``dht`` is given; ``decayed``: ``g`` or ``g_gamma`` is (a decay gradient is wanted)."""
-    geometry = gradients.backward_geometry(geometry)
+    geometry = grid.backward_geometry(geometry)
     checkpoints = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=False)
-    steps = functools.partial(gradients.reversed_in_time, geometry=geometry)
+    steps = functools.partial(grid.reversed_in_time, geometry=geometry)
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
     inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"))]
-    inputs.append(steps(gradients.state_checkpoints(geometry, every_chunk=False)))
+    inputs.append(steps(grid.state_checkpoints(geometry, every_chunk=False)))
     if output_final_state:
         inputs.append(blocks.state("dht", geometry, _F32))
     outputs = [steps(blocks.key_rows("dq", geometry, dtype)), steps(blocks.key_rows("dk", geometry, dtype)), steps(blocks.value_rows("dv", geometry, dtype))]
@@ -96,14 +96,14 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     work = per_chunk * (geometry.batch * geometry.heads * geometry.num_chunks) + gradients.gating_work(geometry, gated) + gates_work(geometry, gated) * recomputed_gates
     return checkpoints, grid.grid_plan(
         "simple_gla_fused_backward", geometry, (blocks.decay(geometry),), inputs, outputs, work, gradients.body_vmem(geometry),
-        scratch=(gradients.state_gradient(geometry), Scratch("states", (geometry.chunks_per_step, K, V), _F32)),
+        scratch=(grid.state_gradient(geometry), Scratch("states", (geometry.chunks_per_step, K, V), _F32)),
     )
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
-    gradients.start_state_gradient(refs, step)
+    grid.start_state_gradient(refs, step)
 
     constant = constant_gates(refs, head, geometry)
     chunks = step_chunks(geometry, geometry.time_steps - 1 - step)
@@ -131,7 +131,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
         dstate = dentering
     refs["dstate"][...] = dstate
 
-    gradients.finish_state_gradient(refs, step, geometry)
+    grid.finish_state_gradient(refs, step, geometry)
 
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):

@@ -36,19 +36,19 @@ _F32 = jnp.float32
 
 def _state_gradients(geometry: Geometry) -> Blocked:
     """``dS`` leaving every chunk, float32, laid out as the states entering every chunk."""
-    return dataclasses.replace(gradients.state_checkpoints(geometry, every_chunk=True), name="dstates")
+    return dataclasses.replace(grid.state_checkpoints(geometry, every_chunk=True), name="dstates")
 
 
 def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
     """The backward's geometry for a ``ChunkConfig``: its chunk size and ``num_steps``, all of ``V`` per block."""
-    return gradients.backward_geometry(Geometry(B, T, H, K, V, config.chunk_size, config.num_steps))
+    return grid.backward_geometry(Geometry(B, T, H, K, V, config.chunk_size, config.num_steps))
 
 
 def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True) -> tuple[LaunchPlan, LaunchPlan, LaunchPlan]:
     """The states, state gradients and query/key gradients plans; arguments as ``backward_fused.plans``."""
-    geometry = gradients.backward_geometry(geometry)
+    geometry = grid.backward_geometry(geometry)
     states = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=True)
-    reverse = functools.partial(gradients.reversed_in_time, geometry=geometry)
+    reverse = functools.partial(grid.reversed_in_time, geometry=geometry)
     chunk_count = geometry.batch * geometry.heads * geometry.num_chunks
     gated = gate_dtype is not None
 
@@ -63,11 +63,11 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     ) * chunk_count + gradients.gating_work(geometry, gated)
     state_gradients = grid.grid_plan(
         "simple_gla_split_backward_state_gradients", geometry, (blocks.decay(geometry),), pass1_inputs, pass1_outputs,
-        pass1_work, gradients.body_vmem(geometry), scratch=(gradients.state_gradient(geometry),),
+        pass1_work, gradients.body_vmem(geometry), scratch=(grid.state_gradient(geometry),),
     )
 
     pass2_inputs = gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"))
-    pass2_inputs += (gradients.state_checkpoints(geometry, every_chunk=True), _state_gradients(geometry))
+    pass2_inputs += (grid.state_checkpoints(geometry, every_chunk=True), _state_gradients(geometry))
     pass2_outputs = [blocks.key_rows("dq", geometry, dtype), blocks.key_rows("dk", geometry, dtype)]
     if decayed:
         pass2_outputs.append(gradients.decay_gradients(geometry))
@@ -91,7 +91,7 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
 def _state_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
-    gradients.start_state_gradient(refs, step)
+    grid.start_state_gradient(refs, step)
 
     constant = constant_gates(refs, head, geometry)
     dstate = refs["dstate"][...]
@@ -106,7 +106,7 @@ def _state_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: 
         dstate = dentering
     refs["dstate"][...] = dstate
 
-    gradients.finish_state_gradient(refs, step, geometry)
+    grid.finish_state_gradient(refs, step, geometry)
 
 
 def _query_key_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):

@@ -64,7 +64,7 @@ def plans(
     geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True,
 ) -> tuple[LaunchPlan, LaunchPlan]:
     """The checkpoints and gradients plans for ``num_seqs`` packed sequences; the other arguments as ``backward_fused.plans``."""
-    g = geometry = gradients.backward_geometry(geometry)
+    g = geometry = grid.backward_geometry(geometry)
     K, V, C = g.padded_key_dim, g.padded_value_dim, g.chunk_size
     scalars = (blocks.decay(g), *varlen.boundaries(g, num_seqs))
     gated = gate_dtype is not None
@@ -80,17 +80,17 @@ def plans(
         checkpoint_scratch.append(Scratch("loaded", (K, V), initial_state_dtype))
     checkpoint_work = (last_piece + cumulative_decays) * heads_chunks
     checkpoints = grid.grid_plan(
-        "simple_gla_varlen_backward_checkpoints", g, scalars, checkpoint_inputs, (gradients.state_checkpoints(g, every_chunk=False),),
+        "simple_gla_varlen_backward_checkpoints", g, scalars, checkpoint_inputs, (grid.state_checkpoints(g, every_chunk=False),),
         checkpoint_work, 4 * (3 * K * V + C * K), scratch=checkpoint_scratch,
     )
 
-    steps = functools.partial(gradients.reversed_in_time, geometry=g)
+    steps = functools.partial(grid.reversed_in_time, geometry=g)
     inputs = [steps(x) for x in gradients.token_inputs(g, dtype, gate_dtype, ("q", "k", "v", "do"))]
-    inputs.append(steps(gradients.state_checkpoints(g, every_chunk=False)))
+    inputs.append(steps(grid.state_checkpoints(g, every_chunk=False)))
     outputs = [steps(blocks.key_rows("dq", g, dtype)), steps(blocks.key_rows("dk", g, dtype)), steps(blocks.value_rows("dv", g, dtype))]
     if decayed:
         outputs.append(steps(gradients.decay_gradients(g)))
-    scratch = [gradients.state_gradient(g), Scratch("states", (g.chunks_per_step, K, V), _F32), DmaSemaphores("copies", 2)]
+    scratch = [grid.state_gradient(g), Scratch("states", (g.chunks_per_step, K, V), _F32), DmaSemaphores("copies", 2)]
     if initial_state_dtype is not None:
         # Read when a sequence starts in a chunk, and again by the recomputation when it is a chunk's last piece: twice at most.
         inputs.append(varlen.sequence_states("initial_state", g, num_seqs, initial_state_dtype, moves=2))

@@ -19,7 +19,7 @@ Every factor ``D``, ``exp(b_i)``, ``exp(b_C - b_j)``, ``exp(b_C)`` is one of the
 ``ChunkGates``, computed by the same code (a constant decay's once per grid step); ``dg`` needs no
 log-domain value beyond them.
 
-A backward block always holds the *whole* padded ``V`` of a head (``backward_geometry``): ``dq``
+A backward block always holds the *whole* padded ``V`` of a head (``grid.backward_geometry``): ``dq``
 and ``dk`` sum over ``V``, and a value tile per grid point would have to reduce across grid points.
 """
 
@@ -40,7 +40,7 @@ from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, SPLIT_
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     ChunkGates, advance_state, advance_state_work, chunk_gates, constant_gates, gate_computations, gates_work,
 )
-from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
 
 _F32 = jnp.float32
@@ -49,33 +49,10 @@ _F32 = jnp.float32
 # -- operands -------------------------------------------------------------------------------------
 
 
-def backward_geometry(geometry: Geometry) -> Geometry:
-    """``geometry`` with one value block of the whole ``V_pad``: the grid ``(batch, head, 1, time step)``."""
-    return dataclasses.replace(geometry, full_values=True)
 
 
-def reversed_in_time(operand: Blocked, geometry: Geometry) -> Blocked:
-    """The operand walked from the last time step to the first (an index map ``t -> steps - 1 - t``, no copy)."""
-    last = geometry.time_steps - 1
-
-    def index_map(b, h, tile, t, *scalars):
-        return operand.index_map(b, h, tile, last - t, *scalars)
-
-    return dataclasses.replace(operand, index_map=index_map)
 
 
-def state_checkpoints(geometry: Geometry, every_chunk: bool) -> Blocked:
-    """The float32 forward state entering every time step (``every_chunk``: every chunk), ``[B, H, steps, per step, K_pad, V_pad]``."""
-    g = geometry
-    per_step = g.chunks_per_step if every_chunk else 1
-
-    def step_states(b, h, tile, t, *_):
-        return (b, h, t, 0, 0, 0)
-
-    return Blocked(
-        "checkpoints", (g.batch, g.heads, g.time_steps, per_step, g.padded_key_dim, g.padded_value_dim), _F32,
-        (None, None, None, per_step, g.padded_key_dim, g.padded_value_dim), step_states,
-    )
 
 
 def decay_gradients(geometry: Geometry) -> Blocked:
@@ -83,9 +60,6 @@ def decay_gradients(geometry: Geometry) -> Blocked:
     return blocks.token_rows("da", geometry)
 
 
-def state_gradient(geometry: Geometry) -> Scratch:
-    """The float32 gradient of the state, carried along the reverse time axis in VMEM only."""
-    return Scratch("dstate", (geometry.padded_key_dim, geometry.padded_value_dim), _F32)
 
 
 def token_inputs(geometry: Geometry, dtype, gate_dtype, names: tuple[str, ...]) -> tuple[Blocked, ...]:
@@ -145,7 +119,7 @@ def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dty
     work = work + gates_work(geometry, gated, attention=False) * gate_computations(geometry, gated)
     return grid.grid_plan(
         "simple_gla_backward_checkpoints", geometry, (blocks.decay(geometry),), (*token_inputs(geometry, dtype, gate_dtype, ("k", "v")), *start),
-        (state_checkpoints(geometry, every_chunk),), work, 4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
+        (grid.state_checkpoints(geometry, every_chunk),), work, 4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
     )
 
 
@@ -166,26 +140,8 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
     refs["state"][...] = state
 
 
-def start_state_gradient(refs: dict, step) -> None:
-    """Set the VMEM ``dstate`` to ``dht`` (or zeros) at the first reverse step of each (batch, head).
-
-    Parallel grid points run on either core in any order, so nothing carries over from the previous (batch, head).
-    """
-
-    @pl.when(step == 0)
-    def _start():
-        dstate = refs["dstate"]
-        dstate[...] = refs["dht"][...].astype(_F32) if "dht" in refs else jnp.zeros(dstate.shape, _F32)
 
 
-def finish_state_gradient(refs: dict, step, geometry: Geometry) -> None:
-    """Write ``dstate`` to ``dinitial_state`` (when it is an output) after the last reverse step."""
-    if "dinitial_state" not in refs:
-        return
-
-    @pl.when(step == geometry.time_steps - 1)
-    def _finish():
-        refs["dinitial_state"][...] = refs["dstate"][...].astype(refs["dinitial_state"].dtype)
 
 
 # -- one chunk --------------------------------------------------------------------------------------
