@@ -77,7 +77,7 @@ def test_strong_constant_decay_at_chunk_128(kernel, make_inputs, reference_gradi
     assert_gradients_match(grads, reference_gradients(ref_inputs, do, dht), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [k if k == "fused" else pytest.param(k, marks=pytest.mark.slow) for k in KERNELS])  # 8 s each
 def test_alibi_decays_of_twenty_layers(kernel, make_inputs, reference_gradients, alibi_layers):
     # Reduced: the strongest head of each of 20 layers at T = 512 (the slow test runs every head at T = 4096).
     g_gamma = alibi_layers(8, 20).reshape(20, 8)[:, 0]
