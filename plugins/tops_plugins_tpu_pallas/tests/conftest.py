@@ -167,3 +167,23 @@ def kda_reference():
             jax.config.update("jax_enable_x64", previous)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def kda_gradients():
+    """``gradients(inputs, implementation, **options)`` -> every input's gradient of kda's ``sum(o @ W) + sum(final_state * W)``
+    (``W`` a fixed ``V x V`` cosine pattern, so every output element weighs differently), jitted, in interpret mode,
+    strict; ``options`` go to ``kda.forward`` (``cu_seqlens``, ``use_qk_l2norm``)."""
+
+    def gradients(inputs, implementation, **options):
+        V = inputs["v"].shape[-1]
+        weights = jnp.cos(jnp.arange(V * V, dtype=jnp.float32)).reshape(V, V)
+
+        def loss(inputs):
+            o, final_state = tops_core.op("kda").forward(**inputs, **options, output_final_state=True, implementation=implementation)
+            return jnp.sum(o.astype(jnp.float32) @ weights) + jnp.sum(final_state * weights)
+
+        with tops_core.use(interpret=True, strict=True):
+            return jax.block_until_ready(jax.jit(jax.grad(loss))(inputs))
+
+    return gradients

@@ -247,27 +247,15 @@ def test_kda_faithful_interpreter_matches_reference(case, seed, race_reports, ma
 
 
 @pytest.mark.parametrize("case", ["in-place-f32-h0-two-chunks-per-step-ragged", "default-config-bf16-h0-ragged"])
-def test_kda_backward_faithful_interpreter_matches_reference(case, race_reports, make_kda_inputs):
+def test_kda_backward_faithful_interpreter_matches_reference(case, race_reports, make_kda_inputs, kda_gradients):
     # kda.backward's two kernels (checkpoints, then dS in VMEM along the reverse time axis) on two simulated
     # cores in a random order, every gradient against ref.recurrent's (float64 inside).
     shape, dtype, given, use_qk_l2norm, config = KDA_CASES[case]
     seed = SEEDS[0]
     inputs = make_kda_inputs(*shape, dtype, seed=seed, **given)
-    weights = jnp.cos(jnp.arange(shape[-1] * shape[-1], dtype=jnp.float32)).reshape(shape[-1], shape[-1])
-
-    def gradients(implementation):
-        def loss(inputs):
-            o, final_state = tops_core.op("kda").forward(
-                **inputs, output_final_state=True, use_qk_l2norm=use_qk_l2norm, implementation=implementation,
-            )
-            return jnp.sum(o.astype(jnp.float32) @ weights) + jnp.sum(final_state * weights)
-
-        with tops_core.use(interpret=True, strict=True):
-            return jax.block_until_ready(jax.jit(jax.grad(loss))(inputs))
-
-    got = gradients(("tpu_pallas.fused", {**config, "interpret": faithful(seed)}))
+    got = kda_gradients(inputs, ("tpu_pallas.fused", {**config, "interpret": faithful(seed)}), use_qk_l2norm=use_qk_l2norm)
     assert len(race_reports) >= 2 and not any(report.races_found for report in race_reports)
-    want = gradients("ref.recurrent")
+    want = kda_gradients(inputs, "ref.recurrent", use_qk_l2norm=use_qk_l2norm)
     for name in inputs:
         measurement = measure(f"d{name}", got[name], want[name], tolerance(jnp.dtype(dtype).name, gradient=True))
         assert measurement.passed, measurement.describe()
@@ -331,28 +319,17 @@ def test_kda_packed_faithful_interpreter_matches_reference(seed, race_reports, m
 
 
 @pytest.mark.slow
-def test_kda_packed_backward_faithful_interpreter_matches_reference(race_reports, make_kda_inputs):
+def test_kda_packed_backward_faithful_interpreter_matches_reference(race_reports, make_kda_inputs, kda_gradients):
     # The packed backward's two kernels on KDA_PACKING: dS from each sequence's dht where it ends, dinitial_state
     # written by DMA where it starts, on two simulated cores with NaN-filled memory; every gradient against ref.recurrent's.
     seed = SEEDS[0]
     inputs = make_kda_inputs(1, sum(KDA_PACKING), 2, 128, 128, jnp.float32, seed=seed, initial_state=False)
     inputs["initial_state"] = jnp.asarray(np.random.default_rng(seed).standard_normal((len(KDA_PACKING), 2, 128, 128)), jnp.float32)
     cu_seqlens = jnp.asarray(np.cumsum((0, *KDA_PACKING)), jnp.int32)
-    weights = jnp.cos(jnp.arange(128 * 128, dtype=jnp.float32)).reshape(128, 128)
-
-    def gradients(implementation):
-        def loss(inputs):
-            o, final_state = tops_core.op("kda").forward(
-                **inputs, cu_seqlens=cu_seqlens, output_final_state=True, implementation=implementation,
-            )
-            return jnp.sum(o @ weights) + jnp.sum(final_state * weights)
-
-        with tops_core.use(interpret=True, strict=True):
-            return jax.block_until_ready(jax.jit(jax.grad(loss))(inputs))
-
-    got = gradients(("tpu_pallas.varlen", {"chunk_size": 64, "num_steps": 2, "interpret": faithful(seed)}))
+    config = {"chunk_size": 64, "num_steps": 2, "interpret": faithful(seed)}
+    got = kda_gradients(inputs, ("tpu_pallas.varlen", config), cu_seqlens=cu_seqlens)
     assert len(race_reports) >= 2 and not any(report.races_found for report in race_reports)
-    want = gradients("ref.recurrent")
+    want = kda_gradients(inputs, "ref.recurrent", cu_seqlens=cu_seqlens)
     for name in inputs:
         measurement = measure(f"d{name}", got[name], want[name], tolerance("float32", gradient=True))
         assert measurement.passed, measurement.describe()

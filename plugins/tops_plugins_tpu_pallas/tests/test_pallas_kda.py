@@ -139,22 +139,12 @@ def _spec(**changes):
     return tops_core.CallSpec(**{**fields, **changes})
 
 
-def test_gradients_at_g_minus_10_on_half_the_keys_are_finite_and_match_the_reference(make_kda_inputs):
+def test_gradients_at_g_minus_10_on_half_the_keys_are_finite_and_match_the_reference(make_kda_inputs, kda_gradients):
     # The backward (kda.backward) takes no exp the forward does not: at chunk 128, where b reaches -1280 on the
     # strong keys, every gradient is finite and within float32's tolerance of the float64 reference.
     inputs = make_kda_inputs(1, 200, 1, 128, 128, jnp.float32)
     inputs["g"] = inputs["g"].at[..., ::2].set(-10.0)
-    weights = jnp.cos(jnp.arange(128 * 128, dtype=jnp.float32)).reshape(128, 128)
-
-    def gradients(implementation):
-        def loss(inputs):
-            o, final_state = kda.forward(**inputs, output_final_state=True, implementation=implementation)
-            return jnp.sum(o @ weights) + jnp.sum(final_state * weights)
-
-        with tops_core.use(interpret=True, strict=True):
-            return jax.jit(jax.grad(loss))(inputs)
-
-    got, want = gradients(("tpu_pallas.fused", dict(chunk_size=128))), gradients("ref.recurrent")
+    got, want = kda_gradients(inputs, ("tpu_pallas.fused", dict(chunk_size=128))), kda_gradients(inputs, "ref.recurrent")
     for name in inputs:
         assert np.all(np.isfinite(np.asarray(got[name]))), name
         assert relative_error(got[name], want[name]) < 5e-5, name

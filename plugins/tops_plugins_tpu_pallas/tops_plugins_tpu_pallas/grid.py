@@ -240,8 +240,9 @@ def state_gradient(geometry: Geometry) -> Scratch:
     return Scratch("dstate", (geometry.padded_key_dim, geometry.padded_value_dim), _F32)
 
 
-def start_state_gradient(refs: dict, step) -> None:
-    """Set the VMEM ``dstate`` to ``dht`` (or zeros) at the first reverse step of each (batch, head).
+def start_state_gradient(refs: dict, step, from_final_state: bool = True) -> None:
+    """Set the VMEM ``dstate`` to ``dht`` (or zeros; always zeros when not ``from_final_state``) at the first reverse
+    step of each (batch, head).
 
     Parallel grid points run on either core in any order, so nothing carries over from the previous (batch, head).
     """
@@ -249,7 +250,10 @@ def start_state_gradient(refs: dict, step) -> None:
     @pl.when(step == 0)
     def _start():
         dstate = refs["dstate"]
-        dstate[...] = refs["dht"][...].astype(_F32) if "dht" in refs else jnp.zeros(dstate.shape, _F32)
+        if from_final_state and "dht" in refs:
+            dstate[...] = refs["dht"][...].astype(_F32)
+        else:
+            dstate[...] = jnp.zeros(dstate.shape, _F32)
 
 
 def finish_state_gradient(refs: dict, step, geometry: Geometry) -> None:

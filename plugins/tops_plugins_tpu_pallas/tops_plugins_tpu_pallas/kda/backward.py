@@ -1,16 +1,19 @@
-"""The backward of kda's ``tpu_pallas.fused``: every gradient in two ``pallas_call``s on the fused grid.
+"""The backward of kda's ``tpu_pallas.fused`` and, packed, ``tpu_pallas.varlen``: every gradient in two ``pallas_call``s
+on the fused grid.
 
 1. **checkpoints**: the forward kernel itself (``fused.kernel``) walking time, writing the float32 state
    entering every chunk instead of ``o``. KDA's chunk is compute-bound (its inverse and pairs), so one
    checkpoint per chunk (``4 K V / C`` bytes per token written and read again) costs less than
    recomputing a segment's states in the reverse walk.
 2. **gradients**: the grid's time axis reversed (``grid.reversed_in_time``; nothing flipped or
-   copied). Each chunk's gradients are the VJP of the forward's own chunk function
-   (``fused.activated_chunk_step``: the gate and beta activations, ``use_qk_l2norm``, the decays, the
-   pairs, the exact inverse, the output and the state leaving), taken by ``jax.vjp`` inside the kernel at
-   the chunk's inputs and its checkpoint, with ``do`` and the state gradient ``dS`` carried in VMEM
-   from the chunk after it. So the backward computes exactly what the forward computes, both paths
-   (exact and bounded gates) and every option, and a change to the chunk math changes both.
+   copied). Each chunk's gradients are the VJPs of the forward's own chunk functions, in reverse
+   (``_chunk_gradients``): ``chunkwise.chunk_core`` (the decays, the pairs, the exact inverse, the output
+   and the state leaving), then ``fused.activated_gate_and_strength`` with ``chunkwise.prepared_queries_keys``
+   (the gate and beta activations, ``use_qk_l2norm``), taken by ``jax.vjp`` inside the kernel at the chunk's
+   inputs and its checkpoint, with ``do`` and the state gradient ``dS`` carried in VMEM from the chunk
+   after it. So the backward computes exactly what the forward computes, both paths (exact and bounded
+   gates) and every option, and a change to the chunk math changes both. Packed, each sequence's terms
+   (``kda.sequences``) add their VJPs: ``dht[n]`` where a sequence ends, ``dinitial_state[n]`` where it starts.
 
 Two things keep the VJP as exact as the forward, both in the forward's own building blocks:
 ``mxu.matmul`` differentiates into products of the same kind with float32 cotangents (jax's rule
@@ -150,7 +153,7 @@ def _as_row(column: jax.Array) -> jax.Array:
 def _chunk_gradients(chunk: Chunk, refs: dict, head, A_log, dt_bias, dstate, sequences: PackedChunk | None, *,
                      scale: float, use_qk_l2norm: bool, activations: Activations):
     """One chunk's gradients, ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)``, and ``dS`` entering it: the VJPs of the
-    forward's steps (``fused.activated_chunk_step``) in reverse, ``dS`` leaving it (``dstate``) and ``do`` given.
+    forward's steps (``fused.activated_chunk_step``'s pieces) in reverse, ``dS`` leaving it (``dstate``) and ``do`` given.
 
     The activations and ``prepared_queries_keys``, then ``chunk_core``; a packed chunk's sequences (``sequences``) add
     the VJPs of their final states (to ``delta``, from ``dht``) and of their initial states' terms (``dinitial_state``)."""
@@ -184,15 +187,9 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
     refs = plan.bind(refs)
     head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     packed = "cu_seqlens" in refs
-    states = None
-    if packed:  # dS is each sequence's dht where it ends (kda.sequences); what the carried state reaches past T is zero
-        states = SequenceStates(refs, head, block, geometry.value_block, refs["dstate"].shape)
-
-        @pl.when(step == 0)
-        def _start():
-            refs["dstate"][...] = jnp.zeros(refs["dstate"].shape, _F32)
-    else:
-        start_state_gradient(refs, step)
+    # Packed, dS starts at zeros (what the carried state reaches past T): each sequence's dht enters where it ends.
+    start_state_gradient(refs, step, from_final_state=not packed)
+    states = SequenceStates(refs, head, block, geometry.value_block, refs["dstate"].shape) if packed else None
     sums = [name for name in ("dA_log", "ddt_bias") if name in refs]
 
     @pl.when(step == 0)

@@ -24,7 +24,7 @@ KDA's own inputs, read in place:
   ``use_beta_sigmoid``, its ``beta_activation``).
 
 Its backward (``kda/backward.py``) runs this kernel again for the state entering every chunk (``checkpoints`` in
-place of ``o``), then the VJP of ``activated_chunk_step`` chunk by chunk in reverse.
+place of ``o``), then the VJPs of ``activated_chunk_step``'s pieces chunk by chunk in reverse.
 """
 
 from __future__ import annotations

@@ -55,8 +55,7 @@ def _entering_terms(start, end, is_last, q, k, g, initial, operands) -> tuple[ja
     i, t = row_and_column_iotas(C)
     decays = jnp.where(_inside(start, end, C), jnp.exp(run_sums((start <= t) & (t <= i), g)), 0.0)
     # The chunk's last sequence runs on to its last row: its state, decayed from row a, leaves the chunk.
-    rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-    whole = jnp.exp(column_sums(g, rows >= start))
+    whole = jnp.exp(column_sums(g, _inside(start, C, C)))
     return (
         matmul(k * decays, initial, operands), matmul(q * decays, initial, operands),
         jnp.where(is_last, whole * initial, 0.0),
