@@ -282,6 +282,12 @@ class Dumped:
     cores: int
 
 
+def without_cpu_backend_flags(flags: str) -> str:
+    """``XLA_FLAGS`` less the CPU backend's own flags (``--xla_cpu_...``): libtpu parses the same variable
+    with its own XLA, which does not know them, and aborts on a flag it does not know."""
+    return " ".join(flag for flag in flags.split() if not flag.startswith("--xla_cpu_"))
+
+
 class LineWorker:
     """A Python child process on CPU (libtpu's no-TPU environment unless a TPU is attached): one request
     per line in, one answer per line out.
@@ -293,6 +299,7 @@ class LineWorker:
 
     def __init__(self, command: list[str], environment: dict[str, str] | None = None):
         variables = {**os.environ, "JAX_PLATFORMS": "cpu", **(environment or {})}
+        variables["XLA_FLAGS"] = without_cpu_backend_flags(variables.get("XLA_FLAGS", ""))
         if not tpu_attached():
             variables = {**NO_TPU_ENVIRONMENT, **variables}
         self._stderr = tempfile.TemporaryFile(mode="w+")

@@ -50,6 +50,15 @@ def make_inputs():
 
 
 @pytest.fixture(scope="session")
+def default_cpu_emitters():
+    """``compiler_options`` for ``jax.jit`` that compile with XLA's default CPU fusion emitters, for the tests
+    that compare two kernel programs bit for bit. The root conftest's older emitter at -O0 rounds some
+    unrolled loop bodies differently from the same operations in a loop (o by one ulp at 4 chunks per
+    grid step): a compiler's choice, not the kernel's, so those tests compile as XLA does by default."""
+    return {"xla_cpu_use_fusion_emitters": True}
+
+
+@pytest.fixture(scope="session")
 def reference():
     """``reference(inputs, output_final_state)`` -> float64 ``(o, final_state)`` from ``ref.recurrent``.
 

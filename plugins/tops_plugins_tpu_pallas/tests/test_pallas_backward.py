@@ -20,8 +20,9 @@ KERNELS = ["fused", "chunk"]
 sg = tops_core.op("simple_gla")
 
 
-def gradients(kernel, inputs, do, dht, **config):
-    """Every gradient through the public op, forced to ``tpu_pallas.<kernel>`` with config overrides, in the interpreter.
+def gradients(kernel, inputs, do, dht, compiler_options=None, **config):
+    """Every gradient through the public op, forced to ``tpu_pallas.<kernel>`` with config overrides, in the interpreter
+    (compiled with ``compiler_options``).
 
     ``num_steps`` sets the fused backward's segment too (``backward_num_steps``), or its default of
     1024 tokens would make every sequence here one segment.
@@ -36,7 +37,7 @@ def gradients(kernel, inputs, do, dht, **config):
             )
             return vjp((do, dht))[0]
 
-    return jax.jit(call)(inputs)
+    return jax.jit(call, compiler_options=compiler_options)(inputs)
 
 
 def cotangents(inputs, seed=7):
@@ -100,12 +101,12 @@ def test_alibi_decays_of_twenty_layers_at_4096(kernel, make_inputs, alibi_layers
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_num_steps_do_not_change_a_bit(kernel, make_inputs):
+def test_num_steps_do_not_change_a_bit(kernel, make_inputs, default_cpu_emitters):
     # 4 chunks of 64, the last one ragged: 1 or 4 chunks per grid step give the same gradients bit for bit.
     inputs, _ = make_inputs(1, 250, 2, 128, 128, jnp.float32, g=True, g_gamma="alibi", initial_state=True, seed=6)
     do, dht = cotangents(inputs)
-    one = gradients(kernel, inputs, do, dht, chunk_size=64, num_steps=1)
-    for name, x in gradients(kernel, inputs, do, dht, chunk_size=64, num_steps=4).items():
+    one = gradients(kernel, inputs, do, dht, default_cpu_emitters, chunk_size=64, num_steps=1)
+    for name, x in gradients(kernel, inputs, do, dht, default_cpu_emitters, chunk_size=64, num_steps=4).items():
         np.testing.assert_array_equal(x, one[name], err_msg=name)
 
 

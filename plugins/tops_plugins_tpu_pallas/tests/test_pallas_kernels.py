@@ -28,28 +28,30 @@ KERNELS = ["fused", "chunk"]
 sg = tops_core.op("simple_gla")
 
 
-def run(kernel, inputs, output_final_state=True, **config):
-    """The forward through the public API, forced to ``tpu_pallas.<kernel>`` with config overrides, in the interpreter."""
+def run(kernel, inputs, output_final_state=True, compiler_options=None, **config):
+    """The forward through the public API, forced to ``tpu_pallas.<kernel>`` with config overrides, in the interpreter
+    (compiled with ``compiler_options``)."""
 
     def call(inputs):
         with tops_core.use(interpret=True, strict=True):
             return sg.forward(**inputs, output_final_state=output_final_state, implementation=(f"tpu_pallas.{kernel}", config))
 
-    return jax.jit(call)(inputs)
+    return jax.jit(call, compiler_options=compiler_options)(inputs)
 
 
 NUM_STEPS_SHAPE = (1, 250, 2, 128, 128)  # B, T, H, K, V: read in place; 4 chunks of 64, the last one ragged
 
 
 @pytest.fixture(scope="module")
-def num_steps_runs(make_inputs):
-    """``(result(kernel, num_steps), reference inputs)``; results are computed once per (kernel, num_steps)."""
+def num_steps_runs(make_inputs, default_cpu_emitters):
+    """``(result(kernel, num_steps), reference inputs)``; results are computed once per (kernel, num_steps), with
+    XLA's default CPU emitters (they are compared bit for bit)."""
     inputs, ref_inputs = make_inputs(*NUM_STEPS_SHAPE, jnp.float32, g=True, g_gamma="alibi", initial_state=True)
     results = {}
 
     def result(kernel, num_steps):
         if (kernel, num_steps) not in results:
-            results[kernel, num_steps] = run(kernel, inputs, chunk_size=64, num_steps=num_steps)
+            results[kernel, num_steps] = run(kernel, inputs, compiler_options=default_cpu_emitters, chunk_size=64, num_steps=num_steps)
         return results[kernel, num_steps]
 
     return result, ref_inputs
