@@ -26,7 +26,7 @@ from tops_core import environment, parallel
 from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.dispatch import Decision, NoImplementationError, pairing_note, select
 from tops_core.lowering import Choice, stage_per_platform
-from tops_core.ops import validation
+from tops_core.ops import pool, validation
 from tops_core.ops.validation import is_concrete
 from tops_core.partitioning import Plan, SequenceShards, Split, partitioned
 from tops_core.policy import ForceRequest, Policy, current_policy
@@ -65,13 +65,15 @@ class Explanation:
     """The forward and backward decisions for one call; ``str()`` gives the full trace.
 
     ``elsewhere``: for a traced call, the same for every other platform it may be lowered for
-    (an ``Explanation``, or the error when no forward supports it there).
+    (an ``Explanation``, or the error when no forward supports it there). ``call_notes``: lines on what
+    the core does around the implementations (a state pool's rows).
     """
 
     forward: Decision
     backward: Decision | None
     backward_error: str | None = None
     elsewhere: tuple[tuple[str, Explanation | str], ...] = ()
+    call_notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         if self.backward is None:
@@ -79,6 +81,7 @@ class Explanation:
         else:
             pairing = pairing_note(self.forward, self.backward)
             text = "\n".join([self.forward.explain(), self.backward.explain()] + ([pairing] if pairing else []))
+        text = "\n".join([*self.call_notes, text])
         if not self.elsewhere:
             return text
         lines = [text, "", "The inputs are traced: the program runs where it is lowered for, so every platform is decided and the lowering keeps its own choice."]
@@ -246,7 +249,11 @@ class OpContract:
         validation.shape("do", do, (spec.batch, spec.seq_len, spec.value_heads, spec.value_dim), "[B, T, H, V] like v")
         dht = validation.array("dht", dht, required=False, python=False)
         if dht is not None:
-            validation.shape("dht", validation.floating("dht", dht), self._state_shape(spec), "[N, H, K, V]")
+            states = prepared.arrays["initial_state"]
+            if prepared.arrays.get("ssm_state_indices") is not None:
+                validation.shape("dht", validation.floating("dht", dht), tuple(states.shape), "[P, H, K, V] like the pool initial_state")
+            else:
+                validation.shape("dht", validation.floating("dht", dht), self._state_shape(spec), "[N, H, K, V]")
         return do, dht
 
     @staticmethod
@@ -301,6 +308,9 @@ class OpContract:
 
     def _explain(self, prepared: Prepared, policy: Policy) -> Explanation:
         explanation = self._explain_spec(prepared.spec, policy, warn=True)
+        if prepared.arrays.get("ssm_state_indices") is not None:
+            note = pool.describe(prepared.arrays["initial_state"].shape[0], prepared.spec.num_seqs)
+            explanation = dataclasses.replace(explanation, call_notes=(note,))
         if prepared.platform_known:
             return explanation
         elsewhere = []
@@ -336,9 +346,20 @@ class OpContract:
         return _compiled_backward(self._static(prepared, policy), dict(prepared.arrays), do, dht)
 
     def _run_forward(self, prepared: Prepared, policy: Policy, split: Split | None) -> tuple[Any, Any]:
+        indices = prepared.arrays.get("ssm_state_indices")
+        if indices is not None:
+            states = prepared.arrays["initial_state"]
+            o, final_states = self._run_forward(_dense(prepared), policy, split)
+            return o, None if final_states is None else pool.written(states, indices, final_states)
         return self._checked(prepared, lambda trusted: self._partitioned("forward", trusted, policy, (), split))
 
     def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any, split: Split | None) -> Any:
+        indices = prepared.arrays.get("ssm_state_indices")
+        if indices is not None:
+            states = prepared.arrays["initial_state"]
+            rows_dht = None if dht is None else pool.row_cotangents(dht, indices)
+            grads = self._run_backward(_dense(prepared), policy, do, rows_dht, split)
+            return dataclasses.replace(grads, dinitial_state=pool.gradient(states, indices, grads.dinitial_state, dht))
         return self._checked(prepared, lambda trusted: self._partitioned("backward", trusted, policy, (do, dht), split))
 
     def _checked(self, prepared: Prepared, run: Any) -> Any:
@@ -490,6 +511,13 @@ class OpContract:
                     f"{impl} returned d{name} {tuple(dx.shape)} {jnp.dtype(dx.dtype).name}; "
                     f"expected {tuple(x.shape)} {jnp.dtype(x.dtype).name} like {name}"
                 )
+
+
+def _dense(prepared: Prepared) -> Prepared:
+    """A pool call (``ssm_state_indices``) as the dense call of its sequences, which start from their pool rows."""
+    arrays = prepared.arrays
+    rows = pool.rows(arrays["initial_state"], arrays["ssm_state_indices"])
+    return dataclasses.replace(prepared, arrays={**arrays, "initial_state": rows, "ssm_state_indices": None})
 
 
 def _named(decision: Decision) -> Any:

@@ -196,14 +196,18 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         lower_bound: float | None = None,
         use_beta_sigmoid: bool = False,
         allow_neg_eigval: bool = False,
+        ssm_state_indices: Array | None = None,
         *,
         implementation: ForceRequest = None,
     ) -> tuple[Array, Array | None]:
-        """Compute ``(o, final_state)``; differentiable with ``jax.grad``, and works under ``jit``/``vmap``."""
+        """Compute ``(o, final_state)``; differentiable with ``jax.grad``, and works under ``jit``/``vmap``.
+
+        With ``ssm_state_indices``, ``initial_state`` is a state pool and the final state is the updated pool
+        (``tops_core.ops.pool``)."""
         policy = self.policy(implementation)
         prepared = self.prepare(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, policy.interpret,
-            **_gate_and_beta(use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval),
+            ssm_state_indices=ssm_state_indices, **_gate_and_beta(use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval),
         )
         return self._forward(prepared, policy)
 
@@ -226,14 +230,15 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         lower_bound: float | None = None,
         use_beta_sigmoid: bool = False,
         allow_neg_eigval: bool = False,
+        ssm_state_indices: Array | None = None,
         *,
         implementation: ForceRequest = None,
     ) -> KDAGrads:
-        """The explicit VJP: gradients for cotangents ``do`` (and ``dht``, the final state's)."""
+        """The explicit VJP: gradients for cotangents ``do`` (and ``dht``, the final state's: the pool's with ``ssm_state_indices``)."""
         policy = self.policy(implementation)
         prepared = self.prepare(
             q, k, v, g, beta, scale, initial_state, dht is not None, cu_seqlens, use_qk_l2norm, policy.interpret,
-            **_gate_and_beta(use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval),
+            ssm_state_indices=ssm_state_indices, **_gate_and_beta(use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval),
         )
         do, dht = self.check_cotangents(prepared, do, dht)
         return self._backward(prepared, policy, do, dht)
@@ -256,6 +261,7 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         lower_bound: float | None = None,
         use_beta_sigmoid: bool = False,
         allow_neg_eigval: bool = False,
+        ssm_state_indices: Array | None = None,
         *,
         implementation: ForceRequest = None,
     ) -> Explanation:
@@ -263,13 +269,14 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         policy = self.policy(implementation)
         prepared = self.prepare(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, policy.interpret,
-            **_gate_and_beta(use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval),
+            ssm_state_indices=ssm_state_indices, **_gate_and_beta(use_gate, A_log, dt_bias, lower_bound, use_beta_sigmoid, allow_neg_eigval),
         )
         return self._explain(prepared, policy)
 
     def prepare(
         self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, interpret, *,
         use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
+        ssm_state_indices=None,
     ) -> Prepared:
         """Validate a call (docs/ops.md "Invalid input") and derive its call spec."""
         q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v, initial_state_given=initial_state is not None, grouped_values=True)
@@ -279,8 +286,9 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         beta = validation.shape("beta", validation.real_array("beta", beta, floats), (B, T, HV), "[B, T, HV]")
         cu_seqlens, N = validation.cu_seqlens(cu_seqlens, B, T)
         initial_state = validation.real_array("initial_state", initial_state, floats, required=False)
+        ssm_state_indices = validation.state_indices(ssm_state_indices, initial_state, N, floats)
         if initial_state is not None:
-            validation.shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
+            validation.state_shape(initial_state, ssm_state_indices, N, (HV, K, V), "HV, K, V")
         flags = {name: validation.flag(name, value) for name, value in (
             ("output_final_state", output_final_state), ("use_qk_l2norm", use_qk_l2norm), ("use_gate", use_gate),
             ("use_beta_sigmoid", use_beta_sigmoid), ("allow_neg_eigval", allow_neg_eigval),
@@ -295,7 +303,10 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         if lower_bound is not None and not flags["use_gate"] and is_concrete(g):
             _check_bounded(g, lower_bound)
         options = (("scale", validation.scale(scale, K)), *flags.items(), ("lower_bound", lower_bound))
-        arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
+        arrays = dict(
+            q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
+            ssm_state_indices=ssm_state_indices,
+        )
         return self.make_prepared(arrays, options, N, {}, interpret)
 
     def checked_when_traced(self, arrays, options) -> tuple[str, ...]:

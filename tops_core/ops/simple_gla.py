@@ -98,12 +98,16 @@ class SimpleGLA(OpContract, signature=SIMPLE_GLA):
         initial_state: Array | None = None,
         output_final_state: bool = False,
         cu_seqlens: Array | None = None,
+        ssm_state_indices: Array | None = None,
         *,
         implementation: ForceRequest = None,
     ) -> tuple[Array, Array | None]:
-        """Compute ``(o, final_state)``; differentiable with ``jax.grad``, and works under ``jit``/``vmap``."""
+        """Compute ``(o, final_state)``; differentiable with ``jax.grad``, and works under ``jit``/``vmap``.
+
+        With ``ssm_state_indices``, ``initial_state`` is a state pool and the final state is the updated pool
+        (``tops_core.ops.pool``)."""
         policy = self.policy(implementation)
-        prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, policy.interpret)
+        prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, policy.interpret, ssm_state_indices)
         return self._forward(prepared, policy)
 
     def backward(
@@ -118,12 +122,13 @@ class SimpleGLA(OpContract, signature=SIMPLE_GLA):
         initial_state: Array | None = None,
         dht: Array | None = None,
         cu_seqlens: Array | None = None,
+        ssm_state_indices: Array | None = None,
         *,
         implementation: ForceRequest = None,
     ) -> SimpleGLAGrads:
-        """The explicit VJP: gradients for cotangents ``do`` (and ``dht``, the final state's)."""
+        """The explicit VJP: gradients for cotangents ``do`` (and ``dht``, the final state's: the pool's with ``ssm_state_indices``)."""
         policy = self.policy(implementation)
-        prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, dht is not None, cu_seqlens, policy.interpret)
+        prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, dht is not None, cu_seqlens, policy.interpret, ssm_state_indices)
         do, dht = self.check_cotangents(prepared, do, dht)
         return self._backward(prepared, policy, do, dht)
 
@@ -138,15 +143,16 @@ class SimpleGLA(OpContract, signature=SIMPLE_GLA):
         initial_state: Array | None = None,
         output_final_state: bool = False,
         cu_seqlens: Array | None = None,
+        ssm_state_indices: Array | None = None,
         *,
         implementation: ForceRequest = None,
     ) -> Explanation:
         """Which implementations the forward and backward of this call would use, and why."""
         policy = self.policy(implementation)
-        prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, policy.interpret)
+        prepared = self.prepare(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, policy.interpret, ssm_state_indices)
         return self._explain(prepared, policy)
 
-    def prepare(self, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, interpret) -> Prepared:
+    def prepare(self, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, interpret, ssm_state_indices=None) -> Prepared:
         """Validate a call (docs/ops.md "Invalid input") and derive its call spec."""
         q, k, v, (B, T, H, K, V) = validation.qkv(q, k, v, initial_state_given=initial_state is not None)
         floats = state_dtype(q.dtype)  # the dtype Python numbers and lists become
@@ -158,10 +164,13 @@ class SimpleGLA(OpContract, signature=SIMPLE_GLA):
             validation.shape("g_gamma", g_gamma, (H,), "[H] (or a scalar)")
         cu_seqlens, N = validation.cu_seqlens(cu_seqlens, B, T)
         initial_state = validation.real_array("initial_state", initial_state, floats, required=False)
+        ssm_state_indices = validation.state_indices(ssm_state_indices, initial_state, N, floats)
         if initial_state is not None:
-            validation.shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
+            validation.state_shape(initial_state, ssm_state_indices, N, (H, K, V), "H, K, V")
         output_final_state = validation.flag("output_final_state", output_final_state)
-        arrays = dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=initial_state, cu_seqlens=cu_seqlens)
+        arrays = dict(
+            q=q, k=k, v=v, g=g, g_gamma=g_gamma, initial_state=initial_state, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+        )
         options = (("scale", validation.scale(scale, K)), ("output_final_state", output_final_state))
         ndims = {"g_gamma": g_gamma.ndim} if g_gamma is not None else {}
         return self.make_prepared(arrays, options, N, ndims, interpret)

@@ -156,6 +156,57 @@ def cu_seqlens(value: Any, batch: int, seq_len: int) -> tuple[jax.Array | None, 
     return cu.astype(jnp.int32), cu.shape[0] - 1
 
 
+def state_indices(value: Any, initial_state: jax.Array | None, num_seqs: int, dtype: Any) -> jax.Array | None:
+    """Validate ``ssm_state_indices`` (``tops_core.ops.pool``): ``[N]`` integers naming rows of the pool passed as
+    ``initial_state``, which must be ``[P, ...]`` of the states' ``dtype`` (the op writes the final states into it);
+    returns them as int32.
+
+    Concrete values are checked here: below ``P``, distinct where non-negative. Traced ones cannot be;
+    ``tops_core.ops.pool`` makes what breaks a rule NaN.
+    """
+    if value is None:
+        return None
+    if initial_state is None:
+        raise ValueError(
+            "ssm_state_indices names rows of a state pool, which is passed as initial_state [P, H, K, V]: "
+            "pass the pool as initial_state (zeros for rows not in use)"
+        )
+    indices = array("ssm_state_indices", value)
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"ssm_state_indices must be an int32 array (one pool row per sequence), got {indices.dtype}")
+    rank("ssm_state_indices", indices, 1, "[N], one per sequence")
+    if indices.shape[0] != num_seqs:
+        raise ValueError(
+            f"ssm_state_indices must have shape [N] = ({num_seqs},), one per sequence (N = B, or the packed count "
+            f"with cu_seqlens), got {tuple(indices.shape)}"
+        )
+    rank("initial_state", initial_state, 4, "a pool [P, H, K, V] with ssm_state_indices")
+    if initial_state.dtype != dtype:
+        raise TypeError(
+            f"initial_state is a state pool here (ssm_state_indices is given): the op writes the final states into it, "
+            f"so it must have their dtype {jnp.dtype(dtype).name}, got {initial_state.dtype}"
+        )
+    if is_concrete(indices):
+        host, size = np.asarray(indices), initial_state.shape[0]
+        if np.any(host >= size):
+            raise ValueError(f"ssm_state_indices must be below the pool's P = {size} rows (initial_state), got {host.tolist()}")
+        used, counts = np.unique(host[host >= 0], return_counts=True)
+        if np.any(counts > 1):
+            raise ValueError(
+                f"ssm_state_indices must be distinct where non-negative (each sequence writes its own pool row): "
+                f"rows {used[counts > 1].tolist()} repeat in {host.tolist()}"
+            )
+    return indices.astype(jnp.int32)
+
+
+def state_shape(initial_state: jax.Array, indices: jax.Array | None, num_seqs: int, dims: tuple[int, ...], names: str) -> None:
+    """``initial_state`` is ``[N, *dims]``, or a pool ``[P, *dims]`` of any ``P >= 1`` with ``ssm_state_indices``."""
+    if indices is None:
+        shape("initial_state", initial_state, (num_seqs, *dims), f"[N, {names}]")
+        return
+    shape("initial_state", initial_state, (max(initial_state.shape[0], 1), *dims), f"a pool [P, {names}] with ssm_state_indices")
+
+
 def cu_seqlens_valid(cu: jax.Array, seq_len: int) -> jax.Array:
     """The rules of ``cu_seqlens`` as a boolean scalar computed inside the program (for traced boundaries)."""
     return (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] == seq_len)

@@ -1,54 +1,50 @@
-"""Portable chunked jax.numpy implementations of the tops ops (CPU, GPU, TPU)."""
+"""Portable jax.numpy implementations of the tops ops (CPU, GPU, TPU): chunked, and token by token for decode steps."""
 
 import tops_core
 
-from tops_plugins_xla import kda, simple_gla
+from tops_plugins_xla import kda, recurrent, simple_gla
 from tops_plugins_xla.config import ChunkConfig
+from tops_plugins_xla.kda import recurrent as kda_recurrent
+from tops_plugins_xla.simple_gla import recurrent as simple_gla_recurrent
 
 TOPS_CORE_API_VERSION = 1
 
 _PLATFORMS = {"cpu", "gpu", "tpu"}
 _DTYPES = {"bfloat16", "float16", "float32", "float64"}
-# On TPU the Pallas kernels outrank them.
-_PRIORITY = {"cpu": 100, "gpu": 100, "tpu": 50}
+# On TPU the Pallas kernels outrank xla.chunk.
+_CHUNK_PRIORITY = {"cpu": 100, "gpu": 100, "tpu": 50}
+# What a call of each op may carry besides cu_seqlens, which only xla.chunk takes.
+_UNPACKED_FEATURES = {
+    "simple_gla": {"g", "g_gamma", "initial_state", "output_final_state"},
+    "kda": {
+        "initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads",
+        "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval",
+    },
+}
+_NDIMS = {"simple_gla": {"g_gamma": {0, 1}}, "kda": {}}
+
+
+def _capabilities(op: str, *, packed: bool) -> tops_core.Capabilities:
+    features = _UNPACKED_FEATURES[op] | ({"cu_seqlens"} if packed else set())
+    return tops_core.Capabilities(platforms=_PLATFORMS, dtypes=_DTYPES, features=features, ndims=_NDIMS[op])
 
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register ``xla.chunk`` for simple_gla and kda."""
-    register(
-        tops_core.Implementation(
-            op="simple_gla",
-            name="chunk",
-            forward=simple_gla.forward,
-            backward=simple_gla.backward,
-            capabilities=tops_core.Capabilities(
-                platforms=_PLATFORMS,
-                dtypes=_DTYPES,
-                features={"g", "g_gamma", "initial_state", "cu_seqlens", "output_final_state"},
-                ndims={"g_gamma": {0, 1}},
-            ),
-            priority=_PRIORITY,
-            config=ChunkConfig(),
-            description="chunked simple_gla in plain jax.numpy with a hand-written chunked backward",
-        )
-    )
-    register(
-        tops_core.Implementation(
-            op="kda",
-            name="chunk",
-            forward=kda.forward,
-            backward=kda.backward,
-            capabilities=tops_core.Capabilities(
-                platforms=_PLATFORMS,
-                dtypes=_DTYPES,
-                features={
-                    "initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm", "grouped_value_heads",
-                    "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval",
-                },
-            ),
-            priority=_PRIORITY,
-            config=ChunkConfig(),
-            description="chunked KDA in plain jax.numpy: exact per-chunk inverse, hand-written chunked backward",
-        )
-    )
+    """Register ``xla.chunk`` and ``xla.recurrent`` for simple_gla and kda."""
+    chunked = {
+        "simple_gla": (simple_gla, "chunked simple_gla in plain jax.numpy with a hand-written chunked backward"),
+        "kda": (kda, "chunked KDA in plain jax.numpy: exact per-chunk inverse, hand-written chunked backward"),
+    }
+    for op, (module, description) in chunked.items():
+        register(tops_core.Implementation(
+            op=op, name="chunk", forward=module.forward, backward=module.backward,
+            capabilities=_capabilities(op, packed=True), priority=_CHUNK_PRIORITY, config=ChunkConfig(),
+            description=description,
+        ))
+    stepped = {"simple_gla": (simple_gla_recurrent, "simple_gla"), "kda": (kda_recurrent, "KDA")}
+    for op, (module, label) in stepped.items():
+        register(tops_core.Implementation(
+            op=op, name="recurrent", forward=module.forward, capabilities=_capabilities(op, packed=False),
+            priority=recurrent.priority, description=f"{label} token by token in plain jax.numpy, for decode steps (forward only)",
+        ))

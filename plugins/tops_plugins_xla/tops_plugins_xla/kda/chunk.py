@@ -75,7 +75,7 @@ def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use
                      activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval))
 
 
-def _activated(activations: Activations, g, beta, A_log, dt_bias):
+def activated(activations: Activations, g, beta, A_log, dt_bias):
     """``(g, beta)`` as the recurrence runs on them: ``A_log`` and ``dt_bias`` shaped per value head for ``gate``."""
     HV, K = g.shape[-2:]
     per_head = None if A_log is None else A_log[:, None]
@@ -90,7 +90,7 @@ _STATIC = ("scale", "use_qk_l2norm", "chunk_size", "activations")
 def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, scale, output_final_state, use_qk_l2norm,
              chunk_size, activations):
     # Activated on the way into the chunk layout, where XLA fuses it into the packing: raw g is read once.
-    g, beta = _activated(activations, g, beta, A_log, dt_bias)
+    g, beta = activated(activations, g, beta, A_log, dt_bias)
     x = _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
     o, final, _ = _forward_sweep(x, output_dtype=v.dtype, record_states=False)
     final_state = flat_states(final) if output_final_state else None
@@ -101,7 +101,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, sca
 def _backward(q, k, v, g, beta, A_log, dt_bias, do, initial_state, dht, cu_seqlens, *, scale, use_qk_l2norm, chunk_size,
               activations):
     # The recurrence's backward is hand-written; the activations are elementwise, so jax.vjp gives their chain rule.
-    (g_eff, beta_eff), activation_vjp = jax.vjp(functools.partial(_activated, activations), g, beta, A_log, dt_bias)
+    (g_eff, beta_eff), activation_vjp = jax.vjp(functools.partial(activated, activations), g, beta, A_log, dt_bias)
     x = _chunked(q, k, v, g_eff, beta_eff, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
     layout = x.layout
     _, final, states = _forward_sweep(x, output_dtype=None, record_states=True)
@@ -196,7 +196,7 @@ def _take_chunk(x: _Chunked, n: Array) -> _Chunk:
     k = heads_first(x.k, n, C, x.dtype)
     q_norm = k_norm = None
     if x.use_qk_l2norm:
-        q_norm, k_norm = _l2norm(q), _l2norm(k)
+        q_norm, k_norm = l2norm(q), l2norm(k)
         q, k = q / q_norm, k / k_norm
     return _Chunk(
         q=_to_value_heads(q * x.scale, x.groups), k=_to_value_heads(k, x.groups), v=heads_first(x.v, n, C, x.dtype),
@@ -217,7 +217,8 @@ def _to_key_heads(x: Array, groups: int) -> Array:
     return jnp.sum(x.reshape(x.shape[0], -1, groups, *x.shape[2:]), axis=2)
 
 
-def _l2norm(x: Array) -> Array:
+def l2norm(x: Array) -> Array:
+    """The norm ``use_qk_l2norm`` divides ``x`` by, over its last axis."""
     return jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPSILON)
 
 

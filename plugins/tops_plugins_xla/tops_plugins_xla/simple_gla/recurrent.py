@@ -1,0 +1,43 @@
+"""simple_gla token by token (``xla.recurrent``, forward only): the decode step of ``tops_plugins_xla.recurrent``.
+
+Per token, all rows and heads at once, in float32 (float64 for float64 inputs)::
+
+    S = exp(g_t + g_gamma) * S + k_t^T v_t,    o_t = scale * q_t S
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tops_core.ops.base import state_dtype
+from tops_plugins_xla import recurrent
+from tops_plugins_xla.sweep import einsum
+
+
+def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config):
+    """``(o, final_state)`` of simple_gla (the ``Forward`` protocol of ``tops_core.ops.simple_gla``); no ``cu_seqlens``."""
+    del cu_seqlens, config  # the capabilities leave packed calls out; nothing to tune
+    return _forward(q, k, v, g, g_gamma, initial_state, scale=scale, output_final_state=output_final_state)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state"))
+def _forward(q, k, v, g, g_gamma, initial_state, *, scale, output_final_state):
+    B, T, H, K = q.shape
+    dtype = state_dtype(q.dtype)
+    log_decay = jnp.zeros((B, T, H), dtype)
+    if g is not None:
+        log_decay = log_decay + g.astype(dtype)
+    if g_gamma is not None:
+        log_decay = log_decay + g_gamma.astype(dtype)
+    state = jnp.zeros((B, H, K, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype)
+
+    def step(state, token):
+        q_t, k_t, v_t, a_t = token
+        state = jnp.exp(a_t)[..., None, None] * state + k_t[..., :, None] * v_t[..., None, :]
+        return state, einsum("bhk,bhkv->bhv", q_t * scale, state)
+
+    state, o = recurrent.scan(step, state, (q.astype(dtype), k.astype(dtype), v.astype(dtype), log_decay))
+    return o.astype(v.dtype), state if output_final_state else None

@@ -1,0 +1,199 @@
+"""State pools (``ssm_state_indices``) for both ops: the dense call of the indexed rows, the rows written back.
+
+The expected results are built without the core's pool code: the rows gathered and scattered with
+NumPy around a dense float64 reference call, and the gradients by ``jax.grad`` through JAX's own
+indexing around the dense op.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tops_core
+from tops_core.conformance.compare import measure, tolerance
+
+sg = tops_core.op("simple_gla")
+kda = tops_core.op("kda")
+
+B, H, K, V, P = 3, 2, 8, 4, 6
+INDICES = [4, -1, 1]  # the middle sequence is a padding slot
+UNTOUCHED = [0, 2, 3, 5]
+
+
+def inputs(op: str, T: int, seed: int = 0, batch: int = B) -> dict:
+    rng = np.random.default_rng(seed)
+    arrays = {name: rng.standard_normal((batch, T, H, dim)) for name, dim in (("q", K), ("k", K), ("v", V))}
+    if op == "simple_gla":
+        arrays["g"] = -rng.random((batch, T, H))
+    else:
+        arrays["g"] = -rng.random((batch, T, H, K))
+        arrays["beta"] = rng.random((batch, T, H))
+    arrays = {name: jnp.asarray(x, jnp.float32) for name, x in arrays.items()}
+    arrays["initial_state"] = jnp.asarray(rng.standard_normal((P, H, K, V)), jnp.float32)
+    return arrays
+
+
+def call(op: str, arrays: dict, indices, **options):
+    contract = sg if op == "simple_gla" else kda
+    options = dict(options, use_qk_l2norm=True) if op == "kda" else options
+    return contract.forward(**arrays, ssm_state_indices=indices, **options)
+
+
+def dense_reference(op: str, arrays: dict, indices: list[int], **options):
+    """``(o, pool)`` in float64 from ``ref.recurrent`` on the gathered rows, written back with NumPy."""
+    pool = np.asarray(arrays["initial_state"], np.float64)
+    rows = np.stack([pool[i] if i >= 0 else np.zeros_like(pool[0]) for i in indices])
+    dense = {name: np.asarray(x, np.float64) for name, x in arrays.items()} | {"initial_state": rows}
+    with jax.enable_x64(True):
+        contract = sg if op == "simple_gla" else kda
+        extra = dict(use_qk_l2norm=True) if op == "kda" else {}
+        o, final = contract.forward(**dense, output_final_state=True, implementation="ref.recurrent", **extra, **options)
+        o, final = np.asarray(o), np.asarray(final)
+    written = pool.copy()
+    for n, i in enumerate(indices):
+        if i >= 0:
+            written[i] = final[n]
+    return o, written
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+@pytest.mark.parametrize("T", [1, 3, 40], ids=lambda T: f"T={T}")  # a decode step, a speculative draft, a prefill
+def test_a_pool_call_runs_the_indexed_rows_and_writes_them_back(op, T):
+    arrays = inputs(op, T)
+    o, pool = call(op, arrays, jnp.asarray(INDICES, jnp.int32), output_final_state=True)
+    o_ref, pool_ref = dense_reference(op, arrays, INDICES)
+    for name, got, want in (("o", o, o_ref), ("pool", pool, pool_ref)):
+        result = measure(name, got, want, tolerance("float32", gradient=False))
+        assert result.passed, result.describe()
+    before = np.asarray(arrays["initial_state"])
+    np.testing.assert_array_equal(np.asarray(pool)[UNTOUCHED], before[UNTOUCHED])  # bit for bit, padding's row 0 too
+    assert pool.dtype == arrays["initial_state"].dtype and pool.shape == (P, H, K, V)
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+def test_packed_prefill_reads_and_writes_its_pool_rows(op):
+    seqlens = [5, 0, 9]  # an empty sequence keeps its row's state: it is written back unchanged
+    arrays = inputs(op, sum(seqlens), batch=1)
+    cu_seqlens = jnp.asarray(np.cumsum([0, *seqlens]), jnp.int32)
+    o, pool = call(op, arrays, jnp.asarray([2, 5, -1], jnp.int32), cu_seqlens=cu_seqlens, output_final_state=True)
+    rows = np.asarray(arrays["initial_state"], np.float64)
+    want_o, want_pool = [], rows.copy()
+    for (start, stop), index in zip(zip(np.cumsum([0, *seqlens[:-1]]), np.cumsum(seqlens)), [2, 5, -1]):
+        piece = {name: x[:, start:stop] for name, x in arrays.items() if name != "initial_state"}
+        if stop == start:
+            continue  # no tokens, no output; its state passes through
+        piece["initial_state"] = arrays["initial_state"]
+        o_n, pool_n = dense_reference(op, piece, [index])
+        want_o.append(o_n)
+        if index >= 0:
+            want_pool[index] = pool_n[index]
+    result = measure("o", o, np.concatenate(want_o, axis=1), tolerance("float32", gradient=False))
+    assert result.passed, result.describe()
+    result = measure("pool", pool, want_pool, tolerance("float32", gradient=False))
+    assert result.passed, result.describe()
+    np.testing.assert_array_equal(np.asarray(pool)[[0, 1, 3, 4, 5]], np.asarray(arrays["initial_state"])[[0, 1, 3, 4, 5]])
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+@pytest.mark.parametrize("output_final_state", [True, False], ids=["pool-out", "pool-read-only"])
+def test_gradients_flow_to_the_pool_rows_read(op, output_final_state):
+    arrays = inputs(op, 5, seed=1)
+    indices = jnp.asarray(INDICES, jnp.int32)
+    weights = jnp.asarray(np.random.default_rng(2).standard_normal((P, H, K, V)), jnp.float32)
+
+    def loss(arrays, pooled):
+        if pooled:
+            o, pool = call(op, arrays, indices, output_final_state=output_final_state)
+        else:  # the same call by JAX's own gather and scatter around the dense op
+            pool = arrays["initial_state"]
+            rows = jnp.where((indices < 0)[:, None, None, None], 0, pool[jnp.maximum(indices, 0)])
+            o, final = call(op, {**arrays, "initial_state": rows}, None, output_final_state=output_final_state)
+            pool = None if final is None else pool.at[jnp.where(indices < 0, P, indices)].set(final, mode="drop")
+        return jnp.sum(o * o) + (0 if pool is None else jnp.sum(weights * pool))
+
+    got = jax.grad(loss)(arrays, True)
+    want = jax.grad(loss)(arrays, False)
+    for name in arrays:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    assert np.abs(np.asarray(got["initial_state"])[[4, 1]]).min() > 0  # the rows read get a gradient
+    if output_final_state:
+        np.testing.assert_array_equal(got["initial_state"][np.asarray(UNTOUCHED)], weights[np.asarray(UNTOUCHED)])
+
+
+def test_the_explicit_backward_takes_the_pools_cotangent():
+    arrays = inputs("simple_gla", 4, seed=3)
+    indices = jnp.asarray(INDICES, jnp.int32)
+    do = jnp.ones((B, 4, H, V), jnp.float32)
+    dht = jnp.asarray(np.random.default_rng(4).standard_normal((P, H, K, V)), jnp.float32)
+    grads = sg.backward(arrays["q"], arrays["k"], arrays["v"], do, g=arrays["g"], initial_state=arrays["initial_state"],
+                        dht=dht, ssm_state_indices=indices)
+    _, vjp = jax.vjp(lambda a: sg.forward(**a, output_final_state=True, ssm_state_indices=indices), arrays)
+    want = vjp((do, dht))[0]
+    np.testing.assert_allclose(grads.dinitial_state, want["initial_state"], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"dht must have shape \[P, H, K, V\] like the pool"):
+        sg.backward(arrays["q"], arrays["k"], arrays["v"], do, initial_state=arrays["initial_state"], dht=dht[:3],
+                    ssm_state_indices=indices)
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+def test_traced_indices_that_break_the_rules_give_nan_never_a_race(op):
+    arrays = inputs(op, 1)
+    run = jax.jit(lambda arrays, indices: call(op, arrays, indices, output_final_state=True))
+    before = np.asarray(arrays["initial_state"])
+    o, pool = run(arrays, jnp.asarray([3, 3, 0], jnp.int32))  # two sequences write row 3
+    pool = np.asarray(pool)
+    assert np.isnan(pool[3]).all() and np.isfinite(pool[0]).all()
+    np.testing.assert_array_equal(pool[[1, 2, 4, 5]], before[[1, 2, 4, 5]])
+    assert np.isfinite(np.asarray(o)).all()  # reading one row twice is fine
+    o, pool = run(arrays, jnp.asarray([0, P, 1], jnp.int32))  # past the pool
+    assert np.isnan(np.asarray(o)[1]).all() and np.isfinite(np.asarray(o)[[0, 2]]).all()
+    np.testing.assert_array_equal(np.asarray(pool)[2:], before[2:])
+
+
+def test_bad_pools_and_indices_are_named():
+    arrays = inputs("simple_gla", 1)
+    q, k, v, pool = arrays["q"], arrays["k"], arrays["v"], arrays["initial_state"]
+    with pytest.raises(ValueError, match=r"ssm_state_indices must be below the pool's P = 6 rows"):
+        sg.forward(q, k, v, initial_state=pool, ssm_state_indices=[0, 6, 1])
+    with pytest.raises(ValueError, match=r"ssm_state_indices must be distinct where non-negative.*rows \[1\]"):
+        sg.forward(q, k, v, initial_state=pool, ssm_state_indices=[1, -1, 1])
+    with pytest.raises(ValueError, match=r"ssm_state_indices names rows of a state pool.*pass the pool as initial_state"):
+        sg.forward(q, k, v, ssm_state_indices=[0, 1, 2])
+    with pytest.raises(ValueError, match=r"ssm_state_indices must have shape \[N\] = \(3,\)"):
+        sg.forward(q, k, v, initial_state=pool, ssm_state_indices=[0, 1])
+    with pytest.raises(TypeError, match=r"ssm_state_indices must be an int32 array"):
+        sg.forward(q, k, v, initial_state=pool, ssm_state_indices=jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"initial_state must have shape a pool \[P, H, K, V\]"):
+        sg.forward(q, k, v, initial_state=pool[:, :1], ssm_state_indices=[0, 1, 2])
+    with pytest.raises(TypeError, match=r"initial_state is a state pool here.*float32, got bfloat16"):
+        sg.forward(q, k, v, initial_state=pool.astype(jnp.bfloat16), ssm_state_indices=[0, 1, 2])
+    with pytest.raises(ValueError, match=r"initial_state must have rank 4 \(a pool"):
+        kda.forward(q, k, v, arrays["q"], jnp.ones((B, 1, H)), initial_state=pool[0], ssm_state_indices=[0, 1, 2])
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+def test_a_donated_pool_is_updated_in_place(op):
+    arrays = inputs(op, 1)
+    pool = arrays.pop("initial_state")
+    step = jax.jit(lambda pool, arrays, indices: call(op, {**arrays, "initial_state": pool}, indices, output_final_state=True),
+                   donate_argnums=0)
+    text = step.lower(pool, arrays, jnp.asarray(INDICES, jnp.int32)).compile().as_text()
+    assert re.search(r"input_output_alias=\{ \{1\}: \(0, \{\}", text), "the pool (argument 0) is the returned pool's buffer"
+    pool_type = f"f32[{P},{H},{K},{V}]"
+    copies = [line for line in text.splitlines() if re.search(rf"= {re.escape(pool_type)}\S* copy\(", line)]
+    assert not copies, copies
+
+
+def test_explain_says_how_a_pool_is_served_and_that_a_decode_step_runs_token_by_token():
+    arrays = inputs("simple_gla", 1)
+    text = str(sg.explain(**arrays, output_final_state=True, ssm_state_indices=jnp.asarray(INDICES, jnp.int32)))
+    assert text.startswith("state pool: initial_state holds P=6 rows; the core gathers the N=3 rows")
+    assert "selected: xla.recurrent" in text and "T=1 <= 16: a decode step" in text
+    assert "pairing: xla.recurrent is forward-only; gradients come from xla.chunk's backward" in text
+    prefill = inputs("simple_gla", 40)
+    assert "selected: xla.chunk" in str(sg.explain(**prefill, ssm_state_indices=jnp.asarray(INDICES, jnp.int32)))
