@@ -224,6 +224,10 @@ def _default_dtype(platform: str) -> str:
 def cmd_bench(args: argparse.Namespace) -> int:
     from tops_core import bench
 
+    if args.decode:
+        return cmd_bench_decode(args)
+    if args.pool is not None:
+        raise UsageError("--pool sizes the state pool of a decode step: use it with --decode")
     contract = op(_op_name(args))
     features = _features(contract, args)
     platform = platform_of([])
@@ -292,6 +296,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
     failed = bench.failures(report)
     if failed:
         print(f"\nFAIL: {', '.join(failed)} outside the tolerance for {case.dtype}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    """``tops bench --decode``: a decode step on a state pool, each implementation beside a hand-written step."""
+    from tops_core import decode_bench
+
+    contract = op(_op_name(args))
+    features = _parse_list(args.with_features) if args.with_features is not None else list(decode_bench.DEFAULT_FEATURES[contract.name])
+    platform = platform_of([])
+    try:
+        shape = _parse_shape(args.shape) if args.shape is not None else decode_bench.DEFAULT_SHAPE
+        decode = decode_bench.workload(contract.name, shape, args.dtype or "float32", features, args.pool,
+                                       value_heads=_value_heads(features, shape[2], args))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.num_seqs is not None:
+        raise UsageError("--num-seqs packs sequences for prefill; a decode step has B requests (--shape)")
+    if args.plot:
+        raise UsageError("--plot draws time against sequence length, which a decode step does not have")
+    rows = decode_bench.run(decode, _parse_list(",".join(args.impl)) or None, budget=args.budget)
+    generation = args.tpu if args.tpu != "none" and platform != "tpu" else None
+    model = decode_bench.model_on_tpu(decode, generation) if generation else None
+    if args.json:
+        print(json.dumps({"workload": decode.describe(), "platform": platform, "rows": decode_bench.rows_json(rows),
+                          "modelled_tpu": model}, indent=1))
+    else:
+        print(decode_bench.format_rows(decode, rows, platform))
+        if model is not None:
+            print("\n" + decode_bench.format_model(model))
+    failed = [row.implementation for row in rows if not row.passed]
+    if failed:
+        print(f"\nFAIL: {', '.join(failed)} outside the tolerance for {decode.case.dtype}", file=sys.stderr)
         return 1
     return 0
 
@@ -441,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="off TPU, also model the TPU implementations compiled for this generation, and those named by --impl "
                             "instead of running them (needs libtpu; default: %(default)s)")
     bench.add_argument("--json", action="store_true", help="print every figure of the report (and of the modelled TPU section) as one JSON document")
+    bench.add_argument("--decode", action="store_true",
+                       help="a server's decode step instead: B requests of T tokens on a state pool (ssm_state_indices), donated, "
+                            "beside a hand-written jax.numpy step (default shape 64,1,8,128,128, float32)")
+    bench.add_argument("--pool", type=_positive_integer, metavar="P", help="with --decode: the pool's rows (default: 2B)")
     bench.set_defaults(run=cmd_bench)
     return parser
 
