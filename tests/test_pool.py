@@ -234,3 +234,21 @@ def test_a_donated_pool_is_updated_in_place_on_a_tpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"input_output_alias=\{ \{1\}: \(0, \{\}", result.stdout), "the pool (argument 0) is the returned pool's buffer"
     assert not re.search(r"= f32\[16,2,128,128\]\S* copy\(", result.stdout), "no copy of the pool"
+
+
+def test_a_kda_pool_has_the_value_heads_with_grouped_heads_and_the_gate():
+    rng = np.random.default_rng(5)
+    heads, value_heads = 2, 4
+    q, k = (jnp.asarray(rng.standard_normal((B, 2, heads, K)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((B, 2, value_heads, V)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((B, 2, value_heads, K)), jnp.float32)
+    beta = jnp.asarray(rng.standard_normal((B, 2, value_heads)), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((P, value_heads, K, V)), jnp.float32)
+    options = dict(use_qk_l2norm=True, use_gate=True, A_log=jnp.zeros(value_heads), dt_bias=jnp.zeros(value_heads * K),
+                   use_beta_sigmoid=True, output_final_state=True)
+    o, written = kda.forward(q, k, v, g, beta, initial_state=pool, ssm_state_indices=jnp.asarray(INDICES), **options)
+    rows = np.stack([np.asarray(pool)[i] if i >= 0 else np.zeros((value_heads, K, V), np.float32) for i in INDICES])
+    want_o, final = kda.forward(q, k, v, g, beta, initial_state=jnp.asarray(rows), implementation="ref.recurrent", **options)
+    np.testing.assert_allclose(o, want_o, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(written)[[4, 1]], np.asarray(final)[[0, 2]], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(written)[UNTOUCHED], np.asarray(pool)[UNTOUCHED])
