@@ -7,7 +7,6 @@ indexing around the dense op.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -225,8 +224,7 @@ def test_a_donated_pool_is_updated_in_place_on_a_tpu(tmp_path):
     # program's own text is not readable for this one: JAX fails on its asynchronous scatter).
     from tops_core.tpu import compile_only
 
-    environment = {**os.environ, **compile_only.NO_TPU_ENVIRONMENT, "JAX_PLATFORMS": "cpu",
-                   "XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=^$"}
+    environment = compile_only.child_environment({"XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=^$"})
     result = subprocess.run([sys.executable, "-c", TPU_DECODE_STEP, str(tmp_path)], env=environment, capture_output=True,
                             text=True, timeout=300)
     if "CompileOnlyUnavailable" in result.stderr:

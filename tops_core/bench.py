@@ -275,7 +275,7 @@ def _bytes(count: float) -> str:
     return f"{count:.3g} TiB"
 
 
-def _split(inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def split_arguments(inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(differentiable arrays, other arrays, static options) of a forward call."""
     floats = {k: v for k, v in inputs.items() if isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.floating)}
     others = {k: v for k, v in inputs.items() if isinstance(v, jax.Array) and k not in floats}
@@ -287,7 +287,7 @@ def programs(case: Case, name: str) -> tuple[Callable, Callable, tuple, tuple]:
     """Jitted forward and forward+backward of ``name`` on the case's data, with their arguments."""
     contract = op(case.op)
     inputs = data.forward_inputs(case)
-    floats, others, static = _split(inputs)
+    floats, others, static = split_arguments(inputs)
     do = data.backward_inputs(case, inputs)["do"]
 
     def output(floats, others):

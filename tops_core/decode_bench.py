@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -81,15 +80,16 @@ def arrays(decode: Decode) -> tuple[jax.Array, dict[str, Any]]:
     return jnp.asarray(pool), inputs
 
 
-def _split(inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(arrays, static options) of a call."""
-    return ({k: v for k, v in inputs.items() if isinstance(v, jax.Array)}, {k: v for k, v in inputs.items() if not isinstance(v, jax.Array)})
+def _arrays_and_options(inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(every array, the static options) of a call: a decode step takes its arrays as one argument."""
+    floats, others, static = bench.split_arguments(inputs)
+    return {**floats, **others}, static
 
 
 def tops_step(decode: Decode, implementation: str | None, inputs: dict[str, Any]):
     """The op as a server calls it: jitted, the pool donated; ``implementation`` None lets the dispatcher choose."""
     contract = op(decode.case.op)
-    static = _split(inputs)[1]
+    static = _arrays_and_options(inputs)[1]
 
     @functools.partial(jax.jit, donate_argnums=0)
     def step(pool, arrays):
@@ -100,7 +100,7 @@ def tops_step(decode: Decode, implementation: str | None, inputs: dict[str, Any]
 
 def hand_written_step(decode: Decode, inputs: dict[str, Any]):
     """The same decode step written directly in jax.numpy (no validation, no dispatch), jitted, the pool donated."""
-    case, static = decode.case, _split(inputs)[1]
+    case, static = decode.case, _arrays_and_options(inputs)[1]
     scale = static.get("scale", case.key_dim**-0.5)
     activations = Activations.of(static.get("use_gate", False), static.get("lower_bound"), static.get("use_beta_sigmoid", False),
                                  static.get("allow_neg_eigval", False))
@@ -164,7 +164,7 @@ def run(decode: Decode, names: Sequence[str] | None = None, budget: float = 2.0,
     """Time each implementation that serves the decode call here (or those named), each in turns with the hand-written
     step alone: a step timed right after another implementation's larger one pays for what that one left in the caches."""
     pool, inputs = arrays(decode)
-    arrays_only = _split(inputs)[0]
+    arrays_only = _arrays_and_options(inputs)[0]
     candidates, _ = bench.candidates(decode.case, bench.platform_of([]), names)
     hand_written = hand_written_step(decode, inputs)
     steps = {impl.name: tops_step(decode, impl.name, inputs) for impl in candidates if impl.name != REFERENCE}
@@ -224,8 +224,7 @@ def model_on_tpu(decode: Decode, generation: str) -> dict[str, Any]:
     process (libtpu stays out of this one), against ``floor_bytes``."""
     from tops_core.tpu import compile_only
 
-    environment = {**os.environ, **compile_only.NO_TPU_ENVIRONMENT, "JAX_PLATFORMS": "cpu",
-                   "XLA_FLAGS": compile_only.without_cpu_backend_flags(os.environ.get("XLA_FLAGS", ""))}
+    environment = compile_only.child_environment()
     request = json.dumps({"generation": generation, "case": dataclasses.asdict(decode.case), "pool_rows": decode.pool_rows}, default=list)
     result = subprocess.run([sys.executable, "-m", "tops_core.decode_bench", request], env=environment, capture_output=True,
                             text=True, timeout=600)
@@ -251,7 +250,7 @@ def _compile_for_tpu(request: dict[str, Any]) -> tuple[float, str]:
     fields.update(features=frozenset(fields["features"]), ndims=tuple(map(tuple, fields["ndims"])))
     decode = Decode(Case(**fields), request["pool_rows"])
     pool, inputs = arrays(decode)
-    arrays_only, static = _split(inputs)
+    arrays_only, static = _arrays_and_options(inputs)
     contract = op(decode.case.op)
     step = jax.jit(lambda pool, arrays: contract.forward(**arrays, **static, initial_state=pool), donate_argnums=0)
     on_tpu = jax.sharding.SingleDeviceSharding(compile_only.device(request["generation"]))

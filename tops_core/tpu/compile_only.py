@@ -288,6 +288,15 @@ def without_cpu_backend_flags(flags: str) -> str:
     return " ".join(flag for flag in flags.split() if not flag.startswith("--xla_cpu_"))
 
 
+def child_environment(environment: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables of a child process that compiles for compile-only TPUs: the caller's, ``JAX_PLATFORMS=cpu``,
+    ``environment`` over them, ``XLA_FLAGS`` without the CPU backend's flags, and libtpu's no-TPU environment where
+    no TPU is attached."""
+    variables = {**os.environ, "JAX_PLATFORMS": "cpu", **(environment or {})}
+    variables["XLA_FLAGS"] = without_cpu_backend_flags(variables.get("XLA_FLAGS", ""))
+    return variables if tpu_attached() else {**NO_TPU_ENVIRONMENT, **variables}
+
+
 class LineWorker:
     """A Python child process on CPU (libtpu's no-TPU environment unless a TPU is attached): one request
     per line in, one answer per line out.
@@ -298,10 +307,7 @@ class LineWorker:
     """
 
     def __init__(self, command: list[str], environment: dict[str, str] | None = None):
-        variables = {**os.environ, "JAX_PLATFORMS": "cpu", **(environment or {})}
-        variables["XLA_FLAGS"] = without_cpu_backend_flags(variables.get("XLA_FLAGS", ""))
-        if not tpu_attached():
-            variables = {**NO_TPU_ENVIRONMENT, **variables}
+        variables = child_environment(environment)
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self._process = subprocess.Popen(
             [sys.executable, *command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=variables,

@@ -184,13 +184,20 @@ def start_sequence(refs: dict, step: jax.Array, from_initial_state: bool = True)
     from one (batch, head, value tile) to the next.
     """
 
+    _start_carry(refs, step, "state", "initial_state" if from_initial_state else None)
+
+
+def _start_carry(refs: dict, step, carry: str, source: str | None) -> None:
+    """At step 0, set the float32 VMEM scratch ``refs[carry]`` to ``refs[source]``, or to zeros where ``source`` is
+    None or not an operand of this kernel."""
+
     @pl.when(step == 0)
     def _start():
-        state = refs["state"]
-        if from_initial_state and "initial_state" in refs:
-            state[...] = refs["initial_state"][...].astype(_F32)
+        scratch = refs[carry]
+        if source in refs:
+            scratch[...] = refs[source][...].astype(_F32)
         else:
-            state[...] = jnp.zeros(state.shape, _F32)
+            scratch[...] = jnp.zeros(scratch.shape, _F32)
 
 
 def finish_sequence(refs: dict, step: jax.Array, geometry: Geometry) -> None:
@@ -247,13 +254,7 @@ def start_state_gradient(refs: dict, step, from_final_state: bool = True) -> Non
     Parallel grid points run on either core in any order, so nothing carries over from the previous (batch, head).
     """
 
-    @pl.when(step == 0)
-    def _start():
-        dstate = refs["dstate"]
-        if from_final_state and "dht" in refs:
-            dstate[...] = refs["dht"][...].astype(_F32)
-        else:
-            dstate[...] = jnp.zeros(dstate.shape, _F32)
+    _start_carry(refs, step, "dstate", "dht" if from_final_state else None)
 
 
 def finish_state_gradient(refs: dict, step, geometry: Geometry) -> None:
