@@ -53,6 +53,8 @@ class Case:
     reset: bool = False
     """Some gates are ``-inf`` (``exp(-inf) = 0``: the state is reset there); see ``data.forward_inputs``."""
     scale: float | None = None
+    pool_rows: int | None = None
+    """The states come as a pool of this many rows, picked by ``ssm_state_indices`` (see ``data.pool_indices``)."""
     config: tuple[tuple[str, Any], ...] = ()
     slow: bool = False
     """Breadth beyond what the default run needs (another aligned T, more head dims): marked ``slow`` by the kit."""
@@ -163,6 +165,9 @@ def grid(impl: Implementation) -> Grid:
             name = "varlen=" + "+".join(map(str, seqlens))
             supported.append(base.with_features(
                 name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens), slow=packed_only or index > 0))
+    # A state pool (ssm_state_indices): the sequences' rows scattered over a larger pool, one a padding slot.
+    if {"initial_state", "output_final_state"} <= base_features:
+        supported.append(dataclasses.replace(base, name="state-pool", pool_rows=2 * base.spec("cpu", False).num_seqs + 1))
     # The strong and reset cases are kda's plain call (one value head per query/key head; the log decays and
     # beta given as they are), which the default run checks nowhere else.
     plain_features = signature.closed(base_features - {"use_gate", "lower_bound", "use_beta_sigmoid", "grouped_value_heads"})

@@ -38,6 +38,19 @@ def _num_seqs(case: Case) -> int:
     return len(case.seqlens) if case.seqlens is not None else case.batch
 
 
+def _state_rows(case: Case) -> int:
+    """The rows of ``initial_state`` and of the final state: the pool's, or one per sequence."""
+    return case.pool_rows if case.pool_rows is not None else _num_seqs(case)
+
+
+def pool_indices(num_seqs: int, pool_rows: int) -> np.ndarray:
+    """``ssm_state_indices`` of a pool case: sequence ``n`` at row ``pool_rows - 1 - 2 n``, the second a padding slot (-1)."""
+    indices = pool_rows - 1 - 2 * np.arange(num_seqs)
+    if num_seqs > 1:
+        indices[1] = -1
+    return indices
+
+
 def _log_sigmoid(x: np.ndarray) -> np.ndarray:
     return -np.logaddexp(0.0, -x)
 
@@ -95,7 +108,9 @@ def forward_inputs(case: Case) -> dict[str, Any]:
         inputs.update(_kda_gate_and_beta(case, rng, (B, T, HV, K)))
     inputs.update(q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype))
     if "initial_state" in features:
-        inputs["initial_state"] = jnp.asarray(rng.standard_normal((_num_seqs(case), HV, K, V)), gate_dtype)
+        inputs["initial_state"] = jnp.asarray(rng.standard_normal((_state_rows(case), HV, K, V)), gate_dtype)
+    if case.pool_rows is not None:
+        inputs["ssm_state_indices"] = jnp.asarray(pool_indices(_num_seqs(case), case.pool_rows), jnp.int32)
     if "cu_seqlens" in features:
         inputs["cu_seqlens"] = jnp.asarray(np.cumsum((0,) + tuple(case.seqlens)), jnp.int32)
     return inputs
@@ -140,6 +155,6 @@ def backward_inputs(case: Case, forward: dict[str, Any]) -> dict[str, Any]:
     v = forward["v"]
     inputs["do"] = jnp.asarray(rng.standard_normal(v.shape), v.dtype)
     if forward["output_final_state"]:
-        shape = (_num_seqs(case), case.value_heads, case.key_dim, case.value_dim)
+        shape = (_state_rows(case), case.value_heads, case.key_dim, case.value_dim)
         inputs["dht"] = jnp.asarray(rng.standard_normal(shape), _gate_dtype(case))
     return inputs
