@@ -5,7 +5,7 @@
 """
 
 from tops_core import environment
-from tops_core.callspec import CallSpec
+from tops_core.callspec import DECODE_STEP_TOKENS, CallSpec, decode_step_priority
 from tops_core.capabilities import Capabilities, DimRule
 from tops_core.dispatch import Decision, NoImplementationError
 from tops_core.hookspecs import hookimpl
@@ -37,9 +37,9 @@ def unregister_plugin(name: str) -> None:
 
 
 __all__ = [
-    "API_VERSION", "CallSpec", "Capabilities", "ContractError", "Decision", "DimRule", "Explanation",
+    "API_VERSION", "DECODE_STEP_TOKENS", "CallSpec", "Capabilities", "ContractError", "Decision", "DimRule", "Explanation",
     "Implementation", "KDAGrads", "LayoutWarning", "NoImplementationError", "PluginError", "SimpleGLAGrads",
-    "default_registry", "hookimpl", "op", "parallel", "register", "register_plugin", "target_chip", "unregister_plugin", "use",
+    "decode_step_priority", "default_registry", "hookimpl", "op", "parallel", "register", "register_plugin", "target_chip", "unregister_plugin", "use",
 ]
 
 if environment.flag("TOPS_STRICT_PLUGINS"):

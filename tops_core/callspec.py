@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from tops_core.tpu.generations import GENERATIONS
 
@@ -71,3 +72,21 @@ class CallSpec:
             features.append(name if ndim is None else f"{name} (ndim {ndim})")
         parts.append("with " + ", ".join(features) if features else "no optional inputs")
         return "; ".join(parts)
+
+
+DECODE_STEP_TOKENS = 16
+"""The longest call a token-by-token implementation ranks first for: a decode step or a speculative draft. A longer
+one is a prefill, which the chunked kernels serve with matrix products over whole chunks."""
+
+
+def decode_step_priority(priority: int) -> Callable[[CallSpec], tuple[int, str]]:
+    """The rank of an implementation that runs a call token by token: ``priority`` up to ``DECODE_STEP_TOKENS`` tokens,
+    else 1 (for ``Implementation.priority``)."""
+
+    def rank(spec: CallSpec) -> tuple[int, str]:
+        if spec.seq_len <= DECODE_STEP_TOKENS:
+            return priority, f"T={spec.seq_len} <= {DECODE_STEP_TOKENS}: a decode step, token by token with no chunk padding"
+        return 1, f"T={spec.seq_len} > {DECODE_STEP_TOKENS}: a prefill, which the chunked kernels serve faster"
+
+    rank.__doc__ = f"{priority} up to {DECODE_STEP_TOKENS} tokens (a decode step), else 1 (a prefill, which the chunked kernels rank above)"
+    return rank

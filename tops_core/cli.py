@@ -94,6 +94,8 @@ def cmd_list(args: argparse.Namespace) -> int:
                 print(f"    requires: {', '.join(sorted(caps.requires))}")
             if caps.predicate is not None:
                 print(f"    further limits: {_plain(caps.predicate.__doc__ or caps.predicate.__name__)}")
+            if impl.serves_pools:
+                print("    state pools (ssm_state_indices): the forward reads and writes the rows in place")
             print(f"    config: {impl.config!r}")
     print("\ny = supported, i = runs in Pallas' TPU interpreter when interpret mode is on, - = not supported")
     return 0

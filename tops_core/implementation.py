@@ -30,6 +30,11 @@ class Implementation:
     direction)``, when given, returns one line on what the config's per-call fields (those left
     None to be decided per call) come to for this call and direction; ``explain`` prints it under
     the selection. ``name`` is the plugin-local name; the registry qualifies it as ``<plugin>.<name>``.
+
+    ``serves_pools``: the forward takes a state-pool call as it comes (``initial_state`` the pool
+    ``[P, ...]``, ``ssm_state_indices=`` passed as a keyword) and returns the updated pool, reading and
+    writing the rows in place. For every other implementation the core gathers the rows into a dense
+    call and writes the final states back (``tops_core.ops.pool``). Backwards always get the dense call.
     """
 
     op: str
@@ -42,6 +47,7 @@ class Implementation:
     config_sweep: tuple[Mapping[str, Any], ...] = ()
     explain_config: Callable[[Any, CallSpec, str], str] | None = None
     description: str = ""
+    serves_pools: bool = False
 
     def reasons(self, spec: CallSpec, direction: str) -> list[str]:
         """Why this implementation cannot serve the call in ``direction``; empty when it can."""

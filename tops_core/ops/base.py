@@ -189,6 +189,9 @@ class OpContract:
         o = jax.ShapeDtypeStruct(tuple(v.shape), v.dtype)
         if not prepared.option("output_final_state"):
             return o, None
+        if prepared.arrays.get("ssm_state_indices") is not None:
+            states = prepared.arrays["initial_state"]
+            return o, jax.ShapeDtypeStruct(tuple(states.shape), states.dtype)
         return o, jax.ShapeDtypeStruct(self._state_shape(prepared.spec), state_dtype(v.dtype))
 
     def expected_grads(self, prepared: Prepared) -> Any:
@@ -309,7 +312,8 @@ class OpContract:
     def _explain(self, prepared: Prepared, policy: Policy) -> Explanation:
         explanation = self._explain_spec(prepared.spec, policy, warn=True)
         if prepared.arrays.get("ssm_state_indices") is not None:
-            note = pool.describe(prepared.arrays["initial_state"].shape[0], prepared.spec.num_seqs)
+            native = explanation.forward.implementation.serves_pools and self.split(prepared) is None
+            note = pool.describe(prepared.arrays["initial_state"].shape[0], prepared.spec.num_seqs, native)
             explanation = dataclasses.replace(explanation, call_notes=(note,))
         if prepared.platform_known:
             return explanation
@@ -347,10 +351,12 @@ class OpContract:
 
     def _run_forward(self, prepared: Prepared, policy: Policy, split: Split | None) -> tuple[Any, Any]:
         indices = prepared.arrays.get("ssm_state_indices")
+        if indices is not None and split is None:
+            # Decided per implementation (_staged): one that serves pools reads and writes the rows in place.
+            return self._checked(prepared, lambda trusted: self._staged("forward", policy, trusted, ()))
         if indices is not None:
-            states = prepared.arrays["initial_state"]
-            o, final_states = self._run_forward(_dense(prepared), policy, split)
-            return o, None if final_states is None else pool.written(states, indices, final_states)
+            # Split over devices by the caller, the sequences' rows are gathered first and split with the call.
+            return _pool_written(prepared, self._run_forward(_dense(prepared), policy, split))
         return self._checked(prepared, lambda trusted: self._partitioned("forward", trusted, policy, (), split))
 
     def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any, split: Split | None) -> Any:
@@ -381,8 +387,19 @@ class OpContract:
         if direction == "forward":
             def run_forward(decision: Decision, arrays: dict[str, Any]) -> tuple[Any, Any]:
                 call = dataclasses.replace(prepared, arrays=arrays)
+                indices = arrays.get("ssm_state_indices")
+                forward = decision.implementation.forward
+                if indices is not None and not decision.implementation.serves_pools:
+                    return _pool_written(call, run_forward(decision, dict(_dense(call).arrays)))
+                if indices is not None:
+                    indices, v = pool.served(
+                        indices, arrays["v"], arrays["initial_state"].shape[0],
+                        packed=arrays.get("cu_seqlens") is not None, writes=prepared.option("output_final_state"),
+                    )
+                    call = dataclasses.replace(call, arrays={**arrays, "v": v})
+                    forward = functools.partial(forward, ssm_state_indices=indices)
                 with _named(decision):
-                    outputs = self.call_forward(decision.implementation.forward, call, decision.config)
+                    outputs = self.call_forward(forward, call, decision.config)
                 self._check_outputs(decision.implementation.name, call, outputs)
                 return outputs
 
@@ -518,6 +535,14 @@ def _dense(prepared: Prepared) -> Prepared:
     arrays = prepared.arrays
     rows = pool.rows(arrays["initial_state"], arrays["ssm_state_indices"])
     return dataclasses.replace(prepared, arrays={**arrays, "initial_state": rows, "ssm_state_indices": None})
+
+
+def _pool_written(prepared: Prepared, outputs: tuple[Any, Any]) -> tuple[Any, Any]:
+    """The outputs of a pool call from those of its dense call: the final states written into the pool."""
+    o, final_states = outputs
+    if final_states is None:
+        return o, None
+    return o, pool.written(prepared.arrays["initial_state"], prepared.arrays["ssm_state_indices"], final_states)
 
 
 def _named(decision: Decision) -> Any:

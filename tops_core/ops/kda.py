@@ -97,6 +97,19 @@ class Activations:
         """``beta_activation(beta, allow_neg_eigval)`` with ``use_beta_sigmoid``, else ``beta`` as given."""
         return beta_activation(beta, self.allow_neg_eigval) if self.use_beta_sigmoid else beta
 
+    def applied(self, g: Array, beta: Array, A_log: Array | None, dt_bias: Array | None) -> tuple[Array, Array]:
+        """``(log decay, strength)`` of whole ``g`` ``[..., HV, K]`` and ``beta``: ``A_log`` ``[HV]`` and ``dt_bias``
+        ``[HV * K]`` as a call passes them, shaped per value head for ``decay``."""
+        HV, K = g.shape[-2:]
+        per_head = None if A_log is None else A_log[:, None]
+        per_key = None if dt_bias is None else dt_bias.reshape(HV, K)
+        return self.decay(g, per_head, per_key), self.strength(beta)
+
+
+def l2norm(x: Array) -> Array:
+    """The norm ``use_qk_l2norm`` divides ``x`` by, over its last axis."""
+    return jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPSILON)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -6,15 +6,17 @@ state where the index is negative (a padding slot). With ``output_final_state`` 
 pool with each indexed row replaced by its sequence's final state and every other row as it was; a
 padding slot writes nothing.
 
-The core runs such a call as the dense call of its ``N`` sequences, whatever implementation serves
-it: ``rows`` gathers their initial states before the implementation, ``written`` puts the final
-states back after. The write is a scatter into the pool, so under ``jax.jit(..., donate_argnums=...)``
-XLA updates the pool in place. Gradients take the same path back (``row_cotangents``, ``gradient``).
+An implementation that serves pools itself (``Implementation.serves_pools``: the Pallas decode
+kernel) gets the pool and the indices and reads and writes the rows where they lie. For every
+other one the core runs the call as the dense call of its ``N`` sequences: ``rows`` gathers their
+initial states before the implementation, ``written`` puts the final states back after. The write
+is a scatter into the pool, so under ``jax.jit(..., donate_argnums=...)`` XLA updates the pool in
+place. Gradients always take the dense path back (``row_cotangents``, ``gradient``).
 
 Concrete indices are checked when the call is validated (``validation.state_indices``). Traced ones
-cannot be: an index ``>= P`` gives its sequence a NaN state (its output is NaN and it writes
-nothing), and a row that more than one sequence writes becomes NaN. Neither is ever a plausible
-number, and no write races another.
+cannot be: an index ``>= P`` gives its sequence NaN outputs and writes nothing, and a row that more
+than one sequence writes becomes NaN (with a pool-serving implementation, so do those sequences'
+outputs: ``served``). Neither is ever a plausible number, and no write races another.
 """
 
 from __future__ import annotations
@@ -43,16 +45,41 @@ def rows(pool: Array, indices: Array) -> Array:
     return jnp.where(_per_row(indices < 0), 0, gathered).astype(pool.dtype)
 
 
+def _contested(targets: Array, size: int) -> Array:
+    """Per sequence: whether the row it writes (``targets``, ``size`` for none) is written by another sequence too.
+
+    By sorting, not by counting writers with a scatter: a scatter's asynchronous form on TPU leaves a program
+    whose text JAX cannot print (``Compiled.as_text``), which the compile-only checks read."""
+    order = jnp.argsort(targets)
+    ordered = targets[order]
+    repeats = ordered[1:] == ordered[:-1]
+    repeated = jnp.concatenate([repeats, jnp.zeros((1,), bool)]) | jnp.concatenate([jnp.zeros((1,), bool), repeats])
+    return (targets < size) & repeated[jnp.argsort(order)]
+
+
 def written(pool: Array, indices: Array, final_states: Array) -> Array:
     """The pool with each sequence's row replaced by its final state; a row two sequences write is NaN."""
     size = pool.shape[0]
     targets = _rows_or_past_the_end(indices, size)
     updated = pool.at[targets].set(final_states.astype(pool.dtype), mode="drop")
-    writers = jnp.zeros((size,), jnp.int32).at[targets].add(1, mode="drop")
-    contested = jnp.where(writers[jnp.minimum(targets, size - 1)] > 1, targets, size)
+    contested = _contested(targets, size)
     # Only when a row is contested: writing NaN (or masking the values with it) costs a pass over N rows, a third
     # of a decode step on CPU, for what is a caller's bug.
-    return lax.cond(jnp.any(contested < size), lambda p: p.at[contested].set(jnp.nan, mode="drop"), lambda p: p, updated)
+    return lax.cond(jnp.any(contested), lambda p: p.at[jnp.where(contested, targets, size)].set(jnp.nan, mode="drop"), lambda p: p, updated)
+
+
+def served(indices: Array, v: Array, size: int, *, packed: bool, writes: bool) -> tuple[Array, Array]:
+    """``(indices, v)`` as a forward that serves pools itself (``Implementation.serves_pools``) gets them, with the traced
+    rules kept: an index past the pool becomes a padding slot (-1), and a sequence with such an index, or whose row
+    another sequence writes too (``writes``: the final state is returned), gets NaN values ``v`` (with ``packed``
+    sequences, every sequence does). A NaN value makes its sequence's whole state NaN from its first token on, so
+    its outputs are NaN and so is every row it writes, whichever of a contested row's writes lands last."""
+    targets = _rows_or_past_the_end(indices, size)
+    bad = indices >= size
+    if writes:
+        bad = bad | _contested(targets, size)
+    bad = jnp.any(bad) if packed else bad[:, None, None, None]
+    return jnp.where(indices < size, indices, -1), jnp.where(bad, jnp.asarray(jnp.nan, v.dtype), v)
 
 
 def row_cotangents(pool_cotangent: Array, indices: Array) -> Array:
@@ -72,8 +99,13 @@ def gradient(pool: Array, indices: Array, initial_state_gradients: Array, pool_c
     return kept.at[targets].add(initial_state_gradients.astype(pool.dtype), mode="drop")
 
 
-def describe(size: int, num_seqs: int) -> str:
-    """One line for ``explain``: how the core serves a pool call."""
+def describe(size: int, num_seqs: int, native: bool) -> str:
+    """One line for ``explain``: how a pool call is served (``native``: by a forward that reads and writes the rows itself)."""
+    if native:
+        return (
+            f"state pool: initial_state holds P={size} rows; the forward reads and writes the N={num_seqs} rows "
+            "ssm_state_indices names in place (the backward gets them gathered)"
+        )
     return (
         f"state pool: initial_state holds P={size} rows; the core gathers the N={num_seqs} rows ssm_state_indices "
         "names before the implementation and writes the final states back after (in place under donation)"

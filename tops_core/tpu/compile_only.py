@@ -82,8 +82,9 @@ def device(generation: str) -> jax.Device:
         raise CompileOnlyUnavailable(f"no compile-only {generation} TPU ({error}); pip install libtpu") from error
 
 
-def lower_for(generation: str, function: Callable, *args: Any) -> jax.stages.Lowered:
-    """``jax.jit(function)`` lowered for a ``generation`` TPU; ``args`` are arrays or ``ShapeDtypeStruct``s (pytrees).
+def lower_for(generation: str, function: Callable, *args: Any, donate_argnums: tuple[int, ...] = ()) -> jax.stages.Lowered:
+    """``jax.jit(function, donate_argnums=...)`` lowered for a ``generation`` TPU; ``args`` are arrays or
+    ``ShapeDtypeStruct``s (pytrees).
 
     The chip is JAX's default device while tracing, as on a TPU host, so the ops know the
     generation they are lowered for (``tops_core.target_chip``) and size their kernels for it.
@@ -92,12 +93,12 @@ def lower_for(generation: str, function: Callable, *args: Any) -> jax.stages.Low
     placement = jax.sharding.SingleDeviceSharding(chip)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement), args)
     with jax.default_device(chip):
-        return jax.jit(function).lower(*abstract)
+        return jax.jit(function, donate_argnums=donate_argnums).lower(*abstract)
 
 
-def compile_for(generation: str, function: Callable, *args: Any) -> jax.stages.Compiled:
-    """``jax.jit(function)`` compiled for a ``generation`` TPU; ``args`` are arrays or ``ShapeDtypeStruct``s (pytrees)."""
-    return lower_for(generation, function, *args).compile()
+def compile_for(generation: str, function: Callable, *args: Any, donate_argnums: tuple[int, ...] = ()) -> jax.stages.Compiled:
+    """``lower_for``'s program compiled."""
+    return lower_for(generation, function, *args, donate_argnums=donate_argnums).compile()
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<shape>.*?) (?P<opcode>[a-z][\w-]*)\((?P<rest>.*)$")

@@ -46,5 +46,5 @@ def tops_register_implementations(register):
     for op, (module, label) in stepped.items():
         register(tops_core.Implementation(
             op=op, name="recurrent", forward=module.forward, capabilities=_capabilities(op, packed=False),
-            priority=recurrent.priority, description=f"{label} token by token in plain jax.numpy, for decode steps (forward only)",
+            priority=tops_core.decode_step_priority(recurrent.PRIORITY), description=f"{label} token by token in plain jax.numpy, for decode steps (forward only)",
         ))

@@ -14,22 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tops_core import CallSpec
-
 Array = jax.Array
 
-MAX_TOKENS = 16
-"""The longest call ``xla.recurrent`` ranks first for: decode steps and speculative drafts. Longer ones are prefill,
-which the chunked kernels serve with matrix products over whole chunks."""
-
-_DECODE_PRIORITY = 300  # above every chunked kernel (xla.chunk 100 off TPU, 50 on it; the Pallas kernels 180 to 200)
-
-
-def priority(spec: CallSpec) -> tuple[int, str]:
-    """300 up to 16 tokens (a decode step), else 1 (a prefill, which the chunked kernels rank above)"""
-    if spec.seq_len <= MAX_TOKENS:
-        return _DECODE_PRIORITY, f"T={spec.seq_len} <= {MAX_TOKENS}: a decode step, token by token with no chunk padding"
-    return 1, f"T={spec.seq_len} > {MAX_TOKENS}: a prefill, which the chunked kernels serve faster"
+PRIORITY = 300
+"""Up to ``tops_core.DECODE_STEP_TOKENS`` tokens (``tops_core.decode_step_priority``): above every chunked kernel
+(xla.chunk 100 off TPU, 50 on it; the Pallas kernels 180 to 200), below the Pallas decode kernel on TPU."""
 
 
 def scan(step: Callable[[Array, tuple[Array, ...]], tuple[Array, Array]], state: Array, tokens: tuple[Array, ...]) -> tuple[Array, Array]:

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from tops_core import KDAGrads
 from tops_core.ops.base import state_dtype
-from tops_core.ops.kda import L2NORM_EPSILON, Activations
+from tops_core.ops.kda import Activations, l2norm
 from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
 from tops_plugins_xla.kda import intra
 from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
@@ -75,14 +75,6 @@ def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use
                      activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval))
 
 
-def activated(activations: Activations, g, beta, A_log, dt_bias):
-    """``(g, beta)`` as the recurrence runs on them: ``A_log`` and ``dt_bias`` shaped per value head for ``gate``."""
-    HV, K = g.shape[-2:]
-    per_head = None if A_log is None else A_log[:, None]
-    per_key = None if dt_bias is None else dt_bias.reshape(HV, K)
-    return activations.decay(g, per_head, per_key), activations.strength(beta)
-
-
 _STATIC = ("scale", "use_qk_l2norm", "chunk_size", "activations")
 
 
@@ -90,7 +82,7 @@ _STATIC = ("scale", "use_qk_l2norm", "chunk_size", "activations")
 def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, scale, output_final_state, use_qk_l2norm,
              chunk_size, activations):
     # Activated on the way into the chunk layout, where XLA fuses it into the packing: raw g is read once.
-    g, beta = activated(activations, g, beta, A_log, dt_bias)
+    g, beta = activations.applied(g, beta, A_log, dt_bias)
     x = _chunked(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
     o, final, _ = _forward_sweep(x, output_dtype=v.dtype, record_states=False)
     final_state = flat_states(final) if output_final_state else None
@@ -101,7 +93,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, sca
 def _backward(q, k, v, g, beta, A_log, dt_bias, do, initial_state, dht, cu_seqlens, *, scale, use_qk_l2norm, chunk_size,
               activations):
     # The recurrence's backward is hand-written; the activations are elementwise, so jax.vjp gives their chain rule.
-    (g_eff, beta_eff), activation_vjp = jax.vjp(functools.partial(activated, activations), g, beta, A_log, dt_bias)
+    (g_eff, beta_eff), activation_vjp = jax.vjp(activations.applied, g, beta, A_log, dt_bias)
     x = _chunked(q, k, v, g_eff, beta_eff, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_size)
     layout = x.layout
     _, final, states = _forward_sweep(x, output_dtype=None, record_states=True)
@@ -215,11 +207,6 @@ def _to_value_heads(x: Array, groups: int) -> Array:
 def _to_key_heads(x: Array, groups: int) -> Array:
     """The transpose of ``_to_value_heads``: ``[R, H * groups, C, .]`` summed over each group -> ``[R, H, C, .]``."""
     return jnp.sum(x.reshape(x.shape[0], -1, groups, *x.shape[2:]), axis=2)
-
-
-def l2norm(x: Array) -> Array:
-    """The norm ``use_qk_l2norm`` divides ``x`` by, over its last axis."""
-    return jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPSILON)
 
 
 def _l2norm_backward(normalised: Array, norm: Array, d_normalised: Array) -> Array:

@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from tops_core.ops.base import state_dtype
-from tops_core.ops.kda import Activations
+from tops_core.ops.kda import Activations, l2norm
 from tops_plugins_xla import recurrent
-from tops_plugins_xla.kda.chunk import activated, l2norm
 from tops_plugins_xla.sweep import einsum
 
 
@@ -33,7 +32,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, *, scale, output_f
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     dtype = state_dtype(q.dtype)
-    g, beta = activated(activations, g, beta, A_log, dt_bias)
+    g, beta = activations.applied(g, beta, A_log, dt_bias)
     q, k = q.astype(dtype), k.astype(dtype)
     if use_qk_l2norm:
         q, k = q / l2norm(q), k / l2norm(k)
