@@ -11,7 +11,9 @@ Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<
 ``groups`` value heads per query/key head), or with ``"gradient": true`` the
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
-text of ``tops bench``'s modelled TPU section.
+text of ``tops bench``'s modelled TPU section; ``{"decode": {...}}`` compiles a decode step as a server
+runs it, the dispatcher choosing: a state pool of ``pool`` rows (or a dense state, or none) donated, the
+final state returned (``aliased``: whether the compiled program returns the pool in its input's buffer).
 """
 
 from __future__ import annotations
@@ -128,11 +130,33 @@ def bench_section(request: dict) -> str:
     return tpu_model.format_model(tpu_model.model(case, request["generation"]))
 
 
+def compile_decode(call: dict) -> tuple[compile_only.ProgramFacts, bool]:
+    B, T, H, HV, K, V, P = (call[name] for name in ("B", "T", "H", "HV", "K", "V", "pool"))
+    dtype = jnp.dtype(call["dtype"])
+    arrays = _kda_arrays({**call, "groups": HV // H, "initial_state": False}) if call["op"] == "kda" else _arrays({**call, "initial_state": False})
+    options = {name: call[name] for name in ("use_qk_l2norm", "use_gate", "lower_bound", "use_beta_sigmoid") if name in call}
+    if P is not None:
+        arrays["ssm_state_indices"] = jax.ShapeDtypeStruct((B,), jnp.int32)
+    state = None if call["state"] is None else jax.ShapeDtypeStruct((P or B, HV, K, V), jnp.float32)
+    contract = kda if call["op"] == "kda" else sg
+
+    def step(state, arrays):
+        return contract.forward(**arrays, initial_state=state, output_final_state=True, **options)
+
+    compiled = compile_only.compile_for(call["generation"], step, state, arrays, donate_argnums=(0,))
+    return compile_only.ProgramFacts.of(compiled), "input_output_alias={ {1}: (0, {}" in compiled.as_text()
+
+
 def answer(request: dict) -> dict:
     if "bench" in request:
         return {"text": bench_section(request["bench"])}
-    facts = compile_layer(request["layer"]) if "layer" in request else compile_call(request["call"])
+    aliased = None
+    if "decode" in request:
+        facts, aliased = compile_decode(request["decode"])
+    else:
+        facts = compile_layer(request["layer"]) if "layer" in request else compile_call(request["call"])
     answer = dataclasses.asdict(facts)
+    answer["aliased"] = aliased
     answer["implementations"] = sorted(facts.implementations)
     answer["hbm_bytes"] = facts.hbm_bytes
     answer["kernel_cost"] = dataclasses.asdict(facts.kernel_cost)

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tops_core
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+from jax.experimental.pallas import tpu as pltpu
 
 def alibi_g_gamma(heads: int, layer: int = 0, layers: int = 24) -> np.ndarray:
     """docs/ops.md's ALiBi-style constant decays: ``-slope_h * (1 - layer / (layers - 1) + 1e-5)``."""
@@ -196,3 +198,18 @@ def kda_gradients():
             return jax.block_until_ready(jax.jit(jax.grad(loss))(inputs))
 
     return gradients
+
+
+@pytest.fixture
+def race_reports(monkeypatch):
+    """The race-detection state of every kernel launch in the test (the interpreter makes one per launch and keeps only the latest)."""
+    created = []
+
+    class Recording(interpret_pallas_call.RaceDetectionState):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(interpret_pallas_call, "RaceDetectionState", Recording)
+    yield created
+    pltpu.reset_tpu_interpret_mode_state()  # in case a launch failed midway

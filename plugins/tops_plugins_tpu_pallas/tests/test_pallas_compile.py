@@ -487,3 +487,39 @@ def test_kda_packed_gradient_compiles_the_forward_and_its_own_backward_where_it_
     else:
         assert facts["kernels"] == 1 + 2
         assert facts["implementations"] == ["tpu_pallas.varlen.backward", "tpu_pallas.varlen.forward"]
+
+
+# Decode steps as a server runs them (the dispatcher choosing, the state donated): tpu_pallas.recurrent on every
+# generation, a pool's rows read and written in place (the pool returned in its own buffer, no copy of it), and the
+# kernel's bytes within 1.1x the floor: the rows read and written once, q, k, v read, o written (and a few vectors
+# of K per token and head: the decays, kda's beta k). Grouped value heads, the gate, lane-padded K and V, a head
+# block of 8 of 16 heads (V = 256), a dense state and none, several tokens.
+DECODE_CALLS = [
+    dict(op="simple_gla", B=16, T=1, H=8, HV=8, K=128, V=128, dtype="bfloat16", pool=40, state="pool", g=True),
+    dict(op="simple_gla", B=4, T=3, H=4, HV=4, K=64, V=100, dtype="float32", pool=None, state="dense", g=True),
+    dict(op="simple_gla", B=8, T=1, H=16, HV=16, K=128, V=256, dtype="bfloat16", pool=None, state=None, g=False),
+    dict(op="kda", B=16, T=1, H=2, HV=8, K=128, V=128, dtype="bfloat16", pool=33, state="pool", use_gate=True, lower_bound=-5.0,
+         use_qk_l2norm=True, use_beta_sigmoid=True, A_log=True, dt_bias=True),
+    dict(op="kda", B=4, T=4, H=4, HV=4, K=100, V=64, dtype="float32", pool=9, state="pool", use_qk_l2norm=False),
+]
+
+
+def _decode_label(call: dict) -> str:
+    return f"{call['op']}-{call['generation']}-B{call['B']}-T{call['T']}-HV{call['HV']}-K{call['K']}-V{call['V']}-{call['dtype']}-{call['state']}"
+
+
+def _decode_floor(call: dict) -> int:
+    B, T, HV, K, V = (call[name] for name in ("B", "T", "HV", "K", "V"))
+    tokens = B * T * HV * (2 * K + 2 * V) * (2 if call["dtype"] == "bfloat16" else 4)
+    return tokens + (2 if call["state"] else 1) * B * HV * K * V * 4
+
+
+@pytest.mark.parametrize("call", [{**c, "generation": g} for g in FACTORS["generation"] for c in DECODE_CALLS], ids=_decode_label)
+def test_decode_steps_compile_to_the_recurrent_kernel_in_place(worker, call):
+    facts = worker.ask({"decode": call})
+    assert facts["implementations"] == ["tpu_pallas.recurrent.forward"] and facts["kernels"] == 1
+    assert facts["aliased"] or call["state"] != "pool", "the pool is returned in its own buffer"
+    if call["V"] % 128 == 0:  # a narrower V: XLA lays the states out with K along lanes, copied each way (README)
+        states = f"f32[{call['pool'] or call['B']},{call['HV']},{call['K']},{call['V']}]"
+        assert not [r for r in facts["relayouts"] if states in r], "the states are read where they lie"
+    assert facts["kernel_cost"]["bytes_accessed"] <= 1.1 * _decode_floor(call)

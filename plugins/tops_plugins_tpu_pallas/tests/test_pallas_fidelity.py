@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import tops_core
 from tops_core.conformance.compare import measure, tolerance
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -54,21 +53,6 @@ CASES = {
     "in-place-f32-g-alibi-h0-C256-ragged": ((1, 600, 2, 128, 128), jnp.float32, dict(g=True, g_gamma="alibi", initial_state=True), dict(chunk_size=256, num_steps=2)),
 }
 KERNEL_CASES = [(kernel, case) for kernel in LAUNCHES for case in CASES if kernel == "fused" or CASES[case][3]["chunk_size"] <= 128]
-
-
-@pytest.fixture
-def race_reports(monkeypatch):
-    """The race-detection state of every kernel launch in the test (the interpreter makes one per launch and keeps only the latest)."""
-    created = []
-
-    class Recording(interpret_pallas_call.RaceDetectionState):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            created.append(self)
-
-    monkeypatch.setattr(interpret_pallas_call, "RaceDetectionState", Recording)
-    yield created
-    pltpu.reset_tpu_interpret_mode_state()  # in case a launch failed midway
 
 
 def faithful(seed: int) -> pltpu.InterpretParams:

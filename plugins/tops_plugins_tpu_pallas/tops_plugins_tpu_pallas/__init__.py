@@ -1,6 +1,6 @@
 """Pallas TPU kernels for the tops ops: ``tpu_pallas.fused``, ``tpu_pallas.chunk`` and, for packed
 sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla); ``tpu_pallas.fused`` and, packed,
-``tpu_pallas.varlen`` for kda (``kda/``).
+``tpu_pallas.varlen`` for kda (``kda/``); ``tpu_pallas.recurrent`` for both, decode steps on a state pool in place.
 
 Each simple_gla kernel has its own backward (``backward_fused``, ``backward_split``,
 ``backward_varlen``), and so have kda's fused and packed kernels (``kda.backward``, one for both). All run natively on TPU and, with interpret mode on, in Pallas' TPU
@@ -14,7 +14,7 @@ import jax
 import tops_core
 from tops_core.tpu.generations import GENERATIONS
 
-from tops_plugins_tpu_pallas import grid, kda, launch
+from tops_plugins_tpu_pallas import grid, kda, launch, recurrent, simple_gla
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, backward_split, backward_varlen, chunk, fused, varlen
 
 TOPS_CORE_API_VERSION = 1
@@ -264,11 +264,38 @@ KDA_VARLEN = tops_core.Implementation(
 )
 
 
+def _recurrent_fits(spec: tops_core.CallSpec) -> str | None:
+    """a block of all value heads, or of a multiple of 8 of them, must hold their float32 states within 1 MiB"""
+    return recurrent.fits(spec.value_heads, spec.key_dim, spec.value_dim)
+
+
+def _recurrent(op: str, forward, features: set[str], label: str) -> tops_core.Implementation:
+    return tops_core.Implementation(
+        op=op,
+        name="recurrent",
+        forward=forward,
+        capabilities=_capabilities(_recurrent_fits, features),
+        priority=tops_core.decode_step_priority(310),  # above xla.recurrent's 300
+        config=recurrent.RecurrentConfig(),
+        serves_pools=True,
+        description=(
+            f"{label} token by token in one pallas_call, for decode steps (forward only): each state read once and written "
+            "once, from and to its row of a state pool in place"
+        ),
+    )
+
+
+RECURRENT = _recurrent("simple_gla", simple_gla.recurrent.forward, _SIMPLE_GLA_FEATURES, "simple_gla")
+KDA_RECURRENT = _recurrent("kda", kda.recurrent.forward, {"initial_state", "output_final_state"} | _KDA_OPTIONS, "KDA")
+
+
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register the simple_gla kernels and kda's (unpacked and packed), each with its own backward."""
+    """Register the simple_gla kernels and kda's (unpacked and packed), each with its own backward, and the decode kernels."""
     register(FUSED)
     register(CHUNK)
     register(VARLEN)
     register(KDA_FUSED)
     register(KDA_VARLEN)
+    register(RECURRENT)
+    register(KDA_RECURRENT)

@@ -1,4 +1,4 @@
-"""Config fields both kernels share: chunk size, chunks per grid step, and interpret mode."""
+"""Config fields the kernels share: chunk size, chunks per grid step, and interpret mode."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def check_common_fields(config: Any, chunk_sizes: tuple = CHUNK_SIZES) -> None:
     resolved_per_call = config.num_steps is None and hasattr(config, "TPU_NUM_STEPS")  # grid.steps_of
     if not resolved_per_call and (not isinstance(config.num_steps, int) or isinstance(config.num_steps, bool) or config.num_steps < 1):
         raise ValueError(f"{name}.num_steps must be an int >= 1, got {config.num_steps!r}")
+    check_interpret(config)
+
+
+def check_interpret(config: Any) -> None:
+    """Raise TypeError naming the field when ``interpret`` is not None, a bool or a ``pltpu.InterpretParams``."""
+    name = type(config).__name__
     if not (config.interpret is None or isinstance(config.interpret, (bool, pltpu.InterpretParams))):
         raise TypeError(
             f"{name}.interpret must be None (compile where lowered for a TPU, interpret elsewhere), True (the fast interpreter), "

@@ -119,11 +119,16 @@ def run(plan: LaunchPlan, kernel: Callable[..., None], arrays: dict[str, jax.Arr
         dimension_semantics=plan.dimension_semantics, vmem_limit_bytes=target.limit,
     )
 
+    positions = {x.name: i for i, x in enumerate((*plan.scalars, *plan.inputs))}
+    outputs = {x.name: i for i, x in enumerate(plan.outputs)}
+    aliases = {positions[source]: outputs[target] for source, target in plan.aliases}
+
     def launch(interpret: Any, operands: list[jax.Array]) -> list[jax.Array]:
         return pl.pallas_call(
             functools.partial(kernel, plan=plan, **static),
             grid_spec=grid_spec,
             out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in plan.outputs],
+            input_output_aliases=aliases,
             compiler_params=compiler_params,
             interpret=interpret,
             cost_estimate=cost,

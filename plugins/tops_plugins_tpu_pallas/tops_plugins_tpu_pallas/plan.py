@@ -109,6 +109,8 @@ class LaunchPlan:
     ``body_vmem`` estimates the VMEM the kernel body's own values need (matrices it computes and
     spills), which no operand describes. ``flops`` and ``transcendentals`` count what the kernel
     body computes over the whole grid (what ``launch`` tells XLA, with the bytes the traffic model counts).
+    ``aliases``: ``(input, output)`` name pairs that share one HBM buffer (``input_output_aliases``):
+    the output is the input updated in place, and only the blocks the grid writes change.
     """
 
     name: str
@@ -121,6 +123,7 @@ class LaunchPlan:
     body_vmem: int = 0
     flops: int = 0
     transcendentals: int = 0
+    aliases: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if len(self.dimension_semantics) != len(self.grid):
@@ -131,6 +134,12 @@ class LaunchPlan:
         names = [x.name for x in (*self.scalars, *self.inputs, *self.outputs, *self.scratch)]
         if len(set(names)) != len(names):
             raise ValueError(f"{self.name}: operand names must be unique, got {names}")
+        inputs, outputs = ({x.name: x for x in xs} for xs in (self.inputs, self.outputs))
+        for source, target in self.aliases:
+            if source not in inputs or target not in outputs:
+                raise ValueError(f"{self.name}: alias {source} -> {target} must name an input and an output")
+            if (inputs[source].shape, inputs[source].dtype) != (outputs[target].shape, outputs[target].dtype):
+                raise ValueError(f"{self.name}: alias {source} -> {target} joins arrays of different shapes or dtypes")
 
     def bind(self, refs: Sequence[Any]) -> dict[str, Any]:
         """Name the refs a kernel receives (scalars, inputs, outputs, scratch, in that order)."""

@@ -51,9 +51,15 @@ def _grid_points(plan: LaunchPlan) -> np.ndarray:
     return np.indices(plan.grid).reshape(len(plan.grid), -1)
 
 
-def _block_indices(operand: Blocked, points: np.ndarray) -> np.ndarray:
+def _scalar_stand_ins(plan: LaunchPlan) -> list[np.ndarray]:
+    """What an index map that reads scalar-prefetch arrays sees in the model: each array's positions as its values
+    (a pool's rows all distinct and in order, as a decode batch's are)."""
+    return [np.arange(math.prod(s.shape)).reshape(s.shape) for s in plan.scalars]
+
+
+def _block_indices(operand: Blocked, points: np.ndarray, scalars: list[np.ndarray]) -> np.ndarray:
     """The operand's block index at every grid point: one row per array dimension."""
-    index = operand.index_map(*points)
+    index = operand.index_map(*points, *scalars)
     return np.stack([np.broadcast_to(np.asarray(i), points.shape[1:]) for i in index])
 
 
@@ -66,17 +72,18 @@ def kernel_traffic(plan: LaunchPlan) -> tuple[int, int]:
     read = sum(math.prod(s.shape) * _itemsize(s.dtype) for s in plan.scalars)
     written = 0
     points = _grid_points(plan)
+    scalars = _scalar_stand_ins(plan)
     for x in plan.inputs:  # fetched at the first point and wherever the index differs from the previous one
         if isinstance(x, InHbm):
             read += _whole_array_bytes(x)
             continue
-        index = _block_indices(x, points)
+        index = _block_indices(x, points, scalars)
         read += _moved_bytes(x, index, np.concatenate([[True], _changes(index)]))
     for x in plan.outputs:  # written back before the index changes, and after the last point
         if isinstance(x, InHbm):
             written += _whole_array_bytes(x)
             continue
-        index = _block_indices(x, points)
+        index = _block_indices(x, points, scalars)
         written += _moved_bytes(x, index, np.concatenate([_changes(index), [True]]))
     return read, written
 
