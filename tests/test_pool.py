@@ -27,16 +27,17 @@ INDICES = [4, -1, 1]  # the middle sequence is a padding slot
 UNTOUCHED = [0, 2, 3, 5]
 
 
-def inputs(op: str, T: int, seed: int = 0, batch: int = B) -> dict:
+def inputs(op: str, T: int, seed: int = 0, batch: int = B, dims: tuple[int, int] = (K, V)) -> dict:
     rng = np.random.default_rng(seed)
-    arrays = {name: rng.standard_normal((batch, T, H, dim)) for name, dim in (("q", K), ("k", K), ("v", V))}
+    key_dim, value_dim = dims
+    arrays = {name: rng.standard_normal((batch, T, H, dim)) for name, dim in (("q", key_dim), ("k", key_dim), ("v", value_dim))}
     if op == "simple_gla":
         arrays["g"] = -rng.random((batch, T, H))
     else:
-        arrays["g"] = -rng.random((batch, T, H, K))
+        arrays["g"] = -rng.random((batch, T, H, key_dim))
         arrays["beta"] = rng.random((batch, T, H))
     arrays = {name: jnp.asarray(x, jnp.float32) for name, x in arrays.items()}
-    arrays["initial_state"] = jnp.asarray(rng.standard_normal((P, H, K, V)), jnp.float32)
+    arrays["initial_state"] = jnp.asarray(rng.standard_normal((P, H, key_dim, value_dim)), jnp.float32)
     return arrays
 
 
@@ -108,12 +109,16 @@ def test_padding_slots_anywhere_leave_every_other_row_as_it_was(op, indices, imp
     np.testing.assert_array_equal(np.asarray(o_read_only), np.asarray(o))
 
 
+# The packed Pallas kernel reads and writes the rows in place where K and V are whole lanes (128), and runs on
+# gathered rows otherwise (a lane-padded copy of the pool would move more than its rows).
+@pytest.mark.parametrize(("implementation", "dims"), [(None, (K, V)), ("tpu_pallas.varlen", (K, V)), ("tpu_pallas.varlen", (128, 128))],
+                         ids=["dispatcher", "varlen-gathered", "varlen-in-place"])
 @pytest.mark.parametrize("op", ["simple_gla", "kda"])
-def test_packed_prefill_reads_and_writes_its_pool_rows(op):
+def test_packed_prefill_reads_and_writes_its_pool_rows(op, implementation, dims):
     seqlens = [5, 0, 9]  # an empty sequence keeps its row's state: it is written back unchanged
-    arrays = inputs(op, sum(seqlens), batch=1)
+    arrays = inputs(op, sum(seqlens), batch=1, dims=dims)
     cu_seqlens = jnp.asarray(np.cumsum([0, *seqlens]), jnp.int32)
-    o, pool = call(op, arrays, jnp.asarray([2, 5, -1], jnp.int32), cu_seqlens=cu_seqlens, output_final_state=True)
+    o, pool = call(op, arrays, jnp.asarray([2, 5, -1], jnp.int32), implementation, cu_seqlens=cu_seqlens, output_final_state=True)
     rows = np.asarray(arrays["initial_state"], np.float64)
     want_o, want_pool = [], rows.copy()
     for (start, stop), index in zip(zip(np.cumsum([0, *seqlens[:-1]]), np.cumsum(seqlens)), [2, 5, -1]):

@@ -12,14 +12,16 @@ Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
 text of ``tops bench``'s modelled TPU section; ``{"decode": {...}}`` compiles a decode step as a server
-runs it, the dispatcher choosing: a state pool of ``pool`` rows (or a dense state, or none) donated, the
-final state returned (``aliased``: whether the compiled program returns the pool in its input's buffer).
+runs it (or a packed prefill of ``num_seqs`` sequences), the dispatcher choosing: a state pool of ``pool`` rows
+(or a dense state, or none) donated, the final state returned (``aliased``: whether the compiled program returns the pool in its input's buffer;
+``moved_states``: the states XLA gathers or scatters around the kernels).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import traceback
 
@@ -130,33 +132,36 @@ def bench_section(request: dict) -> str:
     return tpu_model.format_model(tpu_model.model(case, request["generation"]))
 
 
-def compile_decode(call: dict) -> tuple[compile_only.ProgramFacts, bool]:
+def compile_decode(call: dict) -> tuple[compile_only.ProgramFacts, bool, list[str]]:
     B, T, H, HV, K, V, P = (call[name] for name in ("B", "T", "H", "HV", "K", "V", "pool"))
     dtype = jnp.dtype(call["dtype"])
     arrays = _kda_arrays({**call, "groups": HV // H, "initial_state": False}) if call["op"] == "kda" else _arrays({**call, "initial_state": False})
     options = {name: call[name] for name in ("use_qk_l2norm", "use_gate", "lower_bound", "use_beta_sigmoid") if name in call}
+    num_seqs = call.get("num_seqs") or B  # a packed prefill with num_seqs (B == 1)
     if P is not None:
-        arrays["ssm_state_indices"] = jax.ShapeDtypeStruct((B,), jnp.int32)
-    state = None if call["state"] is None else jax.ShapeDtypeStruct((P or B, HV, K, V), jnp.float32)
+        arrays["ssm_state_indices"] = jax.ShapeDtypeStruct((num_seqs,), jnp.int32)
+    state = None if call["state"] is None else jax.ShapeDtypeStruct((P or num_seqs, HV, K, V), jnp.float32)
     contract = kda if call["op"] == "kda" else sg
 
     def step(state, arrays):
         return contract.forward(**arrays, initial_state=state, output_final_state=True, **options)
 
     compiled = compile_only.compile_for(call["generation"], step, state, arrays, donate_argnums=(0,))
-    return compile_only.ProgramFacts.of(compiled), "input_output_alias={ {1}: (0, {}" in compiled.as_text()
+    text = compiled.as_text()
+    moved_states = re.findall(r"= (f32\[\d+,\d+,\d+,\d+\])\S* (?:gather|scatter)\(", text)  # rows gathered or scattered by XLA
+    return compile_only.ProgramFacts.of(compiled), "input_output_alias={ {1}: (0, {}" in text, moved_states
 
 
 def answer(request: dict) -> dict:
     if "bench" in request:
         return {"text": bench_section(request["bench"])}
-    aliased = None
+    aliased = moved_states = None
     if "decode" in request:
-        facts, aliased = compile_decode(request["decode"])
+        facts, aliased, moved_states = compile_decode(request["decode"])
     else:
         facts = compile_layer(request["layer"]) if "layer" in request else compile_call(request["call"])
     answer = dataclasses.asdict(facts)
-    answer["aliased"] = aliased
+    answer["aliased"], answer["moved_states"] = aliased, moved_states
     answer["implementations"] = sorted(facts.implementations)
     answer["hbm_bytes"] = facts.hbm_bytes
     answer["kernel_cost"] = dataclasses.asdict(facts.kernel_cost)

@@ -188,6 +188,7 @@ VARLEN = tops_core.Implementation(
     ),
     priority=_varlen_priority,
     config=varlen.VarlenConfig(),
+    serves_pools=True,
     description=(
         "one pallas_call over packed sequences: cu_seqlens in SMEM, state reset at every boundary; "
         "backward: fused's two walks, dS reset to dht at every sequence end and written to dinitial_state at its start"
@@ -256,6 +257,7 @@ KDA_VARLEN = tops_core.Implementation(
     ),
     priority=_varlen_priority,
     config=KDA_FUSED_CONFIG,
+    serves_pools=True,
     description=(
         "fused's pallas_call over packed sequences: cu_seqlens in SMEM, every key's decay 0 on each sequence's first token "
         "(the state reset), per-sequence states moved by DMA where each sequence starts and ends; "

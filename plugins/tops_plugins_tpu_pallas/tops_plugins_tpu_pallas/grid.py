@@ -46,10 +46,10 @@ def fitted_plans(build_plans, geometry: Geometry, dtype, *, target: launch.Targe
     return launch.fit(build_plans, geometry, dtype, target, **inputs)[1]
 
 
-def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Work, body_vmem: int, scratch=None) -> LaunchPlan:
+def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Work, body_vmem: int, scratch=None, aliases=()) -> LaunchPlan:
     """A plan on the fused grid: (batch, head, value block) parallel, time sequential (forward or, as a backward's
     index maps say, reversed), the running state in VMEM scratch (``scratch``: the whole scratch, when a kernel
-    needs other scratch than that)."""
+    needs other scratch than that); ``aliases`` as ``LaunchPlan``'s."""
     return LaunchPlan(
         name=name,
         grid=blocks.grid(geometry),
@@ -61,6 +61,7 @@ def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Wor
         body_vmem=body_vmem,
         flops=work.flops,
         transcendentals=work.transcendentals,
+        aliases=tuple(aliases),
     )
 
 

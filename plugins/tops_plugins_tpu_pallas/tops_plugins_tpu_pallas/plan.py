@@ -77,11 +77,14 @@ class InHbm(_Array):
     """An HBM array the kernel moves itself, region by region, with DMAs (``memory_space=pl.ANY``).
 
     The traffic model cannot follow those copies; it counts the whole array moved ``moves`` times,
-    what a kernel that touches every region at most ``moves`` times moves at most. ``relayout`` as for ``Blocked``.
+    what a kernel that touches every region at most ``moves`` times moves at most; or, given ``rows``,
+    that many of its leading index's rows (a state pool, of which a call reaches its sequences' rows).
+    ``relayout`` as for ``Blocked``.
     """
 
     relayout: Relayout | None = None
     moves: int = 1
+    rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

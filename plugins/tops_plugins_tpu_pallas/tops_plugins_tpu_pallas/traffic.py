@@ -89,8 +89,9 @@ def kernel_traffic(plan: LaunchPlan) -> tuple[int, int]:
 
 
 def _whole_array_bytes(x: InHbm) -> int:
-    """What the kernel's own DMAs move of an ``InHbm`` array, at most: every region ``x.moves`` times."""
-    return x.moves * math.prod(x.shape) * _itemsize(x.dtype)
+    """What the kernel's own DMAs move of an ``InHbm`` array, at most: every region (of ``x.rows`` rows) ``x.moves`` times."""
+    rows = x.shape[0] if x.rows is None else x.rows
+    return x.moves * rows * math.prod(x.shape[1:]) * _itemsize(x.dtype)
 
 
 def _changes(index: np.ndarray) -> np.ndarray:

@@ -45,7 +45,9 @@ from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, c
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
-from tops_plugins_tpu_pallas.simple_gla.varlen import SequenceStates, boundaries, boundary_operands, sequence_states
+from tops_plugins_tpu_pallas.simple_gla.varlen import (
+    SequenceStates, boundaries, boundary_operands, pool_aliases, sequence_states, state_rows,
+)
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 
@@ -98,7 +100,7 @@ def _gate_bias(geometry: Geometry, dtype) -> Blocked:
 def plans(
     geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None,
     output_final_state: bool = False, use_qk_l2norm: bool = False, activations: Activations = Activations(),
-    with_A_log: bool = False, dt_bias_dtype=None, num_seqs: int | None = None,
+    with_A_log: bool = False, dt_bias_dtype=None, num_seqs: int | None = None, pool_rows: int | None = None,
 ) -> tuple[LaunchPlan]:
     """The (single) launch plan of one call; ``initial_state_dtype`` and ``dt_bias_dtype`` None when
     there is no such input, ``with_A_log`` whether ``A_log`` is given.
@@ -107,11 +109,14 @@ def plans(
     plans them as float32, the larger. ``num_seqs``: a packed call (``kda/varlen.py``) of that many
     sequences, whose boundaries the kernel reads from SMEM (``varlen.boundaries``: ``N + 1 + 2 * chunks``
     int32); without states its blocks, work and VMEM are the unpacked kernel's at ``B = 1``, and its
-    per-sequence states sit in HBM, moved through VMEM buffers, their work counted per sequence.
+    per-sequence states sit in HBM, moved through VMEM buffers, their work counted per sequence; with
+    ``pool_rows`` (packed only), in a state pool of that many rows, updated in place (``varlen.state_rows``).
     """
     scalars = [Scalars("A_log", (geometry.heads,), jnp.float32)] if with_A_log else []
     if num_seqs is not None:
         scalars.extend(boundaries(geometry, num_seqs))
+    if pool_rows is not None:
+        scalars.append(state_rows(num_seqs))
     inputs = [
         blocks.key_rows("q", geometry, dtype), blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype),
         blocks.key_rows("g", geometry, gate_dtype or jnp.float32, per_value_head=True),
@@ -132,10 +137,10 @@ def plans(
         if initial_state_dtype is not None:
             # Read once where its sequence starts and, when it also ends in that chunk, again for its final state.
             moves = 2 if output_final_state else 1
-            inputs.append(sequence_states("initial_state", geometry, num_seqs, initial_state_dtype, moves))
+            inputs.append(sequence_states("initial_state", geometry, num_seqs, initial_state_dtype, moves, pool_rows))
             scratch.append(Scratch("loaded", state_block, initial_state_dtype))
         if output_final_state:
-            outputs.append(sequence_states("final_state", geometry, num_seqs, jnp.float32))
+            outputs.append(sequence_states("final_state", geometry, num_seqs, jnp.float32, pool_rows=pool_rows))
             scratch.append(Scratch("leaving", state_block, jnp.float32))
         if len(scratch) > 1:
             scratch.append(DmaSemaphores("copies", 2))
@@ -145,7 +150,10 @@ def plans(
         states = sequence_work(geometry, initial_state_dtype is not None, output_final_state)
         work = work + states * (geometry.heads * geometry.value_tiles * num_seqs)
     name = "kda_fused" if num_seqs is None else "kda_varlen"
-    return (grid.grid_plan(name, geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry, bound), scratch),)
+    return (grid.grid_plan(
+        name, geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry, bound), scratch,
+        aliases=pool_aliases(pool_rows, output_final_state),
+    ),)
 
 
 def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
@@ -255,19 +263,23 @@ def packed_boundaries(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> d
 
 def run(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, activations: Activations,
-    A_log, dt_bias, config, cu_seqlens=None,
+    A_log, dt_bias, config, cu_seqlens=None, ssm_state_indices=None,
 ):
-    """One launch of the kernel: unpacked, or (``cu_seqlens`` given, ``B == 1``) packed, ``kda/varlen.py``'s."""
+    """One launch of the kernel: unpacked, or (``cu_seqlens`` given, ``B == 1``) packed, ``kda/varlen.py``'s, its states
+    perhaps rows of a pool (``ssm_state_indices``)."""
     operands = gate_operands(g, beta, A_log, dt_bias, geometry_of(*q.shape, v.shape[-1], config))
-    num_seqs = None
+    num_seqs = pool_rows = None
     if cu_seqlens is not None:
         num_seqs = cu_seqlens.shape[0] - 1
         operands.update(packed_boundaries(cu_seqlens, q.shape[1], config.chunk_size))
+    if ssm_state_indices is not None:
+        operands["state_rows"], pool_rows = ssm_state_indices, initial_state.shape[0]
     return grid.run(
         functools.partial(kernel, use_qk_l2norm=use_qk_l2norm, activations=activations),
         functools.partial(
             plans, beta_dtype=beta.dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
             with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype, num_seqs=num_seqs,
+            pool_rows=pool_rows,
         ),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         config=config, operands=operands,

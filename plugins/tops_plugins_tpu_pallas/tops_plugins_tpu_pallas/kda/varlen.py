@@ -26,7 +26,7 @@ from tops_plugins_tpu_pallas.kda import fused
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, geometry_of
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.plan import LaunchPlan
-from tops_plugins_tpu_pallas.simple_gla.varlen import with_empty_sequences
+from tops_plugins_tpu_pallas.simple_gla.varlen import pool_states, with_empty_sequences
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 
@@ -44,17 +44,27 @@ def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Tar
 def forward(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
     use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
-    config: KdaFusedConfig,
+    config: KdaFusedConfig, ssm_state_indices=None,
 ):
-    """The ``Forward`` protocol of ``tops_core.ops.kda`` for packed input (``B == 1``, ``cu_seqlens`` given)."""
+    """The ``Forward`` protocol of ``tops_core.ops.kda`` for packed input (``B == 1``, ``cu_seqlens`` given), a state pool
+    served in place (``Implementation.serves_pools``)."""
     if cu_seqlens is None:
         raise ValueError("tpu_pallas.varlen (kda) takes packed calls only: cu_seqlens is required")
     if q.shape[0] != 1:
         raise ValueError(f"a packed call has B == 1, got q of shape {q.shape}")
-    o, final_state = fused.run(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm,
-        activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True),
-        A_log=A_log, dt_bias=dt_bias, config=config, cu_seqlens=cu_seqlens,
+    activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True)
+    return pool_states(
+        _forward, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm, activations=activations, A_log=A_log, dt_bias=dt_bias, config=config, cu_seqlens=cu_seqlens,
+        ssm_state_indices=ssm_state_indices,
     )
-    return o, None if final_state is None else with_empty_sequences(final_state, cu_seqlens, initial_state)
+
+
+def _forward(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, ssm_state_indices, **options):
+    o, final_state = fused.run(
+        q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        ssm_state_indices=ssm_state_indices, **options,
+    )
+    if final_state is None or ssm_state_indices is not None:  # a pool: an empty sequence's row is as it was
+        return o, final_state
+    return o, with_empty_sequences(final_state, cu_seqlens, initial_state)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from tops_core.ops import pool
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.exponents import masked_exp
@@ -47,7 +48,7 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES
 from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
 from tops_plugins_tpu_pallas.plan import DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
-from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas.layout import LANES, Geometry
 
 _F32 = jnp.float32
 
@@ -75,12 +76,26 @@ class VarlenConfig(FusedConfig):
             raise ValueError(f"VarlenConfig.float32_precision must be 'highest' (the packed kernel has no other yet), got {self.float32_precision!r}")
 
 
-def sequence_states(name: str, geometry: Geometry, num_seqs: int, dtype, moves: int = 1) -> InHbm:
+def sequence_states(name: str, geometry: Geometry, num_seqs: int, dtype, moves: int = 1, pool_rows: int | None = None) -> InHbm:
     """A per-sequence state ``[N, H, K_pad, V_pad]`` (``initial_state``, ``final_state`` or their gradients), moved one
-    (sequence, head, value block) at a time by DMA, each region at most ``moves`` times."""
+    (sequence, head, value block) at a time by DMA, each region at most ``moves`` times; with ``pool_rows``, a state
+    pool ``[P, H, K, V]`` of which the sequences reach their rows (``state_rows``; never lane-padded)."""
     g = geometry
+    if pool_rows is not None:
+        return InHbm(name, (pool_rows, g.heads, g.key_dim, g.value_dim), dtype, moves=moves, rows=num_seqs)
     relayout = Relayout((num_seqs, g.heads, g.key_dim, g.value_dim), dtype) if g.pads_state else None
     return InHbm(name, (num_seqs, g.heads, g.padded_key_dim, g.padded_value_dim), dtype, relayout, moves)
+
+
+def state_rows(num_seqs: int) -> Scalars:
+    """A pool call's SMEM scalars: each sequence's row of the pool, negative for a padding slot (``SequenceStates``)."""
+    return Scalars("state_rows", (num_seqs,), jnp.int32)
+
+
+def serves_pool_in_place(key_dim: int, value_dim: int) -> bool:
+    """Whether a packed forward reads and writes a pool's rows in place: when its states need no lane padding (a padded
+    copy of the pool would move more than the rows it holds; the rows are gathered instead, ``pool_states``)."""
+    return key_dim % LANES == 0 and value_dim % LANES == 0
 
 
 def boundaries(geometry: Geometry, num_seqs: int) -> tuple[Scalars, Scalars, Scalars]:
@@ -97,8 +112,12 @@ def boundary_operands(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> d
     return dict(cu_seqlens=cu_seqlens, first_sequence=first_sequence, last_sequence=last_sequence)
 
 
-def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
-    """The (single) launch plan for one packed call of ``num_seqs`` sequences (``geometry.batch`` is 1)."""
+def plans(
+    geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False,
+    pool_rows: int | None = None,
+) -> tuple[LaunchPlan]:
+    """The (single) launch plan for one packed call of ``num_seqs`` sequences (``geometry.batch`` is 1); with
+    ``pool_rows``, the states are a pool of that many rows (``state_rows``), the final states written into it in place."""
     g = geometry
     inputs = [blocks.key_rows("q", g, dtype), blocks.key_rows("k", g, dtype), blocks.value_rows("v", g, dtype)]
     if gate_dtype is not None:
@@ -106,11 +125,11 @@ def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_
     state_block = (g.padded_key_dim, g.value_block)
     scratch = [blocks.running_state(g), Scratch("leaving", state_block, _F32), DmaSemaphores("copies", 2)]
     if initial_state_dtype is not None:
-        inputs.append(sequence_states("initial_state", g, num_seqs, initial_state_dtype))
+        inputs.append(sequence_states("initial_state", g, num_seqs, initial_state_dtype, pool_rows=pool_rows))
         scratch.append(Scratch("loaded", state_block, initial_state_dtype))
     outputs = [blocks.value_rows("o", g, dtype)]
     if output_final_state:
-        outputs.append(sequence_states("final_state", g, num_seqs, _F32))
+        outputs.append(sequence_states("final_state", g, num_seqs, _F32, pool_rows=pool_rows))
     # Every segment runs the from-state and state-update matmuls of a whole chunk, masked, and
     # exponentiates its own decays (2 C + 1). Segments: one per chunk plus one per sequence starting
     # inside a chunk, at most N - 1 (the packing is traced, so this bound is what XLA is told).
@@ -120,7 +139,15 @@ def plans(geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_
     gated = gate_dtype is not None
     work = (chunk_output_work(g) + advance_state_work(g) + segment_exps) * chunks_of_the_grid(g)
     work = work + gates_work(g, gated) * gate_computations(g, gated) + extra_segment * (g.heads * g.value_tiles * (num_seqs - 1))
-    return (grid.grid_plan("simple_gla_varlen", g, (blocks.decay(g), *boundaries(g, num_seqs)), inputs, outputs, work, chunk_body_vmem(g), scratch),)
+    scalars = (blocks.decay(g), *boundaries(g, num_seqs), *([state_rows(num_seqs)] if pool_rows is not None else []))
+    return (grid.grid_plan(
+        "simple_gla_varlen", g, scalars, inputs, outputs, work, chunk_body_vmem(g), scratch, aliases=pool_aliases(pool_rows, output_final_state),
+    ),)
+
+
+def pool_aliases(pool_rows: int | None, output_final_state: bool) -> tuple[tuple[str, str], ...]:
+    """A pool call's final states are the pool itself, updated in place: ``initial_state`` aliases ``final_state``."""
+    return (("initial_state", "final_state"),) if pool_rows is not None and output_final_state else ()
 
 
 def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
@@ -186,6 +213,8 @@ class SequenceStates:
 
     A kernel touches a region only at a sequence's start or end, never from a block index map:
     the boundaries are traced, and a region of every sequence per grid step would be most of the traffic.
+    With ``state_rows`` among the refs (a pool call), the states are a pool and sequence ``n``'s region is
+    in row ``state_rows[n]``; a negative row is a padding slot, which loads zeros and stores nothing.
     """
 
     refs: dict
@@ -198,33 +227,45 @@ class SequenceStates:
         """Whether the call has the state array ``name``."""
         return name in self.refs
 
-    def _region(self, name: str, sequence: jax.Array):
+    @property
+    def pooled(self) -> bool:
+        return "state_rows" in self.refs
+
+    def _row(self, sequence: jax.Array) -> jax.Array:
+        return self.refs["state_rows"][sequence] if self.pooled else sequence
+
+    def _region(self, name: str, row: jax.Array):
         Vb = self.value_block
-        return self.refs[name].at[sequence, self.head, :, pl.ds(pl.multiple_of(self.block * Vb, Vb), Vb)]
+        return self.refs[name].at[row, self.head, :, pl.ds(pl.multiple_of(self.block * Vb, Vb), Vb)]
 
     def load(self, name: str, buffer: str, sequence: jax.Array, when: jax.Array) -> jax.Array:
-        """``refs[name][sequence]`` as float32 (copied into VMEM ``buffer`` only ``when``), or zeros when the call has no ``name``.
+        """``refs[name][sequence]`` as float32 (copied into VMEM ``buffer`` only ``when``), or zeros when the call has no ``name``
+        or the sequence is a padding slot.
 
         Where not ``when`` the buffer holds an earlier copy (or nothing yet): the caller selects the value away.
         """
         if not self.has(name):
             return jnp.zeros(self.shape, _F32)
+        row = self._row(sequence)
 
-        @pl.when(when)
+        @pl.when(when & (row >= 0) if self.pooled else when)
         def _load():
-            _copy(self._region(name, sequence), self.refs[buffer], self.refs["copies"].at[0])
+            _copy(self._region(name, row), self.refs[buffer], self.refs["copies"].at[0])
 
-        return self.refs[buffer][...].astype(_F32)
+        loaded = self.refs[buffer][...].astype(_F32)
+        return jnp.where(row >= 0, loaded, 0.0) if self.pooled else loaded
 
     def store(self, name: str, buffer: str, sequence: jax.Array, value: jax.Array, when: jax.Array) -> None:
-        """Write ``value`` to ``refs[name][sequence]`` through VMEM ``buffer``, only ``when`` (nothing when the call has no ``name``)."""
+        """Write ``value`` to ``refs[name][sequence]`` through VMEM ``buffer``, only ``when`` (nothing when the call has no ``name``
+        or the sequence is a padding slot)."""
         if not self.has(name):
             return
+        row = self._row(sequence)
 
-        @pl.when(when)
+        @pl.when(when & (row >= 0) if self.pooled else when)
         def _store():
             self.refs[buffer][...] = value.astype(self.refs[buffer].dtype)
-            _copy(self.refs[buffer], self._region(name, sequence), self.refs["copies"].at[1])
+            _copy(self.refs[buffer], self._region(name, row), self.refs["copies"].at[1])
 
 
 def _copy(source, destination, semaphore) -> None:
@@ -282,15 +323,39 @@ def sequences_of_chunks(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) ->
     return holding(starts), holding(last_tokens)
 
 
-def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: VarlenConfig):
-    """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given)."""
+def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: VarlenConfig, ssm_state_indices=None):
+    """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given),
+    a state pool served in place (``Implementation.serves_pools``)."""
+    return pool_states(_forward, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, config=config, ssm_state_indices=ssm_state_indices)
+
+
+def _forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: VarlenConfig, ssm_state_indices):
     num_seqs = cu_seqlens.shape[0] - 1
+    operands = boundary_operands(cu_seqlens, q.shape[1], config.chunk_size)
+    pool_rows = None
+    if ssm_state_indices is not None:
+        operands["state_rows"], pool_rows = ssm_state_indices, initial_state.shape[0]
     o, final_state = grid.run(
-        _kernel, functools.partial(plans, num_seqs=num_seqs), q, k, v, g=g, g_gamma=g_gamma, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, config=config,
-        operands=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size),
+        _kernel, functools.partial(plans, num_seqs=num_seqs, pool_rows=pool_rows), q, k, v, g=g, g_gamma=g_gamma, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, config=config, operands=operands,
     )
-    return o, None if final_state is None else with_empty_sequences(final_state, cu_seqlens, initial_state)
+    if final_state is None or ssm_state_indices is not None:  # a pool: an empty sequence's row is as it was
+        return o, final_state
+    return o, with_empty_sequences(final_state, cu_seqlens, initial_state)
+
+
+def pool_states(forward, *args, initial_state, output_final_state, ssm_state_indices, **kwargs):
+    """``forward(*args, ...)`` of a packed kernel for a call that may name pool rows (``ssm_state_indices``): passed on
+    when the kernel reads and writes them in place (``serves_pool_in_place``), else run on the gathered rows and
+    written back (``tops_core.ops.pool``), as the core does for an implementation that does not serve pools."""
+    K, V = initial_state.shape[2:] if initial_state is not None else (0, 0)
+    if ssm_state_indices is None or serves_pool_in_place(K, V):
+        return forward(*args, initial_state=initial_state, output_final_state=output_final_state,
+                       ssm_state_indices=ssm_state_indices, **kwargs)
+    o, final_states = forward(*args, initial_state=pool.rows(initial_state, ssm_state_indices),
+                              output_final_state=output_final_state, ssm_state_indices=None, **kwargs)
+    return o, None if final_states is None else pool.written(initial_state, ssm_state_indices, final_states)
 
 
 def with_empty_sequences(per_sequence: jax.Array, cu_seqlens: jax.Array, passed_through: jax.Array | None) -> jax.Array:
