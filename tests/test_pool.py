@@ -198,6 +198,25 @@ def test_traced_indices_that_break_the_rules_give_nan_never_a_race(op, implement
     np.testing.assert_array_equal(np.asarray(pool)[2:], before[2:])
 
 
+@pytest.mark.parametrize(("implementation", "dims"), [(None, (K, V)), ("tpu_pallas.varlen", (128, 128))], ids=["gathered", "varlen-in-place"])
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+def test_a_packed_pool_call_that_breaks_a_traced_rule_is_nan_where_it_writes_and_nowhere_else(op, implementation, dims):
+    arrays = inputs(op, 17, batch=1, dims=dims)
+    before = np.asarray(arrays["initial_state"])
+    run = jax.jit(lambda arrays, cu_seqlens, indices: call(op, arrays, indices, implementation, cu_seqlens=cu_seqlens,
+                                                           output_final_state=True))
+    o, pool = (np.asarray(x) for x in run(arrays, jnp.asarray([0, 5, 8, 17], jnp.int32), jnp.asarray([2, 2, 4], jnp.int32)))
+    assert np.isnan(pool[2]).all(), "a row two sequences write"
+    if implementation is None:  # gathered rows: only the contested row
+        assert np.isfinite(pool[4]).all() and np.isfinite(o).all()
+    else:  # in place, the sequences share the packed inputs: every output and every row the call writes
+        assert np.isnan(pool[4]).all() and np.isnan(o).all()
+    np.testing.assert_array_equal(pool[[0, 1, 3, 5]], before[[0, 1, 3, 5]])
+    o, pool = (np.asarray(x) for x in run(arrays, jnp.asarray([0, 9, 5, 17], jnp.int32), jnp.asarray([2, 1, 4], jnp.int32)))
+    assert np.isnan(o).all() and np.isnan(pool[[1, 2, 4]]).all(), "boundaries out of order"
+    np.testing.assert_array_equal(pool[[0, 3, 5]], before[[0, 3, 5]])
+
+
 def test_bad_pools_and_indices_are_named():
     arrays = inputs("simple_gla", 1)
     q, k, v, pool = arrays["q"], arrays["k"], arrays["v"], arrays["initial_state"]

@@ -47,7 +47,8 @@ class Prepared:
     validated, because the values were traced (``"cu_seqlens"``, kda's ``"lower_bound"``): they are
     checked inside the program instead (``OpContract.valid_in_program``). ``platform_known``:
     ``spec.platform`` is the inputs' device (an eager call). Otherwise it is the host's, and the
-    call is decided per platform at lowering.
+    call is decided per platform at lowering. ``rules_kept``: for a pool call whose traced values were
+    checked in the program, whether they keep the rules (a traced boolean; ``OpContract._checked``).
     """
 
     arrays: Mapping[str, Any]
@@ -55,6 +56,7 @@ class Prepared:
     spec: CallSpec
     checked_in_program: tuple[str, ...] = ()
     platform_known: bool = True
+    rules_kept: Any = None
 
     def option(self, name: str) -> Any:
         return dict(self.options)[name]
@@ -374,10 +376,16 @@ class OpContract:
         An implementation only ever sees inputs that keep the rules (``valid_in_program``), and every
         floating result of a call that breaks one becomes NaN: an invalid traced input never yields a
         plausible number (docs/ops.md "Invalid input").
+
+        A pool call's results are made NaN through its inputs instead (``rules_kept``, ``_pool_forward``):
+        its rows are written in place, and masking the returned pool would cost a pass over every row and
+        lose the states of requests the call does not touch.
         """
         if not prepared.checked_in_program:
             return run(prepared)
         valid, trusted = self.valid_in_program(prepared)
+        if prepared.arrays.get("ssm_state_indices") is not None:
+            return run(dataclasses.replace(trusted, rules_kept=valid))
         results = run(trusted)
         return jax.tree.map(lambda x: jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype)), results)
 
@@ -385,25 +393,18 @@ class OpContract:
         """The call run by the implementation each platform's dispatcher chose (staged per platform)."""
         choices = self.decide_per_platform(prepared, direction, policy)
         if direction == "forward":
-            def run_forward(decision: Decision, arrays: dict[str, Any]) -> tuple[Any, Any]:
-                call = dataclasses.replace(prepared, arrays=arrays)
-                indices = arrays.get("ssm_state_indices")
-                forward = decision.implementation.forward
-                if indices is not None and not decision.implementation.serves_pools:
-                    return _pool_written(call, run_forward(decision, dict(_dense(call).arrays)))
-                if indices is not None:
-                    indices, v = pool.served(
-                        indices, arrays["v"], arrays["initial_state"].shape[0],
-                        packed=arrays.get("cu_seqlens") is not None, writes=prepared.option("output_final_state"),
-                    )
-                    call = dataclasses.replace(call, arrays={**arrays, "v": v})
-                    forward = functools.partial(forward, ssm_state_indices=indices)
+            def run_forward(decision: Decision, operands: tuple[dict[str, Any], Any]) -> tuple[Any, Any]:
+                arrays, rules_kept = operands  # a branch may close over no traced value: rules_kept comes as an operand
+                call = dataclasses.replace(prepared, arrays=arrays, rules_kept=rules_kept)
+                if arrays.get("ssm_state_indices") is not None:
+                    return self._pool_forward(decision, call, run_forward)
                 with _named(decision):
-                    outputs = self.call_forward(forward, call, decision.config)
+                    outputs = self.call_forward(decision.implementation.forward, call, decision.config)
                 self._check_outputs(decision.implementation.name, call, outputs)
                 return outputs
 
-            return stage_per_platform(choices, run_forward, dict(prepared.arrays), lambda: self.expected_outputs(prepared))
+            operands = (dict(prepared.arrays), prepared.rules_kept)
+            return stage_per_platform(choices, run_forward, operands, lambda: self.expected_outputs(prepared))
 
         def run_backward(decision: Decision, operands: tuple[dict[str, Any], Any, Any]) -> Any:
             arrays, do, dht = operands
@@ -413,6 +414,35 @@ class OpContract:
             return grads
 
         return stage_per_platform(choices, run_backward, (dict(prepared.arrays), *cotangents), lambda: self.expected_grads(prepared))
+
+    def _pool_forward(self, decision: Decision, call: Prepared, run_forward: Any) -> tuple[Any, Any]:
+        """A pool call's forward by ``decision``: in place by an implementation that serves pools, else on the
+        gathered rows (``run_forward(decision, (arrays, rules_kept))`` of the dense call) written back. A traced index that breaks a rule, or a
+        traced value that does (``rules_kept``), is made NaN in the inputs a pool-serving forward gets
+        (``pool.served``, ``poisoned``), never by a pass over the pool."""
+        arrays = call.arrays
+        indices, states = arrays["ssm_state_indices"], arrays["initial_state"]
+        if not decision.implementation.serves_pools:
+            o, final_states = run_forward(decision, (dict(_dense(call).arrays), None))
+            if call.rules_kept is not None:
+                o, final_states = (None if x is None else nan_where(~call.rules_kept, x) for x in (o, final_states))
+            return _pool_written(call, (o, final_states))
+        served, bad = pool.served(
+            indices, states.shape[0], packed=arrays.get("cu_seqlens") is not None,
+            writes=call.option("output_final_state"), rules_kept=call.rules_kept,
+        )
+        call = dataclasses.replace(call, arrays=self.poisoned(dict(arrays), bad))
+        forward = functools.partial(decision.implementation.forward, ssm_state_indices=served)
+        with _named(decision):
+            outputs = self.call_forward(forward, call, decision.config)
+        self._check_outputs(decision.implementation.name, call, outputs)
+        return outputs
+
+    def poisoned(self, arrays: dict[str, Any], bad: jax.Array) -> dict[str, Any]:
+        """``arrays`` with a NaN in the input that makes a sequence's whole state NaN from its first token on, for the
+        sequences ``bad`` marks (``[N]``, or a scalar for all of a packed call's): ``v`` here, which every op multiplies
+        into its state; an op names a smaller input where it has one."""
+        return {**arrays, "v": nan_where(bad, arrays["v"])}
 
     # -- sharding --------------------------------------------------------------------------
 
@@ -535,6 +565,12 @@ def _dense(prepared: Prepared) -> Prepared:
     arrays = prepared.arrays
     rows = pool.rows(arrays["initial_state"], arrays["ssm_state_indices"])
     return dataclasses.replace(prepared, arrays={**arrays, "initial_state": rows, "ssm_state_indices": None})
+
+
+def nan_where(bad: jax.Array, x: jax.Array) -> jax.Array:
+    """``x`` with NaN in the sequences ``bad`` marks: ``[N]`` along ``x``'s first axis, or a scalar for all of it."""
+    bad = bad.reshape(bad.shape + (1,) * (x.ndim - bad.ndim))
+    return jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
 
 
 def _pool_written(prepared: Prepared, outputs: tuple[Any, Any]) -> tuple[Any, Any]:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from tops_core.ops import validation
-from tops_core.ops.base import Explanation, OpContract, Prepared, state_dtype
+from tops_core.ops.base import Explanation, OpContract, Prepared, nan_where, state_dtype
 from tops_core.ops.validation import is_concrete
 from tops_core.policy import ForceRequest
 from tops_core.signatures import KDA as KDA_SIGNATURE
@@ -338,6 +338,10 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
             scale=prepared.option("scale"), initial_state=a["initial_state"], cu_seqlens=a["cu_seqlens"],
             A_log=a["A_log"], dt_bias=a["dt_bias"], config=config, **{name: prepared.option(name) for name in _OPTION_NAMES},
         )
+
+    def poisoned(self, arrays, bad):
+        """``beta`` (``[B, T, HV]``): a NaN write strength makes the state NaN, whatever its activation."""
+        return {**arrays, "beta": nan_where(bad, arrays["beta"])}
 
     def call_forward(self, fn: Forward, prepared: Prepared, config: Any):
         a = prepared.arrays

@@ -68,18 +68,22 @@ def written(pool: Array, indices: Array, final_states: Array) -> Array:
     return lax.cond(jnp.any(contested), lambda p: p.at[jnp.where(contested, targets, size)].set(jnp.nan, mode="drop"), lambda p: p, updated)
 
 
-def served(indices: Array, v: Array, size: int, *, packed: bool, writes: bool) -> tuple[Array, Array]:
-    """``(indices, v)`` as a forward that serves pools itself (``Implementation.serves_pools``) gets them, with the traced
-    rules kept: an index past the pool becomes a padding slot (-1), and a sequence with such an index, or whose row
-    another sequence writes too (``writes``: the final state is returned), gets NaN values ``v`` (with ``packed``
-    sequences, every sequence does). A NaN value makes its sequence's whole state NaN from its first token on, so
-    its outputs are NaN and so is every row it writes, whichever of a contested row's writes lands last."""
+def served(indices: Array, size: int, *, packed: bool, writes: bool, rules_kept: Array | None) -> tuple[Array, Array]:
+    """``(indices, bad)`` for a forward that serves pools itself (``Implementation.serves_pools``): an index past the
+    pool becomes a padding slot (-1), so it never addresses memory past the pool, and ``bad`` marks the sequences
+    whose results the traced rules make NaN: an index past the pool, a row another sequence writes too (``writes``:
+    the final state is returned), or, with ``rules_kept`` False, every sequence. ``bad`` is ``[N]``, or a scalar for a
+    ``packed`` call (all its sequences share the inputs' time axis). The op puts a NaN into an input of each bad
+    sequence (``OpContract.poisoned``), which makes its whole state NaN from its first token: its outputs are NaN,
+    and so is every row it writes, whichever of a contested row's writes lands last. (Two empty sequences of a packed
+    call that name one row write nothing, and leave it as it was.)"""
     targets = _rows_or_past_the_end(indices, size)
     bad = indices >= size
     if writes:
         bad = bad | _contested(targets, size)
-    bad = jnp.any(bad) if packed else bad[:, None, None, None]
-    return jnp.where(indices < size, indices, -1), jnp.where(bad, jnp.asarray(jnp.nan, v.dtype), v)
+    if rules_kept is not None:
+        bad = bad | ~rules_kept
+    return jnp.where(indices < size, indices, -1), jnp.any(bad) if packed else bad
 
 
 def row_cotangents(pool_cotangent: Array, indices: Array) -> Array:

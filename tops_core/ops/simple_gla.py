@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import jax
 
 from tops_core.ops import simple_gla_sequence, validation
-from tops_core.ops.base import Explanation, OpContract, Prepared, state_dtype
+from tops_core.ops.base import Explanation, OpContract, Prepared, nan_where, state_dtype
 from tops_core.policy import ForceRequest
 from tops_core.signatures import SIMPLE_GLA
 
@@ -182,6 +182,12 @@ class SimpleGLA(OpContract, signature=SIMPLE_GLA):
         if direction == "forward":
             return simple_gla_sequence.forward(arrays, prepared.option("output_final_state"), sequence, run)
         return simple_gla_sequence.backward(arrays, *cotangents, prepared.option("scale"), sequence, run)
+
+    def poisoned(self, arrays, bad):
+        """``g`` where given (``[B, T, H]``, a 128th of ``v`` at K = 128): a NaN decay makes the state NaN."""
+        if arrays["g"] is None:
+            return super().poisoned(arrays, bad)
+        return {**arrays, "g": nan_where(bad, arrays["g"])}
 
     def call_forward(self, fn: Forward, prepared: Prepared, config: Any):
         a = prepared.arrays

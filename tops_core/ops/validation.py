@@ -213,8 +213,10 @@ def cu_seqlens_valid(cu: jax.Array, seq_len: int) -> jax.Array:
 
 
 def placeholder_cu_seqlens(num_seqs: int, seq_len: int) -> jax.Array:
-    """Valid boundaries of the same shape, ``[0, T, T, ..., T]``, run in place of invalid traced ones."""
-    return jnp.where(jnp.arange(num_seqs + 1) == 0, 0, seq_len).astype(jnp.int32)
+    """Valid boundaries of the same shape, ``T`` split as evenly as it goes, run in place of invalid traced ones: with
+    ``T >= N`` every sequence has a token, so a kernel that writes a pool row where a sequence ends writes every row
+    the call names (NaN: ``OpContract._checked``)."""
+    return (jnp.arange(num_seqs + 1) * seq_len // num_seqs).astype(jnp.int32)
 
 
 def qkv(
