@@ -51,8 +51,9 @@ BLOCK_BYTES = 2**20
 """The most state bytes one grid point holds (double-buffered in and out: four times this in VMEM)."""
 
 OWN_ROW, ZERO_START, COPY_THROUGH = 0, 1, 2
-"""A sequence's role: it reads and writes its row; it starts from zeros and writes nothing (a padding slot, or
-no initial state); it starts from zeros and copies its block through (no sequence of the call has a row)."""
+"""A sequence's role: it reads its row (zeros without an initial state) and writes it; it starts from zeros and writes
+nothing (a padding slot); it starts from zeros and copies its block through (a padding slot, and no sequence of the
+call has a row)."""
 
 
 @dataclasses.dataclass(frozen=True)
