@@ -112,10 +112,11 @@ GENERATIONS: dict[str, TpuGeneration] = {
 }
 
 
-UNKNOWN_CHIP_VMEM_BUDGET = MOSAIC_HEADROOM_BUDGET
-"""What the Pallas kernels plan for when the chip is not known: within every generation's default scoped
-limit (16 MiB, so no ``vmem_limit_bytes`` is needed) and v4's VMEM with Mosaic's headroom, so the kernel compiles on
-any of them."""
+UNKNOWN_CHIP_VMEM_BUDGET = 16 * 2**20
+"""What the Pallas kernels plan for when the chip is not known (Pallas' interpreter; a program traced on a host
+without a TPU for one it does not name): every generation's default scoped limit, so no ``vmem_limit_bytes`` is
+needed. Traced on a TPU, the chip is always known; on a v4 the plans then leave Mosaic its headroom
+(``MOSAIC_HEADROOM_BUDGET``), which only v4 was measured to need."""
 
 
 def vmem_budget(chip: str | None) -> int:

@@ -3,8 +3,8 @@
 The VMEM budget is the chip's (``tops_core.tpu.generations.vmem_budget``) when the call knows
 which TPU generation it is lowered for (``CallSpec.chip``, ``tops_core.target_chip``), and
 16 MiB, what every generation gives a kernel by default, when it does not. On a known chip the
-kernel asks Mosaic for all of the chip's VMEM (``vmem_limit_bytes``), a quarter more than the
-budget on v5e, v5p and v6e. The capability predicates size the same plans against the same
+kernel asks Mosaic for all of the chip's VMEM (``vmem_limit_bytes``), a third more than the budget,
+for Mosaic's spills and scratch (``tops_core.tpu.generations.MOSAIC_HEADROOM_BUDGET``). The capability predicates size the same plans against the same
 budget, so a call the matcher accepts is launched as it was sized.
 """
 
