@@ -41,9 +41,10 @@ def inputs(op: str, T: int, seed: int = 0, batch: int = B, dims: tuple[int, int]
     return arrays
 
 
-IMPLEMENTATIONS = [None, "tpu_pallas.recurrent"]
-"""The dispatcher's choice (gathered rows: xla.recurrent, xla.chunk), and the Pallas decode kernel, which serves the pool
-itself (in Pallas' TPU interpreter)."""
+IMPLEMENTATIONS = [None, "tpu_pallas.recurrent", "tpu_pallas.fused"]
+"""The dispatcher's choice (gathered rows: xla.recurrent, xla.chunk), and two Pallas kernels that serve the pool
+themselves, in Pallas' TPU interpreter: the decode kernel, and the fused chunked kernel (an unpacked prefill; the rows
+gathered where K or V is not a multiple of 128, as at these shapes, and in place in the test below)."""
 
 
 def call(op: str, arrays: dict, indices, implementation: str | None = None, **options):
@@ -72,6 +73,16 @@ def dense_reference(op: str, arrays: dict, indices: list[int], **options):
     return o, written
 
 
+def assert_matches_the_reference(op: str, arrays: dict, indices: list[int], o, pool) -> None:
+    """``o`` and the returned pool within float32's tolerance of ``dense_reference``; rows no index names bit for bit."""
+    o_ref, pool_ref = dense_reference(op, arrays, indices)
+    for name, got, want in (("o", o, o_ref), ("pool", pool, pool_ref)):
+        result = measure(name, got, want, tolerance("float32", gradient=False))
+        assert result.passed, result.describe()
+    untouched = [row for row in range(P) if row not in indices]
+    np.testing.assert_array_equal(np.asarray(pool)[untouched], np.asarray(arrays["initial_state"])[untouched])
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("op", ["simple_gla", "kda"])
 @pytest.mark.parametrize("T", [1, 3, 40], ids=lambda T: f"T={T}")  # a decode step, a speculative draft, a prefill
@@ -98,15 +109,19 @@ PATTERNS = [[-1, -1, 3], [2, -1, -1], [-1, 5, -1], [-1, -1, -1], [5, 0, 3]]
 def test_padding_slots_anywhere_leave_every_other_row_as_it_was(op, indices, implementation):
     arrays = inputs(op, 2, seed=7)
     o, pool = call(op, arrays, jnp.asarray(indices, jnp.int32), implementation, output_final_state=True)
-    o_ref, pool_ref = dense_reference(op, arrays, indices)
-    for name, got, want in (("o", o, o_ref), ("pool", pool, pool_ref)):
-        result = measure(name, got, want, tolerance("float32", gradient=False))
-        assert result.passed, result.describe()
-    untouched = [row for row in range(P) if row not in indices]
-    np.testing.assert_array_equal(np.asarray(pool)[untouched], np.asarray(arrays["initial_state"])[untouched])
+    assert_matches_the_reference(op, arrays, indices, o, pool)
     o_read_only, no_pool = call(op, arrays, jnp.asarray(indices, jnp.int32), implementation, output_final_state=False)
     assert no_pool is None
     np.testing.assert_array_equal(np.asarray(o_read_only), np.asarray(o))
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+@pytest.mark.parametrize("indices", [[-1, 5, 3], [-1, -1, -1]], ids=["slot-first", "all-slots"])
+def test_an_unpacked_prefill_reads_and_writes_its_pool_rows_in_place(op, indices):
+    # tpu_pallas.fused with whole lanes (K = V = 128): each sequence's row by DMA at its first and last grid step.
+    arrays = inputs(op, 40, seed=3, dims=(128, 128))
+    o, pool = call(op, arrays, jnp.asarray(indices, jnp.int32), "tpu_pallas.fused", output_final_state=True)
+    assert_matches_the_reference(op, arrays, indices, o, pool)
 
 
 # The packed Pallas kernel reads and writes the rows in place where K and V are whole lanes (128), and runs on

@@ -567,9 +567,11 @@ def test_decode_steps_compile_to_the_recurrent_kernel_in_place(worker, call):
     assert facts["kernel_cost"]["bytes_accessed"] <= 1.1 * _decode_floor(call)
 
 
-# Packed prefill into a pool (traced cu_seqlens): tpu_pallas.varlen moves each sequence's rows by DMA from and to the
-# pool itself, aliased, with no gathered copy of the rows and no copy of the pool.
+# Prefill into a pool: packed (traced cu_seqlens) by tpu_pallas.varlen, unpacked by tpu_pallas.fused; each moves every
+# sequence's rows by DMA from and to the pool itself, aliased, with no gathered copy of the rows and no copy of the pool.
 PREFILL_CALLS = [
+    dict(op="simple_gla", B=4, T=1000, H=4, HV=4, K=128, V=128, dtype="bfloat16", pool=24, state="pool", g=True),
+    dict(op="kda", B=4, T=1000, H=2, HV=4, K=128, V=128, dtype="float32", pool=24, state="pool", use_qk_l2norm=True),
     dict(op="simple_gla", B=1, T=1000, H=4, HV=4, K=128, V=128, dtype="bfloat16", pool=24, state="pool", num_seqs=6, g=True),
     dict(op="kda", B=1, T=1000, H=2, HV=4, K=128, V=128, dtype="bfloat16", pool=24, state="pool", num_seqs=6, use_qk_l2norm=True,
          use_gate=True, use_beta_sigmoid=True, A_log=True, dt_bias=True),
@@ -577,12 +579,13 @@ PREFILL_CALLS = [
 
 
 @pytest.mark.parametrize("call", [{**c, "generation": g} for g in FACTORS["generation"] for c in PREFILL_CALLS], ids=_decode_label)
-def test_packed_prefill_reads_and_writes_the_pool_rows_in_place(worker, call):
+def test_prefill_reads_and_writes_the_pool_rows_in_place(worker, call):
     facts = worker.ask({"decode": call})
-    assert facts["implementations"] == ["tpu_pallas.varlen.forward"] and facts["kernels"] == 1
+    kernel = "varlen" if call.get("num_seqs") else "fused"
+    assert facts["implementations"] == [f"tpu_pallas.{kernel}.forward"] and facts["kernels"] == 1
     assert facts["aliased"], "the pool is returned in its own buffer"
     assert facts["moved_states"] == [], "no rows gathered or scattered around the kernel"
-    rows = f"f32[{call['num_seqs']},{call['HV']},{call['K']},{call['V']}]"
+    rows = f"f32[{call.get('num_seqs') or call['B']},{call['HV']},{call['K']},{call['V']}]"
     pool = f"f32[{call['pool']},{call['HV']},{call['K']},{call['V']}]"
     assert not [r for r in facts["relayouts"] if rows in r or pool in r], facts["relayouts"]
 

@@ -147,6 +147,7 @@ FUSED = tops_core.Implementation(
     ), _SIMPLE_GLA_FEATURES, ndims=_G_GAMMA_RANKS),
     priority=_fused_priority,
     config=FUSED_CONFIG,
+    serves_pools=True,
     config_sweep=({"chunk_size": 256},),  # the chunk v6e's forward takes, which interpret mode (no chip) would not run
     explain_config=_explain_fused_config,
     description=(
@@ -221,6 +222,7 @@ KDA_FUSED = tops_core.Implementation(
     ),
     priority={"tpu": 200},
     config=KDA_FUSED_CONFIG,
+    serves_pools=True,
     description=(
         "one pallas_call: state in VMEM along a sequential time axis, exact per-chunk inverse; "
         "backward: the state entering every chunk, then each chunk's VJP with dS in VMEM along the reverse time axis"

@@ -53,7 +53,8 @@ from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_dtype, row_and_column_iotas
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Scratch
-from tops_plugins_tpu_pallas.simple_gla.varlen import SequenceStates, sequence_states, with_empty_sequences
+from tops_plugins_tpu_pallas.grid import SequenceStates, sequence_states
+from tops_plugins_tpu_pallas.simple_gla.varlen import with_empty_sequences
 
 __all__ = ["backward", "geometry_of", "plans"]
 

@@ -39,15 +39,16 @@ from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
-from tops_plugins_tpu_pallas.grid import Chunk, Work, chunks_of_the_grid, finish_sequence, geometry_of, start_sequence, step_chunks
+from tops_plugins_tpu_pallas.grid import (
+    Chunk, Work, chunks_of_the_grid, finish_sequence, geometry_of, pool_aliases, pool_states, sequence_states, start_sequence, state_rows,
+    step_chunks,
+)
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, chunk_work
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
-from tops_plugins_tpu_pallas.simple_gla.varlen import (
-    SequenceStates, boundaries, boundary_operands, pool_aliases, sequence_states, state_rows,
-)
+from tops_plugins_tpu_pallas.simple_gla.varlen import boundaries, boundary_operands
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 
@@ -109,14 +110,16 @@ def plans(
     plans them as float32, the larger. ``num_seqs``: a packed call (``kda/varlen.py``) of that many
     sequences, whose boundaries the kernel reads from SMEM (``varlen.boundaries``: ``N + 1 + 2 * chunks``
     int32); without states its blocks, work and VMEM are the unpacked kernel's at ``B = 1``, and its
-    per-sequence states sit in HBM, moved through VMEM buffers, their work counted per sequence; with
-    ``pool_rows`` (packed only), in a state pool of that many rows, updated in place (``varlen.state_rows``).
+    per-sequence states sit in HBM, moved through VMEM buffers, their work counted per sequence. With
+    ``pool_rows``, packed or not, the states are rows of a pool of that many rows, moved so and updated in place
+    (``grid.state_rows``).
     """
     scalars = [Scalars("A_log", (geometry.heads,), jnp.float32)] if with_A_log else []
     if num_seqs is not None:
         scalars.extend(boundaries(geometry, num_seqs))
+    sequences = num_seqs or geometry.batch
     if pool_rows is not None:
-        scalars.append(state_rows(num_seqs))
+        scalars.append(state_rows(sequences))
     inputs = [
         blocks.key_rows("q", geometry, dtype), blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype),
         blocks.key_rows("g", geometry, gate_dtype or jnp.float32, per_value_head=True),
@@ -126,7 +129,7 @@ def plans(
         inputs.append(_gate_bias(geometry, dt_bias_dtype))
     outputs = [blocks.value_rows("o", geometry, dtype)]
     scratch = None
-    if num_seqs is None:
+    if num_seqs is None and pool_rows is None:
         if initial_state_dtype is not None:
             inputs.append(blocks.state("initial_state", geometry, initial_state_dtype))
         if output_final_state:
@@ -136,11 +139,11 @@ def plans(
         scratch = [blocks.running_state(geometry)]
         if initial_state_dtype is not None:
             # Read once where its sequence starts and, when it also ends in that chunk, again for its final state.
-            moves = 2 if output_final_state else 1
-            inputs.append(sequence_states("initial_state", geometry, num_seqs, initial_state_dtype, moves, pool_rows))
+            moves = 2 if output_final_state and num_seqs is not None else 1
+            inputs.append(sequence_states("initial_state", geometry, sequences, initial_state_dtype, moves, pool_rows))
             scratch.append(Scratch("loaded", state_block, initial_state_dtype))
         if output_final_state:
-            outputs.append(sequence_states("final_state", geometry, num_seqs, jnp.float32, pool_rows=pool_rows))
+            outputs.append(sequence_states("final_state", geometry, sequences, jnp.float32, pool_rows=pool_rows))
             scratch.append(Scratch("leaving", state_block, jnp.float32))
         if len(scratch) > 1:
             scratch.append(DmaSemaphores("copies", 2))
@@ -200,7 +203,7 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
     packed = "cu_seqlens" in refs
     # Packed, the carried state starts as zeros (decays of 0 times unset memory could be NaN); initial states enter per sequence.
     start_sequence(refs, step, from_initial_state=not packed)
-    states = SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape) if packed else None
+    states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape) if packed else None
 
     A_log = refs["A_log"][head] if "A_log" in refs else None  # a scalar, broadcast by gate
     dt_bias = refs["dt_bias"][...] if "dt_bias" in refs else None
@@ -225,17 +228,18 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
 def forward(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
     use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
-    config: KdaFusedConfig,
+    config: KdaFusedConfig, ssm_state_indices=None,
 ):
     """The ``Forward`` protocol of ``tops_core.ops.kda`` (``cu_seqlens`` is rejected by the capabilities).
 
-    The op always passes every argument; the gate's and beta's default to off (g and beta as given) for direct callers."""
+    The op always passes every argument; the gate's and beta's default to off (g and beta as given) for direct callers.
+    A state pool (``ssm_state_indices``) is served in place (``Implementation.serves_pools``)."""
     del cu_seqlens
-    return run(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+    return pool_states(
+        run, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm,
         activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True),
-        A_log=A_log, dt_bias=dt_bias, config=config,
+        A_log=A_log, dt_bias=dt_bias, config=config, ssm_state_indices=ssm_state_indices,
     )
 
 

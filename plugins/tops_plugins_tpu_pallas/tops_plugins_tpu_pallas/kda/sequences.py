@@ -19,7 +19,7 @@ exact, at most zero):
 
 Only the sequences with a boundary in the chunk are visited (``fori_loop``s over bounds read from SMEM), so a
 chunk inside one sequence costs nothing more. The per-sequence states live in HBM
-(``simple_gla.varlen.SequenceStates``: boundaries are traced, so no block index map could fetch them).
+(``grid.SequenceStates``: boundaries are traced, so no block index map could fetch them).
 
 Each term is a pure function of the chunk's values and one sequence's bounds (``_entering_terms``,
 ``_carried_through``, ``_writes``), so the backward (``kda.backward``) takes their VJPs one sequence at a time
@@ -38,7 +38,7 @@ from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.kda.chunkwise import column_sums, run_sums
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, row_and_column_iotas
-from tops_plugins_tpu_pallas.simple_gla.varlen import SequenceStates
+from tops_plugins_tpu_pallas.grid import SequenceStates
 
 _F32 = jnp.float32
 

@@ -26,7 +26,8 @@ from tops_plugins_tpu_pallas.kda import fused
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, geometry_of
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.plan import LaunchPlan
-from tops_plugins_tpu_pallas.simple_gla.varlen import pool_states, with_empty_sequences
+from tops_plugins_tpu_pallas.grid import pool_states
+from tops_plugins_tpu_pallas.simple_gla.varlen import with_empty_sequences
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 

@@ -76,7 +76,7 @@ def plans(
     checkpoint_inputs = list(gradients.token_inputs(g, dtype, gate_dtype, ("k", "v")))
     checkpoint_scratch = [blocks.running_state(g), DmaSemaphores("copies", 1)]
     if initial_state_dtype is not None:
-        checkpoint_inputs.append(varlen.sequence_states("initial_state", g, num_seqs, initial_state_dtype))
+        checkpoint_inputs.append(grid.sequence_states("initial_state", g, num_seqs, initial_state_dtype))
         checkpoint_scratch.append(Scratch("loaded", (K, V), initial_state_dtype))
     checkpoint_work = (last_piece + cumulative_decays) * heads_chunks
     checkpoints = grid.grid_plan(
@@ -93,11 +93,11 @@ def plans(
     scratch = [grid.state_gradient(g), Scratch("states", (g.chunks_per_step, K, V), _F32), DmaSemaphores("copies", 2)]
     if initial_state_dtype is not None:
         # Read when a sequence starts in a chunk, and again by the recomputation when it is a chunk's last piece: twice at most.
-        inputs.append(varlen.sequence_states("initial_state", g, num_seqs, initial_state_dtype, moves=2))
-        outputs.append(varlen.sequence_states("dinitial_state", g, num_seqs, initial_state_dtype))
+        inputs.append(grid.sequence_states("initial_state", g, num_seqs, initial_state_dtype, moves=2))
+        outputs.append(grid.sequence_states("dinitial_state", g, num_seqs, initial_state_dtype))
         scratch += [Scratch("loaded", (K, V), initial_state_dtype), Scratch("initial_gradient", (K, V), initial_state_dtype)]
     if output_final_state:
-        inputs.append(varlen.sequence_states("dht", g, num_seqs, _F32))
+        inputs.append(grid.sequence_states("dht", g, num_seqs, _F32))
         scratch.append(Scratch("final_gradient", (K, V), _F32))
     per_chunk = (
         last_piece  # the recomputed state (every chunk but a segment's last: counted for all)
@@ -117,11 +117,11 @@ def plans(
     )
 
 
-def _sequence_states(refs: dict, head, geometry: Geometry) -> varlen.SequenceStates:
-    return varlen.SequenceStates(refs, head, 0, geometry.padded_value_dim, (geometry.padded_key_dim, geometry.padded_value_dim))
+def _sequence_states(refs: dict, head, geometry: Geometry) -> grid.SequenceStates:
+    return grid.SequenceStates(refs, head, 0, geometry.padded_value_dim, (geometry.padded_key_dim, geometry.padded_value_dim))
 
 
-def _advance(refs: dict, states: varlen.SequenceStates, chunk, number, state, head, decay) -> jax.Array:
+def _advance(refs: dict, states: grid.SequenceStates, chunk, number, state, head, decay) -> jax.Array:
     """The state leaving chunk ``number``: its last piece's, the only one whose state goes on past the chunk."""
     log = log_decays(chunk, refs, head, decay)
     piece = varlen.Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * chunk.rows.size, log)

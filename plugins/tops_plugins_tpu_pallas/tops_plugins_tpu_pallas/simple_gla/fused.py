@@ -20,14 +20,16 @@ from jax.experimental import pallas as pl
 from tops_core.tpu.generations import GENERATIONS
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
-from tops_plugins_tpu_pallas.grid import chunks_of_the_grid, finish_sequence, start_sequence, step_chunks
+from tops_plugins_tpu_pallas.grid import (
+    chunks_of_the_grid, finish_sequence, pool_aliases, pool_states, sequence_states, start_sequence, state_rows, step_chunks,
+)
 from tops_plugins_tpu_pallas.mxu import SPLIT_BFLOAT16, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     advance_state, advance_state_work, attend, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
     decayed_scores, gate_computations, gates_work, intra_chunk_output, output_from_state,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES as COMMON_CHUNK_SIZES, check_common_fields
-from tops_plugins_tpu_pallas.plan import LaunchPlan
+from tops_plugins_tpu_pallas.plan import DmaSemaphores, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 
 
@@ -89,20 +91,38 @@ def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UN
     return grid.fitted_plans(plans, geometry, dtype, target=target, **inputs)
 
 
-def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False) -> tuple[LaunchPlan]:
-    """The (single) launch plan for one call; ``gate_dtype``/``initial_state_dtype`` None when that input is absent."""
+def plans(
+    geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, pool_rows: int | None = None,
+) -> tuple[LaunchPlan]:
+    """The (single) launch plan for one call; ``gate_dtype``/``initial_state_dtype`` None when that input is absent;
+    ``pool_rows``: the states are rows of a pool of that many rows (``grid.state_rows``), updated in place."""
     inputs = [blocks.key_rows("q", geometry, dtype), blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype)]
     if gate_dtype is not None:
         along_lanes = gates_along_lanes(True, geometry.chunk_size)
         inputs.append((blocks.gate_rows if along_lanes else blocks.gates)(geometry, gate_dtype))
+    scalars, scratch = [blocks.decay(geometry)], None
+
+    def state(name: str, state_dtype):
+        if pool_rows is None:
+            return blocks.state(name, geometry, state_dtype)
+        return sequence_states(name, geometry, geometry.batch, state_dtype, pool_rows=pool_rows)
+
+    if pool_rows is not None:  # each sequence's row moved by DMA at its first and last step (grid.start_sequence)
+        scalars.append(state_rows(geometry.batch))
+        block = (geometry.padded_key_dim, geometry.value_block)
+        scratch = [blocks.running_state(geometry), DmaSemaphores("copies", 2), Scratch("loaded", block, initial_state_dtype)]
+        scratch += [Scratch("leaving", block, jnp.float32)] if output_final_state else []
     if initial_state_dtype is not None:
-        inputs.append(blocks.state("initial_state", geometry, initial_state_dtype))
+        inputs.append(state("initial_state", initial_state_dtype))
     outputs = [blocks.value_rows("o", geometry, dtype)]
     if output_final_state:
-        outputs.append(blocks.state("final_state", geometry, jnp.float32))
+        outputs.append(state("final_state", jnp.float32))
     gated = gate_dtype is not None
     work = (chunk_output_work(geometry) + advance_state_work(geometry)) * chunks_of_the_grid(geometry) + gates_work(geometry, gated) * gate_computations(geometry, gated)
-    return (grid.grid_plan("simple_gla_fused", geometry, (blocks.decay(geometry),), inputs, outputs, work, chunk_body_vmem(geometry)),)
+    return (grid.grid_plan(
+        "simple_gla_fused", geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry), scratch,
+        aliases=pool_aliases(pool_rows, output_final_state),
+    ),)
 
 
 def chunk_size_for(config: FusedConfig, key_dim: int, chip: str | None) -> int:
@@ -228,15 +248,25 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     finish_sequence(refs, step, geometry)
 
 
-def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig):
-    """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
+def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig, ssm_state_indices=None):
+    """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities), a state
+    pool (``ssm_state_indices``) served in place (``Implementation.serves_pools``)."""
     del cu_seqlens
+    return pool_states(_forward, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, config=config, ssm_state_indices=ssm_state_indices)
+
+
+def _forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config: FusedConfig, ssm_state_indices):
     chip = launch.Target.lowered_for().chip
     config = resolved(config, q.shape[-1], chip)
     first = attention_first(config, q.dtype, q.shape[-1], chip)
     kernel = functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype), resets_dtype=resets_dtype(chip))
     along_lanes = g is not None and gates_along_lanes(True, config.chunk_size)
+    operands = {"g": jnp.swapaxes(g, 1, 2)} if along_lanes else {}
+    pool_rows = None
+    if ssm_state_indices is not None:
+        operands["state_rows"], pool_rows = ssm_state_indices, initial_state.shape[0]
     return grid.run(
-        kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, config=config, operands={"g": jnp.swapaxes(g, 1, 2)} if along_lanes else None,
+        kernel, functools.partial(plans, pool_rows=pool_rows), q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, config=config, operands=operands,
     )

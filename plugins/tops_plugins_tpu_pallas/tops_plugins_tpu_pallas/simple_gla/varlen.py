@@ -34,12 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from tops_core.ops import pool
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.exponents import masked_exp
-from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, step_chunks
+from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, pool_aliases, pool_states, sequence_states, state_rows, step_chunks
 from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     LogDecays, advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output_work, constant_decay,
@@ -48,7 +46,7 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES
 from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
 from tops_plugins_tpu_pallas.plan import DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
-from tops_plugins_tpu_pallas.layout import LANES, Geometry
+from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
 
@@ -74,28 +72,6 @@ class VarlenConfig(FusedConfig):
             raise ValueError(f"VarlenConfig.attention_first must be None (the packed kernel has one schedule), got {self.attention_first!r}")
         if self.float32_precision != "highest":
             raise ValueError(f"VarlenConfig.float32_precision must be 'highest' (the packed kernel has no other yet), got {self.float32_precision!r}")
-
-
-def sequence_states(name: str, geometry: Geometry, num_seqs: int, dtype, moves: int = 1, pool_rows: int | None = None) -> InHbm:
-    """A per-sequence state ``[N, H, K_pad, V_pad]`` (``initial_state``, ``final_state`` or their gradients), moved one
-    (sequence, head, value block) at a time by DMA, each region at most ``moves`` times; with ``pool_rows``, a state
-    pool ``[P, H, K, V]`` of which the sequences reach their rows (``state_rows``; never lane-padded)."""
-    g = geometry
-    if pool_rows is not None:
-        return InHbm(name, (pool_rows, g.heads, g.key_dim, g.value_dim), dtype, moves=moves, rows=num_seqs)
-    relayout = Relayout((num_seqs, g.heads, g.key_dim, g.value_dim), dtype) if g.pads_state else None
-    return InHbm(name, (num_seqs, g.heads, g.padded_key_dim, g.padded_value_dim), dtype, relayout, moves)
-
-
-def state_rows(num_seqs: int) -> Scalars:
-    """A pool call's SMEM scalars: each sequence's row of the pool, negative for a padding slot (``SequenceStates``)."""
-    return Scalars("state_rows", (num_seqs,), jnp.int32)
-
-
-def serves_pool_in_place(key_dim: int, value_dim: int) -> bool:
-    """Whether a packed forward reads and writes a pool's rows in place: when its states need no lane padding (a padded
-    copy of the pool would move more than the rows it holds; the rows are gathered instead, ``pool_states``)."""
-    return key_dim % LANES == 0 and value_dim % LANES == 0
 
 
 def boundaries(geometry: Geometry, num_seqs: int) -> tuple[Scalars, Scalars, Scalars]:
@@ -143,11 +119,6 @@ def plans(
     return (grid.grid_plan(
         "simple_gla_varlen", g, scalars, inputs, outputs, work, chunk_body_vmem(g), scratch, aliases=pool_aliases(pool_rows, output_final_state),
     ),)
-
-
-def pool_aliases(pool_rows: int | None, output_final_state: bool) -> tuple[tuple[str, str], ...]:
-    """A pool call's final states are the pool itself, updated in place: ``initial_state`` aliases ``final_state``."""
-    return (("initial_state", "final_state"),) if pool_rows is not None and output_final_state else ()
 
 
 def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
@@ -207,73 +178,6 @@ class Piece:
         return self.end <= self.start
 
 
-@dataclasses.dataclass(frozen=True)
-class SequenceStates:
-    """The per-sequence state arrays ``[N, H, K_pad, V_pad]`` a grid point (head, value block) moves by DMA, one region at a time.
-
-    A kernel touches a region only at a sequence's start or end, never from a block index map:
-    the boundaries are traced, and a region of every sequence per grid step would be most of the traffic.
-    With ``state_rows`` among the refs (a pool call), the states are a pool and sequence ``n``'s region is
-    in row ``state_rows[n]``; a negative row is a padding slot, which loads zeros and stores nothing.
-    """
-
-    refs: dict
-    head: jax.Array
-    block: jax.Array
-    value_block: int
-    shape: tuple[int, int]  # (K_pad, value block)
-
-    def has(self, name: str) -> bool:
-        """Whether the call has the state array ``name``."""
-        return name in self.refs
-
-    @property
-    def pooled(self) -> bool:
-        return "state_rows" in self.refs
-
-    def _row(self, sequence: jax.Array) -> jax.Array:
-        return self.refs["state_rows"][sequence] if self.pooled else sequence
-
-    def _region(self, name: str, row: jax.Array):
-        Vb = self.value_block
-        return self.refs[name].at[row, self.head, :, pl.ds(pl.multiple_of(self.block * Vb, Vb), Vb)]
-
-    def load(self, name: str, buffer: str, sequence: jax.Array, when: jax.Array) -> jax.Array:
-        """``refs[name][sequence]`` as float32 (copied into VMEM ``buffer`` only ``when``), or zeros when the call has no ``name``
-        or the sequence is a padding slot.
-
-        Where not ``when`` the buffer holds an earlier copy (or nothing yet): the caller selects the value away.
-        """
-        if not self.has(name):
-            return jnp.zeros(self.shape, _F32)
-        row = self._row(sequence)
-
-        @pl.when(when & (row >= 0) if self.pooled else when)
-        def _load():
-            _copy(self._region(name, row), self.refs[buffer], self.refs["copies"].at[0])
-
-        loaded = self.refs[buffer][...].astype(_F32)
-        return jnp.where(row >= 0, loaded, 0.0) if self.pooled else loaded
-
-    def store(self, name: str, buffer: str, sequence: jax.Array, value: jax.Array, when: jax.Array) -> None:
-        """Write ``value`` to ``refs[name][sequence]`` through VMEM ``buffer``, only ``when`` (nothing when the call has no ``name``
-        or the sequence is a padding slot)."""
-        if not self.has(name):
-            return
-        row = self._row(sequence)
-
-        @pl.when(when & (row >= 0) if self.pooled else when)
-        def _store():
-            self.refs[buffer][...] = value.astype(self.refs[buffer].dtype)
-            _copy(self.refs[buffer], self._region(name, row), self.refs["copies"].at[1])
-
-
-def _copy(source, destination, semaphore) -> None:
-    dma = pltpu.make_async_copy(source, destination, semaphore)
-    dma.start()
-    dma.wait()
-
-
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs = plan.bind(refs)
     head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -281,7 +185,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     cu = refs["cu_seqlens"]
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     columns = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    states = SequenceStates(refs, head, block, Vb, refs["state"].shape)
+    states = grid.SequenceStates(refs, head, block, Vb, refs["state"].shape)
 
     constant, decay = constant_gates(refs, head, geometry), constant_decay(refs, head)
     state = refs["state"][...]  # unset at step 0, where the first sequence starts and never reads it
@@ -343,19 +247,6 @@ def _forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, c
     if final_state is None or ssm_state_indices is not None:  # a pool: an empty sequence's row is as it was
         return o, final_state
     return o, with_empty_sequences(final_state, cu_seqlens, initial_state)
-
-
-def pool_states(forward, *args, initial_state, output_final_state, ssm_state_indices, **kwargs):
-    """``forward(*args, ...)`` of a packed kernel for a call that may name pool rows (``ssm_state_indices``): passed on
-    when the kernel reads and writes them in place (``serves_pool_in_place``), else run on the gathered rows and
-    written back (``tops_core.ops.pool``), as the core does for an implementation that does not serve pools."""
-    K, V = initial_state.shape[2:] if initial_state is not None else (0, 0)
-    if ssm_state_indices is None or serves_pool_in_place(K, V):
-        return forward(*args, initial_state=initial_state, output_final_state=output_final_state,
-                       ssm_state_indices=ssm_state_indices, **kwargs)
-    o, final_states = forward(*args, initial_state=pool.rows(initial_state, ssm_state_indices),
-                              output_final_state=output_final_state, ssm_state_indices=None, **kwargs)
-    return o, None if final_states is None else pool.written(initial_state, ssm_state_indices, final_states)
 
 
 def with_empty_sequences(per_sequence: jax.Array, cu_seqlens: jax.Array, passed_through: jax.Array | None) -> jax.Array:
