@@ -555,7 +555,15 @@ def _decode_floor(call: dict) -> int:
     return tokens + (2 if call["state"] else 1) * B * HV * K * V * 4
 
 
-@pytest.mark.parametrize("call", [{**c, "generation": g} for g in FACTORS["generation"] for c in DECODE_CALLS], ids=_decode_label)
+def _generations_of(calls: list[dict], everywhere: int) -> list:
+    """Every call on v6e and the first ``everywhere`` on every generation; the rest on v4, v5e and v5p with -m slow."""
+    return [
+        {**call, "generation": g} if g == "v6e" or index < everywhere else pytest.param({**call, "generation": g}, marks=pytest.mark.slow)
+        for g in FACTORS["generation"] for index, call in enumerate(calls)
+    ]
+
+
+@pytest.mark.parametrize("call", _generations_of(DECODE_CALLS, everywhere=1), ids=_decode_label)
 def test_decode_steps_compile_to_the_recurrent_kernel_in_place(worker, call):
     facts = worker.ask({"decode": call})
     assert facts["implementations"] == ["tpu_pallas.recurrent.forward"] and facts["kernels"] == 1
@@ -578,7 +586,7 @@ PREFILL_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("call", [{**c, "generation": g} for g in FACTORS["generation"] for c in PREFILL_CALLS], ids=_decode_label)
+@pytest.mark.parametrize("call", _generations_of(PREFILL_CALLS, everywhere=1), ids=_decode_label)
 def test_prefill_reads_and_writes_the_pool_rows_in_place(worker, call):
     facts = worker.ask({"decode": call})
     kernel = "varlen" if call.get("num_seqs") else "fused"
