@@ -1,7 +1,8 @@
 """The fused grid every forward of this plugin runs on, whatever the op: ``(batch, head, value block,
 time step)``, the first three parallel, time sequential, the running state in VMEM scratch, each grid
 step unrolling its chunks (``step_chunks``); the same grid walked in reverse by the backwards (state
-checkpoints, ``dS`` in VMEM: ``reversed_in_time`` and below); and ``Work``, the flops and exps a kernel declares.
+checkpoints, ``dS`` in VMEM: ``reversed_in_time`` and below); ``Work``, the flops and exps a kernel declares;
+and states moved by DMA one sequence at a time (``SequenceStates``: packed sequences, state pools, ``pool_states``).
 Op-independent; ``simple_gla/`` and ``kda/`` hold what a chunk of each op computes."""
 
 from __future__ import annotations
