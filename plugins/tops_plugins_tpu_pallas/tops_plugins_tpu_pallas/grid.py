@@ -68,7 +68,8 @@ def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Wor
     )
 
 
-def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config, operands=None):
+def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config, operands=None,
+        ssm_state_indices=None):
     """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
 
     ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (the signature of
@@ -77,7 +78,9 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
     out as ``k``). ``config``: any config with ``chunk_size``, ``num_steps``,
     ``full_values`` and ``interpret`` (``FusedConfig``, ``VarlenConfig``, ``KdaFusedConfig``). Returns ``o`` and, when asked for, ``final_state`` as the
     caller lays them out. The grid runs over ``v``'s heads; with more of them than ``q``'s (grouped value
-    heads, kda), each group reads its query/key head in place (``blocks.key_rows``).
+    heads, kda), each group reads its query/key head in place (``blocks.key_rows``). With ``ssm_state_indices``,
+    ``initial_state`` is a pool whose rows the sequences read and write in place: the plans get ``pool_rows``, the
+    kernel the indices as ``state_rows`` (``SequenceStates``), and the final state returned is the pool.
     """
     B, T, H, K = q.shape
     value_heads = v.shape[2]
@@ -86,10 +89,14 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
     )
+    if ssm_state_indices is not None:
+        inputs["pool_rows"] = initial_state.shape[0]
     geometry, (plan,), run_plan = launch.prepare(
         build_plans, geometry_of(B, T, value_heads, K, v.shape[-1], config, value_heads // H), q.dtype, config.interpret, **inputs,
     )
     arrays = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(operands or {})}
+    if ssm_state_indices is not None:
+        arrays["state_rows"] = ssm_state_indices
     results = run_plan(plan, kernel, arrays, scale=scale)
     final_state = caller_state(results["final_state"], geometry) if output_final_state else None
     return caller_output(results["o"], geometry), final_state

@@ -272,19 +272,16 @@ def run(
     """One launch of the kernel: unpacked, or (``cu_seqlens`` given, ``B == 1``) packed, ``kda/varlen.py``'s, its states
     perhaps rows of a pool (``ssm_state_indices``)."""
     operands = gate_operands(g, beta, A_log, dt_bias, geometry_of(*q.shape, v.shape[-1], config))
-    num_seqs = pool_rows = None
+    num_seqs = None
     if cu_seqlens is not None:
         num_seqs = cu_seqlens.shape[0] - 1
         operands.update(packed_boundaries(cu_seqlens, q.shape[1], config.chunk_size))
-    if ssm_state_indices is not None:
-        operands["state_rows"], pool_rows = ssm_state_indices, initial_state.shape[0]
     return grid.run(
         functools.partial(kernel, use_qk_l2norm=use_qk_l2norm, activations=activations),
         functools.partial(
             plans, beta_dtype=beta.dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
             with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype, num_seqs=num_seqs,
-            pool_rows=pool_rows,
         ),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        config=config, operands=operands,
+        config=config, operands=operands, ssm_state_indices=ssm_state_indices,
     )

@@ -262,11 +262,8 @@ def _forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, c
     first = attention_first(config, q.dtype, q.shape[-1], chip)
     kernel = functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype), resets_dtype=resets_dtype(chip))
     along_lanes = g is not None and gates_along_lanes(True, config.chunk_size)
-    operands = {"g": jnp.swapaxes(g, 1, 2)} if along_lanes else {}
-    pool_rows = None
-    if ssm_state_indices is not None:
-        operands["state_rows"], pool_rows = ssm_state_indices, initial_state.shape[0]
     return grid.run(
-        kernel, functools.partial(plans, pool_rows=pool_rows), q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, config=config, operands=operands,
+        kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, config=config, operands={"g": jnp.swapaxes(g, 1, 2)} if along_lanes else None,
+        ssm_state_indices=ssm_state_indices,
     )

@@ -235,14 +235,10 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
 
 
 def _forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: VarlenConfig, ssm_state_indices):
-    num_seqs = cu_seqlens.shape[0] - 1
-    operands = boundary_operands(cu_seqlens, q.shape[1], config.chunk_size)
-    pool_rows = None
-    if ssm_state_indices is not None:
-        operands["state_rows"], pool_rows = ssm_state_indices, initial_state.shape[0]
     o, final_state = grid.run(
-        _kernel, functools.partial(plans, num_seqs=num_seqs, pool_rows=pool_rows), q, k, v, g=g, g_gamma=g_gamma, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, config=config, operands=operands,
+        _kernel, functools.partial(plans, num_seqs=cu_seqlens.shape[0] - 1), q, k, v, g=g, g_gamma=g_gamma, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, config=config,
+        operands=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size), ssm_state_indices=ssm_state_indices,
     )
     if final_state is None or ssm_state_indices is not None:  # a pool: an empty sequence's row is as it was
         return o, final_state
