@@ -417,7 +417,7 @@ class OpContract:
 
     def _pool_forward(self, decision: Decision, call: Prepared, run_forward: Any) -> tuple[Any, Any]:
         """A pool call's forward by ``decision``: in place by an implementation that serves pools, else on the
-        gathered rows (``run_forward(decision, (arrays, rules_kept))`` of the dense call) written back. A traced index that breaks a rule, or a
+        gathered rows (``run_forward`` of the dense call) written back. A traced index that breaks a rule, or a
         traced value that does (``rules_kept``), is made NaN in the inputs a pool-serving forward gets
         (``pool.served``, ``poisoned``), never by a pass over the pool."""
         arrays = call.arrays

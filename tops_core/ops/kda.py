@@ -111,6 +111,16 @@ def l2norm(x: Array) -> Array:
     return jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPSILON)
 
 
+def token_inputs(q, k, g, beta, A_log, dt_bias, *, activations: Activations, use_qk_l2norm: bool, dtype) -> tuple[Array, ...]:
+    """``(q, k, log decay, strength)`` in ``dtype`` as a token-by-token recurrence runs on them: the gate and beta
+    activated, ``q`` and ``k`` normalised with ``use_qk_l2norm`` (not yet scaled, nor repeated to grouped value heads)."""
+    log_decay, strength = activations.applied(g, beta, A_log, dt_bias)
+    q, k = q.astype(dtype), k.astype(dtype)
+    if use_qk_l2norm:
+        q, k = q / l2norm(q), k / l2norm(k)
+    return q, k, log_decay.astype(dtype), strength.astype(dtype)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KDAGrads:

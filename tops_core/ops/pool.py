@@ -6,8 +6,8 @@ state where the index is negative (a padding slot). With ``output_final_state`` 
 pool with each indexed row replaced by its sequence's final state and every other row as it was; a
 padding slot writes nothing.
 
-An implementation that serves pools itself (``Implementation.serves_pools``: the Pallas decode
-kernel) gets the pool and the indices and reads and writes the rows where they lie. For every
+An implementation that serves pools itself (``Implementation.serves_pools``: the Pallas decode,
+fused and packed kernels) gets the pool and the indices and reads and writes the rows where they lie. For every
 other one the core runs the call as the dense call of its ``N`` sequences: ``rows`` gathers their
 initial states before the implementation, ``written`` puts the final states back after. The write
 is a scatter into the pool, so under ``jax.jit(..., donate_argnums=...)`` XLA updates the pool in

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from tops_core.ops import simple_gla_sequence, validation
 from tops_core.ops.base import Explanation, OpContract, Prepared, nan_where, state_dtype
@@ -77,6 +78,17 @@ class Backward(Protocol):
         config: Any,
     ) -> SimpleGLAGrads:
         """Return the exact VJP for cotangents ``do`` and ``dht`` (None: no final-state cotangent)."""
+
+
+def log_decay(g: Array | None, g_gamma: Array | None, shape: tuple[int, int, int], dtype) -> Array:
+    """The log decay of every token and head ``[B, T, H]`` in ``dtype``: ``g + g_gamma``, a missing term counting 0
+    (what a token-by-token recurrence decays its state by)."""
+    decay = jnp.zeros(shape, dtype)
+    if g is not None:
+        decay = decay + g.astype(dtype)
+    if g_gamma is not None:
+        decay = decay + g_gamma.astype(dtype)
+    return decay
 
 
 class SimpleGLA(OpContract, signature=SIMPLE_GLA):

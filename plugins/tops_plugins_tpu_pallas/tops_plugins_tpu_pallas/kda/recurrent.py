@@ -8,7 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from tops_core.ops.kda import Activations, l2norm
+from tops_core.ops.kda import Activations, token_inputs
 
 from tops_plugins_tpu_pallas import recurrent
 
@@ -30,12 +30,11 @@ def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_se
 def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, ssm_state_indices, *, scale, output_final_state, use_qk_l2norm,
              activations, config):
     groups = v.shape[2] // q.shape[2]
-    log_decay, strength = activations.applied(g, beta, A_log, dt_bias)
-    q, k = q.astype(_F32), k.astype(_F32)
-    if use_qk_l2norm:
-        q, k = q / l2norm(q), k / l2norm(k)
+    q, k, log_decay, strength = token_inputs(
+        q, k, g, beta, A_log, dt_bias, activations=activations, use_qk_l2norm=use_qk_l2norm, dtype=_F32,
+    )
     q, k = (jnp.repeat(x, groups, axis=2) for x in (q, k))  # value head j reads key head j // groups
     return recurrent.run(
-        q * scale, k, jnp.exp(log_decay.astype(_F32)), v, strength.astype(_F32)[..., None] * k, initial_state, ssm_state_indices,
+        q * scale, k, jnp.exp(log_decay), v, strength[..., None] * k, initial_state, ssm_state_indices,
         output_final_state=output_final_state, config=config,
     )

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from tops_core.ops.simple_gla import log_decay
 
 from tops_plugins_tpu_pallas import recurrent
 
@@ -22,12 +23,7 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "config"))
 def _forward(q, k, v, g, g_gamma, initial_state, ssm_state_indices, *, scale, output_final_state, config):
-    log_decay = jnp.zeros(q.shape[:3], _F32)
-    if g is not None:
-        log_decay = log_decay + g.astype(_F32)
-    if g_gamma is not None:
-        log_decay = log_decay + g_gamma.astype(_F32)
-    decay = jnp.broadcast_to(jnp.exp(log_decay)[..., None], q.shape)
+    decay = jnp.broadcast_to(jnp.exp(log_decay(g, g_gamma, q.shape[:3], _F32))[..., None], q.shape)
     return recurrent.run(
         q.astype(_F32) * scale, k.astype(_F32), decay, v, None, initial_state, ssm_state_indices,
         output_final_state=output_final_state, config=config,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from tops_core.ops.base import state_dtype
-from tops_core.ops.kda import Activations, l2norm
+from tops_core.ops.kda import Activations, token_inputs
 from tops_plugins_xla import recurrent
 from tops_plugins_xla.sweep import einsum
 
@@ -32,10 +32,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, *, scale, output_f
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     dtype = state_dtype(q.dtype)
-    g, beta = activations.applied(g, beta, A_log, dt_bias)
-    q, k = q.astype(dtype), k.astype(dtype)
-    if use_qk_l2norm:
-        q, k = q / l2norm(q), k / l2norm(k)
+    q, k, g, beta = token_inputs(q, k, g, beta, A_log, dt_bias, activations=activations, use_qk_l2norm=use_qk_l2norm, dtype=dtype)
     state = jnp.zeros((B, HV, K, V), dtype) if initial_state is None else initial_state.astype(dtype)
 
     def step(state, token):
@@ -46,6 +43,6 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, *, scale, output_f
         state = state + k_t[..., :, None] * delta[..., None, :]
         return state, einsum("bhk,bhkv->bhv", q_t, state)
 
-    tokens = (q * scale, k, v.astype(dtype), g.astype(dtype), beta.astype(dtype))
+    tokens = (q * scale, k, v.astype(dtype), g, beta)
     state, o = recurrent.scan(step, state, tokens)
     return o.astype(v.dtype), state if output_final_state else None

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from tops_core.ops.base import state_dtype
+from tops_core.ops.simple_gla import log_decay
 from tops_plugins_xla import recurrent
 from tops_plugins_xla.sweep import einsum
 
@@ -27,11 +28,6 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
 def _forward(q, k, v, g, g_gamma, initial_state, *, scale, output_final_state):
     B, T, H, K = q.shape
     dtype = state_dtype(q.dtype)
-    log_decay = jnp.zeros((B, T, H), dtype)
-    if g is not None:
-        log_decay = log_decay + g.astype(dtype)
-    if g_gamma is not None:
-        log_decay = log_decay + g_gamma.astype(dtype)
     state = jnp.zeros((B, H, K, v.shape[-1]), dtype) if initial_state is None else initial_state.astype(dtype)
 
     def step(state, token):
@@ -39,5 +35,5 @@ def _forward(q, k, v, g, g_gamma, initial_state, *, scale, output_final_state):
         state = jnp.exp(a_t)[..., None, None] * state + k_t[..., :, None] * v_t[..., None, :]
         return state, einsum("bhk,bhkv->bhv", q_t * scale, state)
 
-    state, o = recurrent.scan(step, state, (q.astype(dtype), k.astype(dtype), v.astype(dtype), log_decay))
+    state, o = recurrent.scan(step, state, (q.astype(dtype), k.astype(dtype), v.astype(dtype), log_decay(g, g_gamma, (B, T, H), dtype)))
     return o.astype(v.dtype), state if output_final_state else None
