@@ -167,7 +167,11 @@ def grid(impl: Implementation) -> Grid:
                 name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens), slow=packed_only or index > 0))
     # A state pool (ssm_state_indices): the sequences' rows scattered over a larger pool, one a padding slot.
     if {"initial_state", "output_final_state"} <= base_features:
-        supported.append(dataclasses.replace(base, name="state-pool", pool_rows=2 * base.spec("cpu", False).num_seqs + 1))
+        pool = dataclasses.replace(base, name="state-pool", pool_rows=2 * base.spec("cpu", False).num_seqs + 1)
+        supported.append(pool)
+        if impl.serves_pools and caps.key_dim.accepts(128) and caps.value_dim.accepts(128):
+            # Whole lanes, where a kernel that serves pools may read and write the rows in place rather than gathered.
+            supported.append(dataclasses.replace(pool, name="state-pool,K=128,V=128", key_dim=128, value_dim=128))
     # The strong and reset cases are kda's plain call (one value head per query/key head; the log decays and
     # beta given as they are), which the default run checks nowhere else.
     plain_features = signature.closed(base_features - {"use_gate", "lower_bound", "use_beta_sigmoid", "grouped_value_heads"})
