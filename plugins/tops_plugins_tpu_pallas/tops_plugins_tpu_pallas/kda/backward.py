@@ -8,7 +8,7 @@ on the fused grid.
 2. **gradients**: the grid's time axis reversed (``grid.reversed_in_time``; nothing flipped or
    copied). Each chunk's gradients are the VJPs of the forward's own chunk functions, in reverse
    (``_chunk_gradients``): ``chunkwise.chunk_core`` (the decays, the pairs, the exact inverse, the output
-   and the state leaving), then ``fused.activated_gate_and_strength`` with ``chunkwise.prepared_queries_keys``
+   and the state leaving: ``chunk_factors`` and ``through_state``), then ``fused.activated_gate_and_strength`` with ``chunkwise.prepared_queries_keys``
    (the gate and beta activations, ``use_qk_l2norm``), taken by ``jax.vjp`` inside the kernel at the chunk's
    inputs and its checkpoint, with ``do`` and the state gradient ``dS`` carried in VMEM from the chunk
    after it. So the backward computes exactly what the forward computes, both paths (exact and bounded
@@ -154,7 +154,7 @@ def _as_row(column: jax.Array) -> jax.Array:
 def _chunk_gradients(chunk: Chunk, refs: dict, head, A_log, dt_bias, dstate, sequences: PackedChunk | None, *,
                      scale: float, use_qk_l2norm: bool, activations: Activations):
     """One chunk's gradients, ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)``, and ``dS`` entering it: the VJPs of the
-    forward's steps (``fused.activated_chunk_step``'s pieces) in reverse, ``dS`` leaving it (``dstate``) and ``do`` given.
+    forward's pieces of a chunk in reverse, ``dS`` leaving it (``dstate``) and ``do`` given.
 
     The activations and ``prepared_queries_keys``, then ``chunk_core``; a packed chunk's sequences (``sequences``) add
     the VJPs of their final states (to ``delta``, from ``dht``) and of their initial states' terms (``dinitial_state``)."""

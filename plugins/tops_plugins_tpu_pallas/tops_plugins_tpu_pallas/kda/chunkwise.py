@@ -23,8 +23,10 @@ earlier-half rows of ``k``), masked to pairs inside one block.
 
 **Exponents without cancellation.** Every exponent is a sum of ``g`` over a run of tokens inside
 the chunk: ``b_i`` (from the chunk start), ``b_C - b_j`` (after ``j`` to the end) and, per level,
-``b_i - b_r`` and ``b_r - b_j``. All are computed at once as one matmul of 0/1 run masks with
-``g`` (``run_sums``, as exact as float32); none is a difference of two large cumulative sums, so a decay near 1 keeps float32
+``b_i - b_r`` for the later half and ``b_r - b_j`` for the earlier half (one section: a token lies in one
+half, so its row holds the run it needs). All are computed at once as one matmul of 0/1 run masks with
+``g`` (``run_sums``: as exact as float32 with float32 inputs, to ``2**-17`` with narrower ones,
+``run_sum_parts``); none is a difference of two large cumulative sums, so a decay near 1 keeps float32
 accuracy however large ``|b|`` grows. Rows a mask leaves empty get exponent 0, never a positive one.
 
 **Resets.** A gate of ``-inf`` (``exp(-inf) = 0``: the key's row of the state is reset) would make the
@@ -35,7 +37,10 @@ below, whose ``exp`` is exactly 0, and every other run is untouched.
 **The inverse**, exactly, along the same levels: with ``D_s`` the inverse of ``I + diag(beta) Akk``
 restricted to blocks of ``s`` tokens (``D_1 = I``) and ``P_s`` the level-``s`` pairs of
 ``diag(beta) Akk``, ``D_2s = D_s - D_s P_s D_s`` (the inverse of ``[[A, 0], [C, D]]`` is
-``[[A^-1, 0], [-D^-1 C A^-1, D^-1]]``). Blocked forward substitution; no truncated series.
+``[[A^-1, 0], [-D^-1 C A^-1, D^-1]]``). Blocked forward substitution; no truncated series. ``D_2 = I - P_1``
+takes no product. The chain of ``2 log2 C - 2`` dependent products per chunk is what bounds a chunk's time
+on the MXU's latency, so a grid step's chunks compute their pairs and inverses together, level by level
+(``interleaved_pairs``), before the state's own chain through them (``chunk_steps``).
 
 **Bounded gates** (``lower_bound = L``: every ``g >= L``, fla's ``safe_gate``). Over a sub-chunk of
 ``s`` tokens a decay relative to a point inside it is then at most ``exp(|L| s)``. With ``s`` the
@@ -110,19 +115,17 @@ def _in_later_half(index: jax.Array, size: int) -> jax.Array:
 
 
 def _run_masks(chunk_size: int, sizes: tuple[int, ...]) -> jax.Array:
-    """0/1 rows ``(2 + 2 * len(sizes)) * C x C``: row ``i`` of each ``C``-row section sums ``g`` over one run of tokens.
+    """0/1 rows ``(2 + len(sizes)) * C x C``: row ``i`` of each ``C``-row section sums ``g`` over one run of tokens.
 
-    Sections: ``(.., i]`` (``b_i``), ``(i, ..)`` (``b_C - b_i``), then per level of ``sizes`` the run from the
-    level's point ``r`` to ``i`` for later-half tokens (``b_i - b_r``) and from ``i`` to ``r`` for
-    earlier-half tokens (``b_r - b_i``); tokens in the other half get an empty run.
+    Sections: ``(.., i]`` (``b_i``), ``(i, ..)`` (``b_C - b_i``), then per level of ``sizes`` the run between
+    the level's point ``r`` and ``i``: ``(r, i]`` for a later-half token (``b_i - b_r``), ``(i, r]`` for an
+    earlier-half one (``b_r - b_i``). A token is in one half only, so one section serves both factors.
     """
     i, t = row_and_column_iotas(chunk_size)
     sections = [t <= i, t > i]
     for s in sizes:
-        same_half_block = _block(i, 2 * s) == _block(t, 2 * s)
-        later_i, later_t = _in_later_half(i, s), _in_later_half(t, s)
-        sections.append(same_half_block & later_i & later_t & (t <= i))
-        sections.append(same_half_block & ~later_i & ~later_t & (t > i))
+        same_half = _block(i, s) == _block(t, s)
+        sections.append(same_half & jnp.where(_in_later_half(i, s), t <= i, t > i))
     return jnp.concatenate([m.astype(_F32) for m in sections], axis=0)
 
 
@@ -136,32 +139,39 @@ def _fine_mask(chunk_size: int, size: int) -> jax.Array:
     return after.astype(_F32) - before.astype(_F32)
 
 
-def _over_exact_parts(g: jax.Array, product) -> jax.Array:
-    """``product(g)`` for a product linear in ``g`` whose other operand is exact in bf16 (0/1 or -1 masks, ones), to
-    float32 accuracy in three native bf16 passes (HIGHEST takes six).
+def run_sum_parts(operands) -> int:
+    """How many bf16 parts of ``g`` the run sums take: three (float32 accuracy) for float32 operands; two for narrower
+    ones, whose rounding of the decayed keys (``2**-9`` for bf16) dwarfs the two parts' error (``|run sum| * 2**-17`` in
+    an exponent, at most ``0.37 * 2**-17`` in a decay ``exp(-|run sum|)``)."""
+    return 3 if jnp.dtype(operands) == _F32 else 2
+
+
+def _over_exact_parts(g: jax.Array, product, parts: int = 3) -> jax.Array:
+    """``product(g)`` for a product linear in ``g`` whose other operand is exact in bf16 (0/1 or -1 masks, ones), in
+    ``parts`` native bf16 passes: three give float32 accuracy (HIGHEST takes six).
 
     ``g`` splits exactly into three bf16 parts (``bf16_parts``), so every product is exact and only the
-    float32 accumulation rounds, as at HIGHEST. The high parts of the non-positive ``g`` share its sign
-    and carry all but 2**-16 of each sum, so sums keep their accuracy without cancellation (and
-    ``RESET_LOG_DECAY`` is its own high part).
+    float32 accumulation rounds, as at HIGHEST; two parts round the second one's remainder. The high parts of the
+    non-positive ``g`` share its sign and carry all but 2**-16 of each sum, so sums keep their accuracy without
+    cancellation (and ``RESET_LOG_DECAY`` is its own high part).
     """
-    return functools.reduce(operator.add, (product(part) for part in bf16_parts(g, 3)))
+    return functools.reduce(operator.add, (product(part) for part in bf16_parts(g, parts)))
 
 
-@jax.custom_vjp
-def run_sums(masks: jax.Array, g: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def run_sums(masks: jax.Array, g: jax.Array, parts: int = 3) -> jax.Array:
     """``masks @ g`` for 0/1 (or -1) ``masks`` (``_over_exact_parts``); its gradient ``masks.T @ dsums`` likewise."""
     masks = masks.astype(jnp.bfloat16)
-    return _over_exact_parts(g, lambda part: matmul(masks, part, jnp.bfloat16))
+    return _over_exact_parts(g, lambda part: matmul(masks, part, jnp.bfloat16), parts)
 
 
-def _run_sums_forward(masks, g):
-    return run_sums(masks, g), masks
+def _run_sums_forward(masks, g, parts):
+    return run_sums(masks, g, parts), masks
 
 
-def _run_sums_cotangents(masks, dsums):
+def _run_sums_cotangents(parts, masks, dsums):
     masks = masks.astype(jnp.bfloat16)
-    return None, _over_exact_parts(dsums, lambda part: matmul(masks, part, jnp.bfloat16, COLUMNS_BY_COLUMNS))
+    return None, _over_exact_parts(dsums, lambda part: matmul(masks, part, jnp.bfloat16, COLUMNS_BY_COLUMNS), parts)
 
 
 run_sums.defvjp(_run_sums_forward, _run_sums_cotangents)
@@ -194,15 +204,15 @@ class Decays:
     to_token: jax.Array  # (C, K): exp(b_i)
     to_end: jax.Array  # (C, K): exp(b_C - b_i)
     whole: jax.Array  # (K, 1): exp(b_C), a column to scale the state's rows
-    levels: tuple[tuple[jax.Array, jax.Array], ...]  # per coarse level, finest first: (exp(b_i - b_r), exp(b_r - b_j)), (C, K) each
+    levels: tuple[jax.Array, ...]  # per coarse level, finest first, (C, K): exp(b_i - b_r) on later-half rows, exp(b_r - b_i) on earlier
     fine: tuple[jax.Array, jax.Array] | None = None  # bounded path: (exp(e_i), exp(-e_i)), (C, K) each (_fine_mask)
     fine_size: int | None = None  # bounded path: the sub-chunk (fine_block_size)
 
     @classmethod
-    def compute(cls, g: jax.Array, fine_size: int | None = None, resets: jax.Array | None = None) -> Decays:
+    def compute(cls, g: jax.Array, fine_size: int | None = None, resets: jax.Array | None = None, parts: int = 3) -> Decays:
         """From the chunk's log decays ``g`` (float32 ``(C, K)``, zero in rows past the end of the sequence, ``-inf`` a
         reset; with ``fine_size`` every one ``>= L`` of ``fine_block_size``) and ``resets`` (``(C, 1)`` bool or None:
-        rows whose every key is reset, a packed sequence's first token)."""
+        rows whose every key is reset, a packed sequence's first token), in ``parts`` (``run_sum_parts``)."""
         C = g.shape[0]
         bounded_g = g
         if resets is not None:
@@ -213,16 +223,16 @@ class Decays:
         fine_separately = fine_size is not None and resets is not None
         if fine_size is not None and not fine_separately:  # no reset: e's run sums ride along in the one matmul
             masks = jnp.concatenate([masks, _fine_mask(C, fine_size)], axis=0)
-        sums = run_sums(masks, g)
+        sums = run_sums(masks, g, parts)
         fine = None
         if fine_size is not None:
-            exponents = run_sums(_fine_mask(C, fine_size), bounded_g) if fine_separately else sums[-C:]
+            exponents = run_sums(_fine_mask(C, fine_size), bounded_g, parts) if fine_separately else sums[-C:]
             sums = sums if fine_separately else sums[:-C]
             fine = (jnp.exp(exponents), jnp.exp(-exponents))
         decays = jnp.exp(sums)
         sections = [decays[n * C : (n + 1) * C] for n in range(decays.shape[0] // C)]
-        whole = jnp.exp(column_sums(g, jnp.ones((C, 1), jnp.bool_)))
-        levels = tuple(zip(sections[2::2], sections[3::2]))
+        whole = sections[0][C - 1 :].T  # b_C is b_i's last row: no products of its own, only a transpose to a column
+        levels = tuple(sections[2:])
         return cls(to_token=sections[0], to_end=sections[1], whole=whole, levels=levels, fine=fine, fine_size=fine_size)
 
 
@@ -245,40 +255,63 @@ def crossings(resets: jax.Array) -> jax.Array:
     return matmul(up_to_i, after_j, jnp.bfloat16)
 
 
+def _doubled(inverse: jax.Array | None, level_pairs: jax.Array, operands) -> jax.Array:
+    """``D_2s = D_s - D_s P_s D_s`` from ``D_s`` (None: ``D_1 = I``, whose products are ``P_1`` itself, so the finest
+    level costs no matmul) and ``P_s`` (``level_pairs``)."""
+    if inverse is None:
+        C = level_pairs.shape[0]
+        i, j = row_and_column_iotas(C)
+        return (i == j).astype(_F32) - level_pairs
+    return inverse - matmul(inverse, matmul(level_pairs, inverse, operands), operands)
+
+
 def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands, resets: jax.Array | None = None) -> Pairs:
     """``Aqk`` and the exact inverse of ``I + diag(beta) Akk``, level by level (float32 ``q``, ``k``; ``beta`` ``(C, 1)``).
 
     On the bounded path (``decays.fine``) the pairs inside a sub-chunk are one matmul, but for those across a row
     of ``resets`` (``(C, 1)`` bool or None), which are zero; the levels above it are as on the exact path."""
-    C = k.shape[0]
+    (result,) = interleaved_pairs([(q, k, beta, decays, resets)], operands)
+    return result
+
+
+def interleaved_pairs(chunks, operands) -> list[Pairs]:
+    """``pairs`` of several chunks ``(q, k, beta, decays, resets)``, level by level across them.
+
+    Each chunk's inverse is a chain of dependent products, two per level; the chunks' chains are
+    independent. Issued level-major, one chain's products wait on the MXU's latency while the
+    others' run, where chunk-major code would leave the MXU waiting at every link."""
+    C = chunks[0][1].shape[0]
     i, j = row_and_column_iotas(C)
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-    aqk = jnp.where(i == j, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
-    inverse = (i == j).astype(_F32)
-    if decays.fine is not None:
-        size = decays.fine_size
-        row_decay, column_decay = decays.fine
-        products = matmul(jnp.concatenate([k * row_decay, q * row_decay], axis=0), k * column_decay, operands, ROWS_BY_ROWS)
-        inside = (_block(i, size) == _block(j, size)) & (j < i)
-        if resets is not None:
-            inside = inside & (crossings(resets) == 0)
-        aqk = aqk + jnp.where(inside, products[C:], 0.0)
-        beta_akk = beta * jnp.where(inside, products[:C], 0.0)
-        for t in level_sizes(size):  # the fine levels' P_t: pairs of the later and earlier half of a 2t-block
+    aqk = [jnp.where(i == j, jnp.sum(q * k, axis=1, keepdims=True), 0.0) for q, k, *_ in chunks]
+    inverse = [None] * len(chunks)
+    fine_size = chunks[0][3].fine_size
+    if fine_size is not None:
+        beta_akk = []
+        for n, (q, k, beta, decays, resets) in enumerate(chunks):
+            row_decay, column_decay = decays.fine
+            products = matmul(jnp.concatenate([k * row_decay, q * row_decay], axis=0), k * column_decay, operands, ROWS_BY_ROWS)
+            inside = (_block(i, fine_size) == _block(j, fine_size)) & (j < i)
+            if resets is not None:
+                inside = inside & (crossings(resets) == 0)
+            aqk[n] = aqk[n] + jnp.where(inside, products[C:], 0.0)
+            beta_akk.append(beta * jnp.where(inside, products[:C], 0.0))
+        for t in level_sizes(fine_size):  # the fine levels' P_t: pairs of the later and earlier half of a 2t-block
             level = (_block(i, 2 * t) == _block(j, 2 * t)) & _in_later_half(i, t) & ~_in_later_half(j, t)
-            inverse = inverse - matmul(inverse, matmul(jnp.where(level, beta_akk, 0.0), inverse, operands), operands)
-    for s, (later_decay, earlier_decay) in zip(coarse_level_sizes(C, decays.fine_size), decays.levels):
+            inverse = [_doubled(d, jnp.where(level, pairs_, 0.0), operands) for d, pairs_ in zip(inverse, beta_akk)]
+    for level, s in enumerate(coarse_level_sizes(C, fine_size)):
         later = _in_later_half(rows, s)
-        later_keys = jnp.where(later, k * later_decay, 0.0)
-        later_queries = jnp.where(later, q * later_decay, 0.0)
-        earlier_keys = jnp.where(later, 0.0, k * earlier_decay)
-        products = matmul(jnp.concatenate([later_keys, later_queries], axis=0), earlier_keys, operands, ROWS_BY_ROWS)
         same_block = _block(i, 2 * s) == _block(j, 2 * s)
-        akk_level = jnp.where(same_block, products[:C], 0.0)
-        aqk = aqk + jnp.where(same_block, products[C:], 0.0)
-        # D_2s = D_s - D_s P_s D_s: D_s is block-diagonal and P_s lies inside the 2s-blocks, so no mask is needed.
-        inverse = inverse - matmul(inverse, matmul(beta * akk_level, inverse, operands), operands)
-    return Pairs(aqk=aqk, inverse=inverse)
+        for n, (q, k, beta, decays, _) in enumerate(chunks):
+            decayed_keys = k * decays.levels[level]
+            later_keys = jnp.where(later, decayed_keys, 0.0)
+            later_queries = jnp.where(later, q * decays.levels[level], 0.0)
+            earlier_keys = jnp.where(later, 0.0, decayed_keys)
+            products = matmul(jnp.concatenate([later_keys, later_queries], axis=0), earlier_keys, operands, ROWS_BY_ROWS)
+            aqk[n] = aqk[n] + jnp.where(same_block, products[C:], 0.0)
+            # D_2s = D_s - D_s P_s D_s: D_s is block-diagonal and P_s lies inside the 2s-blocks, so no mask is needed.
+            inverse[n] = _doubled(inverse[n], beta * jnp.where(same_block, products[:C], 0.0), operands)
+    return [Pairs(aqk=a, inverse=d) for a, d in zip(aqk, inverse)]
 
 
 def prepared_queries_keys(q, k, *, scale: float, use_qk_l2norm: bool) -> tuple[jax.Array, jax.Array]:
@@ -289,47 +322,89 @@ def prepared_queries_keys(q, k, *, scale: float, use_qk_l2norm: bool) -> tuple[j
     return q * scale, k
 
 
-def chunk_core(q, k, v, g, beta, state, entering, *, operands, lower_bound: float | None, resets: jax.Array | None):
-    """``(o, S_out, delta)`` of one chunk from ``prepared_queries_keys``' ``q`` and ``k``: the pairs, the inverse, the
-    writes ``delta`` (float32 ``(C, value block)``) and what they and ``state`` give.
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["to_token", "to_end", "whole", "aqk", "inverse"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Factors:
+    """What a chunk's way through the state (``through_state``) takes from the chunk's own rows: none of it depends on
+    the state, so every chunk's factors can be computed, and differentiated, before and apart from that chain."""
+
+    to_token: jax.Array  # (C, K): exp(b_i)
+    to_end: jax.Array  # (C, K): exp(b_C - b_i)
+    whole: jax.Array  # (K, 1): exp(b_C)
+    aqk: jax.Array  # (C, C)
+    inverse: jax.Array  # (C, C): (I + diag(beta) Akk)^-1
+
+
+def chunk_factors(chunks, *, operands, lower_bound: float | None) -> list[Factors]:
+    """The factors of consecutive chunks, ``(q, k, g, beta, resets)`` each (``q``, ``k`` from ``prepared_queries_keys``,
+    ``resets`` None or a packed chunk's ``(C, 1)`` sequence starts): the decays, then the pairs and inverses of all of
+    them at once (``interleaved_pairs``). A pure function of its arrays, so its VJP is the backward's."""
+    parts = run_sum_parts(operands)
+    decays = [Decays.compute(g, fine_block_size(g.shape[0], lower_bound), resets, parts) for _, _, g, _, resets in chunks]
+    every_pairs = interleaved_pairs([(q, k, beta, d, resets) for (q, k, _, beta, resets), d in zip(chunks, decays)], operands)
+    return [Factors(d.to_token, d.to_end, d.whole, p.aqk, p.inverse) for d, p in zip(decays, every_pairs)]
+
+
+def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
+    """``(o, S_out, delta)`` of one chunk from the state entering it and its ``factors``: the writes ``delta`` (float32
+    ``(C, value block)``) and what they and ``state`` give.
 
     ``entering``: None, or a packed chunk's initial-state terms ``(keys, queries, leaving)`` (``kda.sequences``) added to
-    ``k S``, ``o`` and ``S_out``; ``resets``: None or the packed chunk's ``(C, 1)`` sequence starts. A pure function
-    of its array arguments, so its VJP is the backward's (``kda.backward``)."""
-    decays = Decays.compute(g, fine_block_size(g.shape[0], lower_bound), resets)
-    p = pairs(q, k, beta, decays, operands, resets)
-    keys_by_state = matmul(k * decays.to_token, state, operands)
-    o = matmul(q * decays.to_token, state, operands)
-    state_out = decays.whole * state
+    ``k S``, ``o`` and ``S_out``. A pure function of its arrays, so its VJP is the backward's (``kda.backward``)."""
+    C = k.shape[0]
+    by_state = matmul(jnp.concatenate([k * factors.to_token, q * factors.to_token], axis=0), state, operands)
+    keys_by_state, o = by_state[:C], by_state[C:]  # one product: the state is loaded into the MXU once
+    state_out = factors.whole * state
     if entering is not None:
         keys, queries, leaving = entering
         keys_by_state, o, state_out = keys_by_state + keys, o + queries, state_out + leaving
-    delta = matmul(p.inverse, beta * (v.astype(_F32) - keys_by_state), operands)
-    o = o + matmul(p.aqk, delta, operands)
-    state_out = state_out + matmul(k * decays.to_end, delta, operands, COLUMNS_BY_COLUMNS)
+    delta = matmul(factors.inverse, beta * (v.astype(_F32) - keys_by_state), operands)
+    o = o + matmul(factors.aqk, delta, operands)
+    state_out = state_out + matmul(k * factors.to_end, delta, operands, COLUMNS_BY_COLUMNS)
     return o, state_out, delta
 
 
-def chunk_step(q, k, v, g, beta, state, *, scale: float, use_qk_l2norm: bool, lower_bound: float | None = None, packed=None):
-    """``(o, S_out)`` of one chunk: ``o`` float32 ``(C, value block)``, the state float32 ``(K_pad, value block)``.
+def chunk_core(q, k, v, g, beta, state, entering, *, operands, lower_bound: float | None, resets: jax.Array | None):
+    """``through_state`` of one chunk with its own ``chunk_factors``: ``(o, S_out, delta)`` from ``prepared_queries_keys``'
+    ``q`` and ``k``, ``resets`` as ``chunk_factors`` takes them. The backward's VJP (``kda.backward``), a chunk at a time:
+    interleaved over a step's chunks, the VJP's residuals of every chunk would be held at once (Mosaic needs 33 MB of
+    VMEM at eight chunks of K = V = 128 for it, against 6 one at a time) for 8% fewer cycles on a v6e."""
+    (factors,) = chunk_factors([(q, k, g, beta, resets)], operands=operands, lower_bound=lower_bound)
+    return through_state(q, k, v, beta, state, entering, factors, operands)
 
-    ``q``, ``k``, ``v`` in the input dtype, ``g`` ``(C, K_pad)`` and ``beta`` ``(C, 1)`` float32,
-    every row past the end of the sequence already zero (no decay, no write). ``lower_bound``: static,
-    a bound every ``g`` respects (the bounded path where ``fine_block_size`` allows it). ``packed``: a packed
-    chunk's sequences (``kda.sequences.PackedChunk``) or None: its sequences' first rows reset the state
-    (every key's decay ``exp(-inf)``), their initial states enter there and their final states leave.
+
+def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, lower_bound: float | None = None):
+    """Consecutive chunks from ``state``: ``(o of each, the state entering each, the state leaving the last)``, ``o``
+    float32 ``(C, value block)``, the states float32 ``(K_pad, value block)``.
+
+    ``chunks``: ``(q, k, v, g, beta, packed)`` each: ``q``, ``k``, ``v`` in the input dtype, ``g`` ``(C, K_pad)`` and
+    ``beta`` ``(C, 1)`` float32, every row past the end of the sequence already zero (no decay, no write).
+    ``lower_bound``: static, a bound every ``g`` respects (the bounded path where ``fine_block_size`` allows it).
+    ``packed``: a packed chunk's sequences (``kda.sequences.PackedChunk``) or None: its sequences' first rows reset the
+    state (every key's decay ``exp(-inf)``), their initial states enter there and their final states leave.
+
+    Every chunk's ``chunk_factors`` first, then the chain through the state (``through_state``). A chunk's inverse is a
+    chain of dependent products, as is the state's way through the chunks; issued apart, each fills the other's waits.
     """
-    operands = mxu_operand_dtype(q.dtype)
-    q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    resets = entering = None
-    if packed is not None:
-        g = packed_log_decays(g)
-        resets = packed.resets()
-        entering = packed.entering(q, k, g, operands)
-    o, state_out, delta = chunk_core(q, k, v, g, beta, state, entering, operands=operands, lower_bound=lower_bound, resets=resets)
-    if packed is not None:
-        packed.leave(k, g, delta, state, operands)
-    return o, state_out
+    operands = mxu_operand_dtype(chunks[0][0].dtype)
+    prepared = []
+    for q, k, v, g, beta, packed in chunks:
+        q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        resets = None
+        if packed is not None:
+            g, resets = packed_log_decays(g), packed.resets()
+        prepared.append((q, k, g, beta, resets))
+    factors = chunk_factors(prepared, operands=operands, lower_bound=lower_bound)
+    outputs, entering_states = [], []
+    for (q, k, g, beta, _), (_, _, v, _, _, packed), chunk_factors_ in zip(prepared, chunks, factors):
+        entering_states.append(state)
+        entering = None if packed is None else packed.entering(q, k, g, operands)
+        o, state_out, delta = through_state(q, k, v, beta, state, entering, chunk_factors_, operands)
+        if packed is not None:
+            packed.leave(k, g, delta, state, operands)
+        outputs.append(o)
+        state = state_out
+    return outputs, entering_states, state
 
 
 def packed_log_decays(g: jax.Array) -> jax.Array:
@@ -339,34 +414,45 @@ def packed_log_decays(g: jax.Array) -> jax.Array:
 
 
 def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | None = None, packed: bool = False) -> Work:
-    """``chunk_step`` for one chunk and value block, counted op by op (a ragged last chunk computes whole;
-    with several value blocks each redoes the decays and pairs); ``lower_bound`` and ``packed`` as ``chunk_step``'s
+    """One chunk's ``chunk_factors`` and ``through_state`` for one value block, counted op by op (a ragged last chunk computes whole;
+    with several value blocks each redoes the decays and pairs); ``lower_bound`` and ``packed`` as ``chunk_steps``'s
     (resets given)."""
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     fine = fine_block_size(C, lower_bound)
     coarse = len(coarse_level_sizes(C, fine))
-    sections = 2 + 2 * coarse + (1 if fine else 0)  # the fine section e: in the one matmul, or its own when packed
-    run_sums = 2 * sections * C * C * K + 2 * C * K
+    sections = 2 + coarse + (1 if fine else 0)  # the fine section e: in the one matmul, or its own when packed
+    run_sums = 2 * sections * C * C * K
     per_level = 2 * (2 * C) * K * C  # a level's (or the sub-chunk's) products
-    inverse = len(level_sizes(C)) * 2 * (2 * C * C * C)  # D_2s = D_s - D_s P_s D_s at every level, fine or coarse
+    inverse = (len(level_sizes(C)) - 1) * 2 * (2 * C * C * C)  # D_2s = D_s - D_s P_s D_s at every level but the first
     pairs_ = (coarse + (1 if fine else 0)) * per_level + inverse + (2 * C * C * C if fine and packed else 0)
     outputs = 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb
-    exps = (sections + (1 if fine else 0)) * C * K + K + (2 * C if use_qk_l2norm else 0)
+    exps = (sections + (1 if fine else 0)) * C * K + (2 * C if use_qk_l2norm else 0)
     return Work(flops=run_sums + pairs_ + outputs, transcendentals=exps)
 
 
-def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
-    """An upper estimate of the float32 values one grid step holds at once (bytes).
+def step_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
+    """An upper estimate of the values one grid step of ``chunk_steps`` holds at once (bytes): what each of its chunks
+    keeps from its decays to its turn at the state (float32 ``q``, ``k``, ``g``, ``v``, ``Aqk``, the inverse and every
+    decay: ``chunk_steps`` computes all chunks' pairs first), plus one chunk's working values (``chunk_body_vmem``)."""
+    C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
+    fine = fine_block_size(C, lower_bound)
+    decays = 2 + len(coarse_level_sizes(C, fine)) + (2 if fine else 0)
+    kept = 4 * ((decays + 3) * C * K + C * Vb + 2 * C * C)
+    return geometry.chunks_per_step * kept + chunk_body_vmem(geometry, lower_bound)
 
-    The run masks and their decays (``(2 + 2 levels) C`` rows of ``C`` and ``K``, on the bounded path
-    ``(3 + 2 coarse levels) C`` and ``exp(-e)``), float32 q, k and their decayed copies (6 of ``C x K``),
+
+def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
+    """An upper estimate of the float32 values one chunk's factors and way through the state hold at once (bytes).
+
+    The run masks and their decays (``(2 + levels) C`` rows of ``C`` and ``K``, on the bounded path
+    ``(3 + coarse levels) C`` and ``exp(-e)``), float32 q, k and their decayed copies (6 of ``C x K``),
     a level's products (``2C x C``) and the ``C x C`` matrices (Aqk, a level's Akk, the inverse and a
     product; bounded: the sub-chunk's masked Akk, a level's restriction of it and the crossings besides),
     the state in and out, and four ``C x value block`` values (residual, delta, two partial outputs).
     """
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     fine = fine_block_size(C, lower_bound)
-    sections = (2 + 2 * len(coarse_level_sizes(C, fine)) + (1 if fine else 0)) * C
+    sections = (2 + len(coarse_level_sizes(C, fine)) + (1 if fine else 0)) * C
     decays = sections + (C if fine else 0)
     squares = 6 + (3 if fine else 0)
     return 4 * (sections * C + 2 * decays * K + 6 * C * K + squares * C * C + 2 * K * Vb + 4 * C * Vb)

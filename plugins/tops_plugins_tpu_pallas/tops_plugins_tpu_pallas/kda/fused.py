@@ -24,7 +24,9 @@ KDA's own inputs, read in place:
   ``use_beta_sigmoid``, its ``beta_activation``).
 
 Its backward (``kda/backward.py``) runs this kernel again for the state entering every chunk (``checkpoints`` in
-place of ``o``), then the VJPs of ``activated_chunk_step``'s pieces chunk by chunk in reverse.
+place of ``o``), then the VJPs of a chunk's pieces (``activated_gate_and_strength``, ``chunkwise.chunk_factors``,
+``chunkwise.through_state``) chunk
+by chunk in reverse.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from tops_plugins_tpu_pallas.grid import (
     step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
-from tops_plugins_tpu_pallas.kda.chunkwise import chunk_body_vmem, chunk_step, chunk_work
+from tops_plugins_tpu_pallas.kda.chunkwise import chunk_steps, chunk_work, step_body_vmem
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
@@ -154,7 +156,7 @@ def plans(
         work = work + states * (geometry.heads * geometry.value_tiles * num_seqs)
     name = "kda_fused" if num_seqs is None else "kda_varlen"
     return (grid.grid_plan(
-        name, geometry, scalars, inputs, outputs, work, chunk_body_vmem(geometry, bound), scratch,
+        name, geometry, scalars, inputs, outputs, work, step_body_vmem(geometry, bound), scratch,
         aliases=pool_aliases(pool_rows, output_final_state),
     ),)
 
@@ -173,23 +175,12 @@ def activated_gate_and_strength(chunk: Chunk, g, beta, A_log, dt_bias, activatio
     """The chunk's log decays (float32 ``(C, K_pad)``) and write strengths from the gate and beta as the caller gave them.
     ``A_log``: a scalar or ``(1, 1)``; ``dt_bias``: ``(1, K_pad)``."""
     # Rows past the end of the sequence are read as zeros, but the activations of zero are not zero
-    # (a decay, a write strength), and chunk_step needs those rows to decay and write nothing.
+    # (a decay, a write strength), and chunk_steps needs those rows to decay and write nothing.
     if activations.use_beta_sigmoid:
         beta = chunk.zero_past_end(activations.strength(beta))
     if activations.use_gate:
         g = chunk.zero_past_end(activations.decay(g, A_log, dt_bias))
     return g.astype(jnp.float32), beta
-
-
-def activated_chunk_step(
-    chunk: Chunk, q, k, v, g, beta, state, A_log, dt_bias, *, scale: float, use_qk_l2norm: bool, activations: Activations,
-    packed: PackedChunk | None = None,
-):
-    """``chunk_step`` of the gate and beta as the caller gave them, activated here: the forward's whole chunk."""
-    g, beta = activated_gate_and_strength(chunk, g, beta, A_log, dt_bias, activations)
-    return chunk_step(
-        q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=activations.decay_lower_bound, packed=packed,
-    )
 
 
 def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
@@ -207,17 +198,20 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
 
     A_log = refs["A_log"][head] if "A_log" in refs else None  # a scalar, broadcast by gate
     dt_bias = refs["dt_bias"][...] if "dt_bias" in refs else None
-    state = refs["state"][...]
-    for chunk in step_chunks(geometry, step):
-        if "checkpoints" in refs:  # the backward's first walk (kda.backward): the state entering every chunk, no o
-            refs["checkpoints"][chunk.index] = state
+    chunks, inputs = step_chunks(geometry, step), []
+    for chunk in chunks:
+        q, k, v, g, beta = read_chunk(refs, chunk, head)
+        g, beta = activated_gate_and_strength(chunk, g, beta, A_log, dt_bias, activations)
         sequences = None
         if packed:
             sequences = PackedChunk.of(refs, step * geometry.chunks_per_step + chunk.index, geometry.chunk_size, states)
-        o, state = activated_chunk_step(
-            chunk, *read_chunk(refs, chunk, head), state, A_log, dt_bias,
-            scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations, packed=sequences,
-        )
+        inputs.append((q, k, v, g, beta, sequences))
+    outputs, entering, state = chunk_steps(
+        inputs, refs["state"][...], scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=activations.decay_lower_bound,
+    )
+    for chunk, o, before in zip(chunks, outputs, entering):
+        if "checkpoints" in refs:  # the backward's first walk (kda.backward): the state entering every chunk, no o
+            refs["checkpoints"][chunk.index] = before
         if "o" in refs:
             refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state

@@ -132,7 +132,7 @@ class PackedChunk:
         return lax.fori_loop(self.first_sequence, self.last_sequence + 1, mark, jnp.zeros((self.chunk_size, 1), jnp.int32)) > 0
 
     def entering(self, q: jax.Array, k: jax.Array, g: jax.Array, operands) -> tuple[jax.Array, ...] | None:
-        """The initial states' terms ``(keys, queries, leaving)`` for ``chunkwise.chunk_core`` (``q``, ``k`` as the chunk math
+        """The initial states' terms ``(keys, queries, leaving)`` for ``chunkwise.through_state`` (``q``, ``k`` as the chunk math
         holds them, ``g`` ``(C, K)`` as given but ``-inf`` taken as ``RESET_LOG_DECAY``), or None without
         ``initial_state`` (every sequence starts from zeros, which a reset already is)."""
         if not self.states.has("initial_state"):
@@ -190,7 +190,7 @@ class PackedChunk:
         return lax.fori_loop(*self._ending(), add, tuple(jnp.zeros(x.shape, _F32) for x in (k, g, delta, carried)))
 
     def entering_gradients(self, q, k, g, dentering, operands) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(dq, dk, dg)`` of the initial states' terms, from their cotangents ``dentering`` (``chunk_core``'s VJP) and, for a
+        """``(dq, dk, dg)`` of the initial states' terms, from their cotangents ``dentering`` (``through_state``'s VJP) and, for a
         sequence that also ends in the chunk, ``dht``; writes ``dinitial_state`` of every sequence that starts in the chunk."""
         with_final = self.states.has("dht")
 
