@@ -132,10 +132,13 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
     state = refs["state"][...]
     if not every_chunk:
         refs["checkpoints"][0] = state
-    for chunk in step_chunks(geometry, step):
+    chunks = step_chunks(geometry, step)
+    # Every chunk's gates before the state's chain through them: chunk by chunk, each chunk's gates waited on the chain.
+    every_gates = [chunk_gates(chunk, refs, head, constant, attention=False) for chunk in chunks]
+    for chunk, gates in zip(chunks, every_gates):
         if every_chunk:
             refs["checkpoints"][chunk.index] = state
-        k, gates = chunk.read(refs["k"]), chunk_gates(chunk, refs, head, constant, attention=False)
+        k = chunk.read(refs["k"])
         state = advance_state(state, k, chunk.read(refs["v"]), gates, decay_gradient_operands(k.dtype))
     refs["state"][...] = state
 
