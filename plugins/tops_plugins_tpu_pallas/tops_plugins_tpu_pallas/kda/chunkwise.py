@@ -255,6 +255,12 @@ def crossings(resets: jax.Array) -> jax.Array:
     return matmul(up_to_i, after_j, jnp.bfloat16)
 
 
+def _level_pairs_mask(chunk_size: int, size: int) -> jax.Array:
+    """``(C, C)``: the pairs of level ``size``, the later half of a ``2 size``-block's rows with its earlier half's columns."""
+    i, j = row_and_column_iotas(chunk_size)
+    return (_block(i, 2 * size) == _block(j, 2 * size)) & _in_later_half(i, size) & ~_in_later_half(j, size)
+
+
 def _doubled(inverse: jax.Array | None, level_pairs: jax.Array, operands) -> jax.Array:
     """``D_2s = D_s - D_s P_s D_s`` from ``D_s`` (None: ``D_1 = I``, whose products are ``P_1`` itself, so the finest
     level costs no matmul) and ``P_s`` (``level_pairs``)."""
@@ -263,6 +269,39 @@ def _doubled(inverse: jax.Array | None, level_pairs: jax.Array, operands) -> jax
         i, j = row_and_column_iotas(C)
         return (i == j).astype(_F32) - level_pairs
     return inverse - matmul(inverse, matmul(level_pairs, inverse, operands), operands)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def exact_inverses(every_levels, operands) -> tuple[jax.Array, ...]:
+    """Each chunk's ``D = (I + N)^-1`` from its levels' pairs ``P_s`` (``every_levels``: per chunk, one ``(C, C)`` per
+    level of ``level_sizes``, finest first, each zero off its level's pairs; ``N`` their sum), by ``D_2s = D_s - D_s P_s
+    D_s``, level by level across the chunks (their chains are independent: issued level-major, each waits on the
+    MXU while the others run).
+
+    The cotangent is ``dN = -D^T dD D^T`` on each level's pairs: two products, where the recursion's own VJP takes
+    four per level, a chain twice as long as the forward's."""
+    inverses = [None] * len(every_levels)
+    for level in range(len(every_levels[0])):
+        inverses = [_doubled(d, levels[level], operands) for d, levels in zip(inverses, every_levels)]
+    return tuple(inverses)
+
+
+def _exact_inverses_forward(every_levels, operands):
+    inverses = exact_inverses(every_levels, operands)
+    return inverses, inverses
+
+
+def _exact_inverses_cotangents(operands, inverses, dinverses):
+    C = inverses[0].shape[0]
+    masks = [_level_pairs_mask(C, size) for size in level_sizes(C)]
+    every_dlevels = []
+    for inverse, dinverse in zip(inverses, dinverses):
+        dn = -matmul(matmul(inverse, dinverse, operands, COLUMNS_BY_COLUMNS), inverse, operands, ROWS_BY_ROWS)
+        every_dlevels.append(tuple(jnp.where(mask, dn, 0.0) for mask in masks))
+    return (tuple(every_dlevels),)
+
+
+exact_inverses.defvjp(_exact_inverses_forward, _exact_inverses_cotangents)
 
 
 def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands, resets: jax.Array | None = None) -> Pairs:
@@ -275,30 +314,24 @@ def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands,
 
 
 def interleaved_pairs(chunks, operands) -> list[Pairs]:
-    """``pairs`` of several chunks ``(q, k, beta, decays, resets)``, level by level across them.
-
-    Each chunk's inverse is a chain of dependent products, two per level; the chunks' chains are
-    independent. Issued level-major, one chain's products wait on the MXU's latency while the
-    others' run, where chunk-major code would leave the MXU waiting at every link."""
+    """``pairs`` of several chunks ``(q, k, beta, decays, resets)``: every chunk's levels' products, then their inverses
+    at once (``exact_inverses``)."""
     C = chunks[0][1].shape[0]
     i, j = row_and_column_iotas(C)
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     aqk = [jnp.where(i == j, jnp.sum(q * k, axis=1, keepdims=True), 0.0) for q, k, *_ in chunks]
-    inverse = [None] * len(chunks)
+    every_levels = [[] for _ in chunks]
     fine_size = chunks[0][3].fine_size
     if fine_size is not None:
-        beta_akk = []
+        inside = (_block(i, fine_size) == _block(j, fine_size)) & (j < i)
         for n, (q, k, beta, decays, resets) in enumerate(chunks):
             row_decay, column_decay = decays.fine
             products = matmul(jnp.concatenate([k * row_decay, q * row_decay], axis=0), k * column_decay, operands, ROWS_BY_ROWS)
-            inside = (_block(i, fine_size) == _block(j, fine_size)) & (j < i)
-            if resets is not None:
-                inside = inside & (crossings(resets) == 0)
-            aqk[n] = aqk[n] + jnp.where(inside, products[C:], 0.0)
-            beta_akk.append(beta * jnp.where(inside, products[:C], 0.0))
-        for t in level_sizes(fine_size):  # the fine levels' P_t: pairs of the later and earlier half of a 2t-block
-            level = (_block(i, 2 * t) == _block(j, 2 * t)) & _in_later_half(i, t) & ~_in_later_half(j, t)
-            inverse = [_doubled(d, jnp.where(level, pairs_, 0.0), operands) for d, pairs_ in zip(inverse, beta_akk)]
+            kept = inside if resets is None else inside & (crossings(resets) == 0)
+            aqk[n] = aqk[n] + jnp.where(kept, products[C:], 0.0)
+            beta_akk = beta * jnp.where(kept, products[:C], 0.0)
+            # The fine levels' P_t are masks of the one sub-chunk matrix.
+            every_levels[n].extend(jnp.where(_level_pairs_mask(C, t), beta_akk, 0.0) for t in level_sizes(fine_size))
     for level, s in enumerate(coarse_level_sizes(C, fine_size)):
         later = _in_later_half(rows, s)
         same_block = _block(i, 2 * s) == _block(j, 2 * s)
@@ -309,9 +342,10 @@ def interleaved_pairs(chunks, operands) -> list[Pairs]:
             earlier_keys = jnp.where(later, 0.0, decayed_keys)
             products = matmul(jnp.concatenate([later_keys, later_queries], axis=0), earlier_keys, operands, ROWS_BY_ROWS)
             aqk[n] = aqk[n] + jnp.where(same_block, products[C:], 0.0)
-            # D_2s = D_s - D_s P_s D_s: D_s is block-diagonal and P_s lies inside the 2s-blocks, so no mask is needed.
-            inverse[n] = _doubled(inverse[n], beta * jnp.where(same_block, products[:C], 0.0), operands)
-    return [Pairs(aqk=a, inverse=d) for a, d in zip(aqk, inverse)]
+            # Later rows against earlier columns inside one 2s-block: the level's pairs, zero elsewhere.
+            every_levels[n].append(beta * jnp.where(same_block, products[:C], 0.0))
+    inverses = exact_inverses(tuple(tuple(levels) for levels in every_levels), operands)
+    return [Pairs(aqk=a, inverse=d) for a, d in zip(aqk, inverses)]
 
 
 def prepared_queries_keys(q, k, *, scale: float, use_qk_l2norm: bool) -> tuple[jax.Array, jax.Array]:
