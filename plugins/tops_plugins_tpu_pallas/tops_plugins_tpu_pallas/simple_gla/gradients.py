@@ -49,17 +49,9 @@ _F32 = jnp.float32
 # -- operands -------------------------------------------------------------------------------------
 
 
-
-
-
-
-
-
 def decay_gradients(geometry: Geometry) -> Blocked:
     """Per-token gradient of the log decay, float32 ``[B, H, steps, chunks per step, C]``: one row per chunk."""
     return blocks.token_rows("da", geometry)
-
-
 
 
 def token_inputs(geometry: Geometry, dtype, gate_dtype, names: tuple[str, ...]) -> tuple[Blocked, ...]:
@@ -143,10 +135,6 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
     refs["state"][...] = state
 
 
-
-
-
-
 # -- one chunk --------------------------------------------------------------------------------------
 
 
@@ -159,7 +147,6 @@ def decay_gradient_operands(input_dtype):
     (``SPLIT_BFLOAT16``) keeps about 16 bits in two native passes. float32 inputs: ``mxu_operand_dtype``.
     """
     return SPLIT_BFLOAT16 if jnp.dtype(input_dtype) == jnp.bfloat16 else mxu_operand_dtype(input_dtype)
-
 
 
 def attention(decays, q, k) -> jax.Array:
