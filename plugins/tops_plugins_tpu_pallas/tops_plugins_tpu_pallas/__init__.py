@@ -8,6 +8,7 @@ interpreter anywhere else.
 """
 
 
+import dataclasses
 import functools
 
 import jax
@@ -173,25 +174,32 @@ CHUNK = tops_core.Implementation(
     ),
 )
 
+def _packed_fits_vmem(spec: tops_core.CallSpec) -> str | None:
+    """the packed kernels' plans must fit the chip's VMEM budget, and without states the fused kernels' with g (bounds K)"""
+    # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
+    packed = _fits_vmem(
+        varlen.VarlenConfig(),
+        (grid.geometry_of, functools.partial(varlen.plans, num_seqs=1)),
+        (backward_varlen.geometry_of, functools.partial(backward_varlen.plans, num_seqs=1)),
+    )
+    if {"initial_state", "output_final_state"} & spec.features:
+        return packed(spec)
+    unpacked = _fits_vmem(varlen.VarlenConfig(), (grid.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans))
+    return unpacked(dataclasses.replace(spec, features=spec.features | {"g"}))
+
+
 VARLEN = tops_core.Implementation(
     op="simple_gla",
     name="varlen",
     forward=varlen.forward,
     backward=backward_varlen.backward,
-    capabilities=_capabilities(
-        # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
-        _fits_vmem(
-            varlen.VarlenConfig(),
-            (grid.geometry_of, functools.partial(varlen.plans, num_seqs=1)),
-            (backward_varlen.geometry_of, functools.partial(backward_varlen.plans, num_seqs=1)),
-        ),
-        _SIMPLE_GLA_FEATURES, packed=True, ndims=_G_GAMMA_RANKS,
-    ),
+    capabilities=_capabilities(_packed_fits_vmem, _SIMPLE_GLA_FEATURES, packed=True, ndims=_G_GAMMA_RANKS),
     priority=_varlen_priority,
     config=varlen.VarlenConfig(),
     serves_pools=True,
     description=(
-        "one pallas_call over packed sequences: cu_seqlens in SMEM, state reset at every boundary; "
+        "without states, fused's kernels with the state reset where each sequence starts (g = -inf there); with them, "
+        "one pallas_call over packed sequences: cu_seqlens in SMEM, states by DMA at every boundary; "
         "backward: fused's two walks, dS reset to dht at every sequence end and written to dinitial_state at its start"
     ),
 )

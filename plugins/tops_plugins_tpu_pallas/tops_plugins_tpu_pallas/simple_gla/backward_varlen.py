@@ -221,7 +221,15 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
 
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):
-    """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given)."""
+    """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given).
+    Without states, ``backward_fused`` on ``varlen.reset_gates``, as the forward: the gradient of a reset token's gate
+    is exactly 0 there, as a sequence's first gate scales a zero state."""
+    if varlen.without_states(initial_state, dht is not None):
+        grads = backward_fused.backward(
+            q, k, v, do, g=varlen.reset_gates(g, cu_seqlens, q.shape[:3]), g_gamma=g_gamma, scale=scale,
+            initial_state=None, dht=None, cu_seqlens=None, config=config,
+        )
+        return dataclasses.replace(grads, dg=None if g is None else grads.dg.astype(g.dtype))
     B, T, H, K = q.shape
     num_seqs = cu_seqlens.shape[0] - 1
     inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
