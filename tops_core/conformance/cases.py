@@ -147,6 +147,11 @@ def grid(impl: Implementation) -> Grid:
         changes = {"heads": 2} if toggle == "grouped_value_heads" else {}
         slow = packed_only or toggle in ("output_final_state", "A_log", "dt_bias", "use_beta_sigmoid", "allow_neg_eigval", "grouped_value_heads")
         supported.append(base.with_features(f"without-{toggle}", signature.closed(base_features - {toggle}), slow=slow, **changes))
+    states = {"initial_state", "output_final_state"}
+    if states <= base_features - caps.requires:
+        # No state in or out, the usual training call: a packed kernel may take another path for it (simple_gla's varlen
+        # runs fused's kernels then), so it runs by default where every case is packed.
+        supported.append(base.with_features("without-states", signature.closed(base_features - states), slow=not packed_only))
     if "grouped_value_heads" in base_features:
         supported.append(dataclasses.replace(base, name="grouped_value_heads=3", value_heads=3, slow=True))
     # The default run keeps the first other head dims (off the 128-lane tile) and the ragged T that
