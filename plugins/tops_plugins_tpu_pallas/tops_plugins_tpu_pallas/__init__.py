@@ -184,7 +184,10 @@ def _packed_fits_vmem(spec: tops_core.CallSpec) -> str | None:
     )
     if {"initial_state", "output_final_state"} & spec.features:
         return packed(spec)
-    unpacked = _fits_vmem(varlen.VarlenConfig(), (grid.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans))
+    unpacked = _fits_vmem(
+        varlen.unpacked_config(varlen.VarlenConfig()), (grid.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans),
+        forward_config=fused.resolved,
+    )
     return unpacked(dataclasses.replace(spec, features=spec.features | {"g"}))
 
 

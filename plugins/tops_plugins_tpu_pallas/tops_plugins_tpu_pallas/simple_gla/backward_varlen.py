@@ -227,7 +227,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     if varlen.without_states(initial_state, dht is not None):
         grads = backward_fused.backward(
             q, k, v, do, g=varlen.reset_gates(g, cu_seqlens, q.shape[:3]), g_gamma=g_gamma, scale=scale,
-            initial_state=None, dht=None, cu_seqlens=None, config=config,
+            initial_state=None, dht=None, cu_seqlens=None, config=varlen.unpacked_config(config),
         )
         return dataclasses.replace(grads, dg=None if g is None else grads.dg.astype(g.dtype))
     B, T, H, K = q.shape
