@@ -174,21 +174,24 @@ CHUNK = tops_core.Implementation(
     ),
 )
 
+# VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
+_PACKED_FITS_VMEM = _fits_vmem(
+    varlen.VarlenConfig(),
+    (grid.geometry_of, functools.partial(varlen.plans, num_seqs=1)),
+    (backward_varlen.geometry_of, functools.partial(backward_varlen.plans, num_seqs=1)),
+)
+# Without states the packed call runs fused's kernels on reset gates (varlen.reset_gates), with fused's own defaults.
+_UNPACKED_FITS_VMEM = _fits_vmem(
+    varlen.unpacked_config(varlen.VarlenConfig()), (grid.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans),
+    forward_config=fused.resolved,
+)
+
+
 def _packed_fits_vmem(spec: tops_core.CallSpec) -> str | None:
     """the packed kernels' plans must fit the chip's VMEM budget, and without states the fused kernels' with g (bounds K)"""
-    # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
-    packed = _fits_vmem(
-        varlen.VarlenConfig(),
-        (grid.geometry_of, functools.partial(varlen.plans, num_seqs=1)),
-        (backward_varlen.geometry_of, functools.partial(backward_varlen.plans, num_seqs=1)),
-    )
     if {"initial_state", "output_final_state"} & spec.features:
-        return packed(spec)
-    unpacked = _fits_vmem(
-        varlen.unpacked_config(varlen.VarlenConfig()), (grid.geometry_of, fused.plans), (backward_fused.geometry_of, backward_fused.plans),
-        forward_config=fused.resolved,
-    )
-    return unpacked(dataclasses.replace(spec, features=spec.features | {"g"}))
+        return _PACKED_FITS_VMEM(spec)
+    return _UNPACKED_FITS_VMEM(dataclasses.replace(spec, features=spec.features | {"g"}))
 
 
 VARLEN = tops_core.Implementation(

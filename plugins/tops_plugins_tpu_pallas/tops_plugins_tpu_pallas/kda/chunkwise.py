@@ -39,8 +39,8 @@ restricted to blocks of ``s`` tokens (``D_1 = I``) and ``P_s`` the level-``s`` p
 ``diag(beta) Akk``, ``D_2s = D_s - D_s P_s D_s`` (the inverse of ``[[A, 0], [C, D]]`` is
 ``[[A^-1, 0], [-D^-1 C A^-1, D^-1]]``). Blocked forward substitution; no truncated series. ``D_2 = I - P_1``
 takes no product. The chain of ``2 log2 C - 2`` dependent products per chunk is what bounds a chunk's time
-on the MXU's latency, so a grid step's chunks compute their pairs and inverses together, level by level
-(``interleaved_pairs``), before the state's own chain through them (``chunk_steps``).
+on the MXU's latency, so a grid step's chunks compute their pairs and then their inverses together, level by
+level (``interleaved_pairs``, ``exact_inverses``), before the state's own chain through them (``chunk_steps``).
 
 **Bounded gates** (``lower_bound = L``: every ``g >= L``, fla's ``safe_gate``). Over a sub-chunk of
 ``s`` tokens a decay relative to a point inside it is then at most ``exp(|L| s)``. With ``s`` the
@@ -146,16 +146,16 @@ def run_sum_parts(operands) -> int:
     return 3 if jnp.dtype(operands) == _F32 else 2
 
 
-def _over_exact_parts(g: jax.Array, product, parts: int = 3) -> jax.Array:
-    """``product(g)`` for a product linear in ``g`` whose other operand is exact in bf16 (0/1 or -1 masks, ones), in
-    ``parts`` native bf16 passes: three give float32 accuracy (HIGHEST takes six).
+def _over_exact_parts(g: jax.Array, product) -> jax.Array:
+    """``product(g)`` for a product linear in ``g`` whose other operand is exact in bf16 (0/1 or -1 masks, ones), to
+    float32 accuracy in three native bf16 passes (HIGHEST takes six).
 
     ``g`` splits exactly into three bf16 parts (``bf16_parts``), so every product is exact and only the
-    float32 accumulation rounds, as at HIGHEST; two parts round the second one's remainder. The high parts of the
-    non-positive ``g`` share its sign and carry all but 2**-16 of each sum, so sums keep their accuracy without
+    float32 accumulation rounds, as at HIGHEST (two parts round the second one's remainder). The high parts of
+    the non-positive ``g`` share its sign and carry all but 2**-16 of each sum, so sums keep their accuracy without
     cancellation (and ``RESET_LOG_DECAY`` is its own high part).
     """
-    return functools.reduce(operator.add, (product(part) for part in bf16_parts(g, parts)))
+    return functools.reduce(operator.add, (product(part) for part in bf16_parts(g, 3)))
 
 
 def _over_parts_side_by_side(g: jax.Array, product, parts: int) -> jax.Array:
@@ -439,10 +439,10 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, lower_bound
         prepared.append((q, k, g, beta, resets))
     factors = chunk_factors(prepared, operands=operands, lower_bound=lower_bound)
     outputs, entering_states = [], []
-    for (q, k, g, beta, _), (_, _, v, _, _, packed), chunk_factors_ in zip(prepared, chunks, factors):
+    for (q, k, g, beta, _), (_, _, v, _, _, packed), own in zip(prepared, chunks, factors):
         entering_states.append(state)
         entering = None if packed is None else packed.entering(q, k, g, operands)
-        o, state_out, delta = through_state(q, k, v, beta, state, entering, chunk_factors_, operands)
+        o, state_out, delta = through_state(q, k, v, beta, state, entering, own, operands)
         if packed is not None:
             packed.leave(k, g, delta, state, operands)
         outputs.append(o)

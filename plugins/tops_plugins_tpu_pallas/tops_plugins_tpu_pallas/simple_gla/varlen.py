@@ -45,7 +45,6 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES
 from tops_plugins_tpu_pallas.simple_gla import fused
-from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
 from tops_plugins_tpu_pallas.plan import DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -53,7 +52,7 @@ _F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
-class VarlenConfig(FusedConfig):
+class VarlenConfig(fused.FusedConfig):
     """The fused kernel's fields and defaults but ``chunk_size`` (64 or 128, 128 by default: the packed kernel
     has not been checked at 256) and ``num_steps`` (8: the packed kernel's step has not been
     modelled at fused's 32): ``num_steps`` chunks per
@@ -219,13 +218,17 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs["state"][...] = state
 
 
+def _holding(cu_seqlens: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The sequence holding each token (int32): the last ``n`` with ``cu[n] <= t`` (an empty sequence at ``t`` is
+    followed by the one holding ``t``)."""
+    return jnp.searchsorted(cu_seqlens, tokens, side="right").astype(jnp.int32) - 1
+
+
 def sequences_of_chunks(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> tuple[jax.Array, jax.Array]:
     """The first and last sequence each chunk overlaps (int32 ``[chunks]`` each); empty sequences never are either."""
     starts = jnp.arange(0, seq_len, chunk_size, dtype=jnp.int32)
     last_tokens = jnp.minimum(starts + chunk_size, seq_len) - 1
-    # The sequence holding token t is the last n with cu[n] <= t (an empty sequence at t is followed by the one holding t).
-    holding = lambda t: jnp.searchsorted(cu_seqlens, t, side="right").astype(jnp.int32) - 1  # noqa: E731
-    return holding(starts), holding(last_tokens)
+    return _holding(cu_seqlens, starts), _holding(cu_seqlens, last_tokens)
 
 
 def without_states(initial_state, output_final_state, ssm_state_indices=None) -> bool:
@@ -239,20 +242,18 @@ def reset_gates(g, cu_seqlens: jax.Array, shape: tuple[int, int, int]) -> jax.Ar
     ``exp(-inf) = 0`` resets the state before that token writes, as a packed sequence starts from zeros."""
     _, T, H = shape
     tokens = jnp.arange(T, dtype=jnp.int32)
-    # The sequence holding token t is the last n with cu[n] <= t (an empty one at t is followed by the one holding t).
-    holding = jnp.searchsorted(cu_seqlens, tokens, side="right").astype(jnp.int32) - 1
-    starts = cu_seqlens[jnp.clip(holding, 0, cu_seqlens.shape[0] - 1)] == tokens
+    starts = cu_seqlens[jnp.clip(_holding(cu_seqlens, tokens), 0, cu_seqlens.shape[0] - 1)] == tokens
     gates = jnp.zeros((1, T, H), jnp.float32) if g is None else g.astype(jnp.float32)
     return jnp.where(starts[None, :, None], -jnp.inf, gates)
 
 
-def unpacked_config(config: VarlenConfig) -> FusedConfig:
+def unpacked_config(config: VarlenConfig) -> fused.FusedConfig:
     """The fused kernels' config for a packed call without states: the fields set away from varlen's defaults, and
     fused's own defaults for the rest (its chunk and step per chip, where varlen's are the packed kernel's: at B=2
     T=4096 H=8 with g, fused's defaults issue 52 us on v6e, varlen's chunk of 128 and 8 chunks per step 82 us)."""
     defaults = VarlenConfig()
-    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(FusedConfig) if getattr(config, f.name) != getattr(defaults, f.name)}
-    return FusedConfig(**changed)
+    fields = dataclasses.fields(fused.FusedConfig)
+    return fused.FusedConfig(**{f.name: getattr(config, f.name) for f in fields if getattr(config, f.name) != getattr(defaults, f.name)})
 
 
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: VarlenConfig, ssm_state_indices=None):
