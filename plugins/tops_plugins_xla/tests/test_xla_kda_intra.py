@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tops_plugins_xla.kda import intra
+from tops_plugins_xla import intra
 
 
 def chunk_inputs(C, K=8, lead=(2, 3), g_scale=1.0, seed=0):

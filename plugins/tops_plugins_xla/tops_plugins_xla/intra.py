@@ -1,4 +1,4 @@
-"""Inside one chunk of KDA: the decays, the decayed token-pair products and the exact triangular inverse.
+"""Inside one chunk of per-key decays (kda, gla): the decays, the decayed token-pair products and kda's exact triangular inverse.
 
 Per key ``d``, ``b[i, d] = g[1, d] + ... + g[i, d]`` is the cumulative log decay of token ``i``
 inside the chunk. The chunked algorithm needs, for tokens ``j <= i`` of a chunk,
@@ -162,17 +162,47 @@ def pairs(q: Array | None, k: Array, levels: tuple[Level, ...], beta: Array) -> 
         later = jnp.concatenate([x * level.later_decay for x in later], axis=-2)
         cross = einsum("...ik,...jk->...ij", later, k_earlier * level.earlier_decay)
         akk_cross = cross[..., :s, :]
-        inverse_earlier, inverse_later = block_pairs(blocks[1])
-        inverse_cross = -einsum("...ij,...jl->...il", inverse_later,
-                                einsum("...ij,...jl->...il", beta_later * akk_cross, inverse_earlier))
-        crosses = [akk_cross, inverse_cross] + ([cross[..., s:, :]] if q is not None else [])
+        crosses = [akk_cross, inverse_cross(blocks[1], beta_later * akk_cross)] + ([cross[..., s:, :]] if q is not None else [])
         blocks = assemble(blocks, jnp.stack(crosses))
     blocks = blocks.reshape(len(blocks), *k.shape[:-2], C, C)
     return Pairs(aqk=blocks[2] if q is not None else None, akk=blocks[0], inverse=blocks[1])
 
 
-def pairs_backward(q: Array, k: Array, levels: tuple[Level, ...], daqk: Array, dakk: Array):
-    """Gradients of ``Aqk`` and ``Akk`` for cotangents ``daqk`` and ``dakk`` (``[..., C, C]``).
+def inverse_cross(inverse_blocks: Array, cross: Array) -> Array:
+    """One level of the blockwise inverse of a unit lower-triangular matrix: from the inverse's diagonal blocks
+    ``[..., 2 m, s, s]`` and the matrix's lower-left blocks between each pair ``[..., m, s, s]``, the inverse's
+    lower-left blocks ``-M_22^-1 M_21 M_11^-1``."""
+    inverse_earlier, inverse_later = block_pairs(inverse_blocks)
+    return -einsum("...ij,...jl->...il", inverse_later, einsum("...ij,...jl->...il", cross, inverse_earlier))
+
+
+def unit_lower_inverse(a: Array) -> Array:
+    """``(I + a)^-1`` for a strictly lower-triangular ``a`` (``[..., C, C]``), built along the halving levels as
+    ``pairs`` builds kda's: forward substitution a block at a time, exact."""
+    C = a.shape[-1]
+    blocks = jnp.ones((*a.shape[:-2], C, 1, 1), a.dtype)
+    size = 1
+    while size < C:
+        blocks = assemble(blocks, inverse_cross(blocks, diagonal_tiles(a, 2 * size)[..., size:, :size]))
+        size *= 2
+    return blocks.reshape(a.shape)
+
+
+def query_pairs(q: Array, k: Array, levels: tuple[Level, ...]) -> Array:
+    """``Aqk`` alone (``[..., C, C]``, zero above the diagonal), for an op without the delta rule (gla)."""
+    C = k.shape[-2]
+    blocks = jnp.sum(q * k, axis=-1)[..., None, None]  # the 1x1 diagonal blocks [..., C, 1, 1]
+    for level in levels:
+        s = level.size
+        k_earlier, _ = halves(k, s)
+        _, q_later = halves(q, s)
+        blocks = assemble(blocks, einsum("...ik,...jk->...ij", q_later * level.later_decay, k_earlier * level.earlier_decay))
+    return blocks.reshape(*k.shape[:-2], C, C)
+
+
+def pairs_backward(q: Array, k: Array, levels: tuple[Level, ...], daqk: Array, dakk: Array | None = None):
+    """Gradients of ``Aqk`` and ``Akk`` for cotangents ``daqk`` and ``dakk`` (``[..., C, C]``; ``dakk`` None:
+    ``Aqk`` alone, as ``query_pairs`` builds it).
 
     Returns ``(dq, dk, d_later, d_earlier)``: the last two per level (finest first), the
     gradients of the exponents of its decays. Only the entries ``Aqk`` and ``Akk`` have are read
@@ -182,22 +212,27 @@ def pairs_backward(q: Array, k: Array, levels: tuple[Level, ...], daqk: Array, d
     dq = diagonal * k
     dk = diagonal * q
     d_later, d_earlier = [], []
-    blocks = jnp.stack([daqk, dakk])[..., None, :, :]
+    with_keys = dakk is not None
+    blocks = jnp.stack([daqk, dakk] if with_keys else [daqk])[..., None, :, :]
     for level in reversed(levels):
         s = level.size
-        cotangent = jnp.concatenate([blocks[0, ..., s:, :s], blocks[1, ..., s:, :s]], axis=-2)
+        cotangent = jnp.concatenate([block[..., s:, :s] for block in blocks], axis=-2)
         blocks = diagonal_blocks(blocks, s)
         k_earlier, k_later = halves(k, s)
         _, q_later = halves(q, s)
-        q_later = q_later * level.later_decay
-        k_later = k_later * level.later_decay
+        later = [q_later * level.later_decay] + ([k_later * level.later_decay] if with_keys else [])
         k_earlier = k_earlier * level.earlier_decay
         d_later_products = einsum("...ij,...jk->...ik", cotangent, k_earlier)
-        dq_later, dk_later = d_later_products[..., :s, :], d_later_products[..., s:, :]
-        dk_earlier = einsum("...ij,...ik->...jk", cotangent, jnp.concatenate([q_later, k_later], axis=-2))
+        dk_earlier = einsum("...ij,...ik->...jk", cotangent, jnp.concatenate(later, axis=-2))
+        dq_later = d_later_products[..., :s, :]
         dq += join(jnp.zeros_like(dq_later), level.later_decay * dq_later)
+        d_exponent = later[0] * dq_later
+        dk_later = jnp.zeros_like(dq_later)
+        if with_keys:
+            dk_later = d_later_products[..., s:, :]
+            d_exponent += later[1] * dk_later
         dk += join(level.earlier_decay * dk_earlier, level.later_decay * dk_later)
-        d_later.append(q_later * dq_later + k_later * dk_later)
+        d_later.append(d_exponent)
         d_earlier.append(k_earlier * dk_earlier)
     return dq, dk, tuple(reversed(d_later)), tuple(reversed(d_earlier))
 
@@ -231,6 +266,13 @@ def assemble(blocks: Array, cross: Array) -> Array:
     top = jnp.concatenate([earlier, jnp.zeros_like(earlier)], axis=-1)
     bottom = jnp.concatenate([cross, later], axis=-1)
     return jnp.concatenate([top, bottom], axis=-2)
+
+
+def diagonal_tiles(a: Array, size: int) -> Array:
+    """``[..., C, C]`` -> its diagonal blocks of ``size``, ``[..., C / size, size, size]``."""
+    m = a.shape[-1] // size
+    tiles = a.reshape(*a.shape[:-2], m, size, m, size)
+    return jnp.moveaxis(jnp.diagonal(tiles, axis1=-4, axis2=-2), -1, -3)
 
 
 def diagonal_blocks(blocks: Array, size: int) -> Array:
