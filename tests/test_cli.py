@@ -82,7 +82,7 @@ def test_explain_splits_deny_patterns_at_commas_as_TOPS_DENY_does(kernels, capsy
     (["explain", "simple_gla", "--with", "cu_seqlens", "--shape", "2,64,2,16,16"], "cu_seqlens packs the sequences along T and requires B == 1"),
     (["explain", "simple_gla", "--num-seqs", "3"], "--num-seqs describes packed sequences: add cu_seqlens to --with"),
     (["explain", "simple_gla", "--force", "nope.impl"], "unknown implementation 'nope.impl' of simple_gla; registered: fake.kernel, fake.portable"),
-    (["explain"], "name the op: OP or --op OP, one of kda, simple_gla"),
+    (["explain"], "name the op: OP or --op OP, one of gated_delta_rule, gla, kda, simple_gla"),
     (["explain", "simple_gla", "--op", "kda"], "two ops named: simple_gla and --op kda"),
     (["explain", "simple_gla", "--deny", "fake.portabel"],
      "--deny: deny pattern 'fake.portabel' matches no registered implementation; registered: fake.kernel, fake.portable"),
@@ -144,7 +144,7 @@ def test_a_broken_pipe_ends_quietly(tmp_path):
 
     script = "import sys; from tops_core.cli import main; sys.exit(main(['list']))"
     result = subprocess.run(f"{sys.executable} -c \"{script}\" | head -1", shell=True, capture_output=True, text=True, timeout=120)
-    assert result.stdout.startswith("kda:") and "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
+    assert result.stdout.startswith("gated_delta_rule:") and "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
 
 
 def test_plugins_lists_in_process_plugins(kernels, capsys):

@@ -353,7 +353,7 @@ def test_policy_flag_parsing(registry, clean_env):
 
 
 def test_misspelt_op_names_and_flag_values_are_errors(registry, clean_env):
-    with pytest.raises(ValueError, match=r"unknown op 'simple_glaa' in tops_core.use\(\); known ops: kda, simple_gla"):
+    with pytest.raises(ValueError, match=r"unknown op 'simple_glaa' in tops_core.use\(\); known ops: gated_delta_rule, gla, kda, simple_gla"):
         with tops_core.use(simple_glaa="ref.recurrent"):
             pass
     clean_env.setenv("TOPS_FORCE", "simple_glaa=xla.chunk")

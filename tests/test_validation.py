@@ -155,7 +155,7 @@ def test_default_scale_is_inverse_sqrt_key_dim():
 
 
 def test_unknown_op_lists_known_ops():
-    with pytest.raises(ValueError, match="known ops: kda, simple_gla"):
+    with pytest.raises(ValueError, match="known ops: gated_delta_rule, gla, kda, simple_gla"):
         tops_core.op("softmax")
 
 

@@ -13,6 +13,8 @@ from tops_core.implementation import Implementation
 from tops_core import parallel
 from tops_core.ops import op
 from tops_core.ops.base import ContractError, Explanation, target_chip
+from tops_core.ops.gated_delta_rule import GatedDeltaRuleGrads
+from tops_core.ops.gla import GLAGrads
 from tops_core.ops.kda import KDAGrads
 from tops_core.ops.simple_gla import SimpleGLAGrads
 from tops_core.ops.validation import LayoutWarning
@@ -38,7 +40,7 @@ def unregister_plugin(name: str) -> None:
 
 __all__ = [
     "API_VERSION", "DECODE_STEP_TOKENS", "CallSpec", "Capabilities", "ContractError", "Decision", "DimRule", "Explanation",
-    "Implementation", "KDAGrads", "LayoutWarning", "NoImplementationError", "PluginError", "SimpleGLAGrads",
+    "GLAGrads", "GatedDeltaRuleGrads", "Implementation", "KDAGrads", "LayoutWarning", "NoImplementationError", "PluginError", "SimpleGLAGrads",
     "decode_step_priority", "default_registry", "hookimpl", "op", "parallel", "register", "register_plugin", "target_chip", "unregister_plugin", "use",
 ]
 

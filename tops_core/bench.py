@@ -41,7 +41,7 @@ from tops_core.ops.base import platform_of, state_dtype
 from tops_core.policy import current_policy
 from tops_core.registry import default_registry
 
-DEFAULT_FEATURES = {"simple_gla": ["g_gamma"], "kda": ["use_qk_l2norm"]}
+DEFAULT_FEATURES = {"simple_gla": ["g_gamma"], "kda": ["use_qk_l2norm"], "gla": [], "gated_delta_rule": ["use_qk_l2norm"]}
 REFERENCE_MAX_ELEMENTS = 2**24
 """The reference is timed at the workload itself only up to this many ``B*T*H*K*V`` state elements."""
 COUNTED_CHUNK = 64
@@ -131,16 +131,9 @@ def workload(
 
 
 def forward_flops(case: Case, chunk_size: int = COUNTED_CHUNK) -> float:
-    """The forward's FLOPs as this project counts them: the chunked algorithm's matrix products,
-    causal triangles counted whole; forward+backward counts 3x this.
-
-    Per token and head, simple_gla: ``4KV`` (queries against the state, the state update) and
-    ``2C(K+V)`` (scores, scores against values); kda: ``6KV`` (keys against the state too),
-    ``4C(K+V)`` (``Aqk``, ``Akk``, the inverse and ``Aqk`` against the writes) and ``2C^2/3``
-    (the blocked triangular inverse).
-    """
-    C, K, V = chunk_size, case.key_dim, case.value_dim
-    per_token = {"simple_gla": 4 * K * V + 2 * C * (K + V), "kda": 6 * K * V + 4 * C * (K + V) + 2 * C * C / 3}[case.op]
+    """The forward's FLOPs as this project counts them (each op's ``counted_flops_per_token``): the chunked
+    algorithm's matrix products, causal triangles counted whole; forward+backward counts 3x this."""
+    per_token = op(case.op).counted_flops_per_token(case.key_dim, case.value_dim, chunk_size)
     return case.batch * case.seq_len * case.value_heads * per_token
 
 
@@ -216,21 +209,26 @@ def memory_needed(case: Case) -> MemoryNeed:
     Counted: the inputs, ``o``, ``do`` and the gradients in the workload's dtypes (gates and states in
     their accumulator dtype); the flat product's operands and result; a chunked algorithm's state per
     chunk of ``COUNTED_CHUNK`` tokens, sequence and head; and the float64 arrays the test data is drawn
-    in before it is cast (``q``, ``k``, ``v``, ``do``, kda's ``g``, the states). Not counted: whatever else
+    in before it is cast (``q``, ``k``, ``v``, ``do``, the gates, the states). Not counted: whatever else
     an implementation keeps while it runs. ``xla.chunk``'s benchmark peaked at 63-77% of the sum on a CPU
     (resident memory above the process's own, simple_gla and kda, float32 and bfloat16, 1-2.6 GiB estimated).
     """
     B, T, H, K, V = case.batch, case.seq_len, case.value_heads, case.key_dim, case.value_dim  # q and k counted per value head: an upper bound
     itemsize, state_itemsize, tokens = jnp.dtype(case.dtype).itemsize, state_dtype(case.dtype).itemsize, B * T * H
-    gates = {"simple_gla": 1 if "g" in case.features else 0, "kda": K + 1}[case.op]  # per token and head; kda: g and beta
+    gates = gate_elements(case)
     inputs = tokens * ((2 * K + V) * itemsize + gates * state_itemsize)
     outputs = tokens * V * itemsize  # o, and do the same
     sequences = len(case.seqlens) if case.seqlens is not None else B
     states = len({"initial_state", "output_final_state"} & case.features) * sequences * H * K * V  # h0 or dht, each with its gradient
     flat = tokens * (K + V) * itemsize + K * V * itemsize
     chunk_states = B * H * math.ceil(T / COUNTED_CHUNK) * K * V * state_itemsize
-    drawn = tokens * (2 * K + 2 * V + (K if case.op == "kda" else 0)) + states
+    drawn = tokens * (2 * K + 2 * V + gates) + states
     return MemoryNeed(arrays=2 * inputs + 2 * outputs + 2 * states * state_itemsize + flat + chunk_states, test_data=drawn * 8)
+
+
+def gate_elements(case: Case) -> int:
+    """Elements per token and value head of the inputs besides ``q``, ``k`` and ``v`` that ``case`` passes (``g``, ``beta``)."""
+    return sum(case.key_dim if per_token == "k" else 1 for per_token in op(case.op).gate_inputs(case.features).values())
 
 
 def host_memory_available() -> int | None:

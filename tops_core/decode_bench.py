@@ -36,7 +36,7 @@ from tops_core.ops.base import state_dtype
 from tops_core.ops.kda import L2NORM_EPSILON, Activations
 
 DEFAULT_SHAPE = (64, 1, 8, 128, 128)
-DEFAULT_FEATURES = {"simple_gla": ["g"], "kda": ["use_qk_l2norm"]}
+DEFAULT_FEATURES = {"simple_gla": ["g"], "kda": ["use_qk_l2norm"], "gla": [], "gated_delta_rule": ["use_qk_l2norm"]}
 SERVED_FEATURES = frozenset({"initial_state", "output_final_state"})
 """What every decode call has: the pool in, the pool out."""
 
@@ -113,9 +113,12 @@ def hand_written_step(decode: Decode, inputs: dict[str, Any]):
         q, k, v = (arrays[name].astype(dtype) for name in ("q", "k", "v"))
         if case.op == "simple_gla":
             decay = sum(arrays[name].astype(dtype) for name in ("g", "g_gamma") if name in arrays) + jnp.zeros(q.shape[:3], dtype)
-        else:
+        elif case.op == "gla":
+            decay = arrays["g"].astype(dtype)
+        else:  # the delta rule: kda's gate per key, gated_delta_rule's per head (as one of width 1)
             A_log, dt_bias = arrays.get("A_log"), arrays.get("dt_bias")
-            decay = activations.decay(arrays["g"], None if A_log is None else A_log[:, None],
+            g = arrays["g"] if case.op == "kda" else arrays["g"][..., None]
+            decay = activations.decay(g, None if A_log is None else A_log[:, None],
                                       None if dt_bias is None else dt_bias.reshape(case.value_heads, case.key_dim)).astype(dtype)
             beta = activations.strength(arrays["beta"]).astype(dtype)
             if static.get("use_qk_l2norm"):
@@ -123,8 +126,8 @@ def hand_written_step(decode: Decode, inputs: dict[str, Any]):
             q, k = (jnp.repeat(x, case.value_heads // case.heads, axis=2) for x in (q, k))
         outputs = []
         for t in range(case.seq_len):
-            if case.op == "simple_gla":
-                state = jnp.exp(decay[:, t])[..., None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+            if case.op in ("simple_gla", "gla"):  # one decay per head, or per key row
+                state = jnp.exp(decay[:, t]).reshape(*state.shape[:2], -1, 1) * state + k[:, t, :, :, None] * v[:, t, :, None, :]
             else:
                 state = jnp.exp(decay[:, t])[..., None] * state
                 delta = beta[:, t, :, None] * (v[:, t] - jnp.einsum("bhk,bhkv->bhv", k[:, t], state, precision="highest"))
@@ -214,7 +217,7 @@ def floor_bytes(decode: Decode) -> int:
     c = decode.case
     itemsize, states = jnp.dtype(c.dtype).itemsize, state_dtype(c.dtype).itemsize
     tokens = c.batch * c.seq_len
-    gates = {"simple_gla": c.heads if "g" in c.features else 0, "kda": c.value_heads * (c.key_dim + 1)}[c.op]
+    gates = c.value_heads * bench.gate_elements(c)
     return (2 * c.batch * c.value_heads * c.key_dim * c.value_dim * states
             + tokens * (2 * c.heads * c.key_dim + 2 * c.value_heads * c.value_dim) * itemsize + tokens * gates * states)
 

@@ -64,7 +64,13 @@ KDA = Signature(
     ),
 )
 
-SIGNATURES: dict[str, Signature] = {signature.name: signature for signature in (SIMPLE_GLA, KDA)}
+GLA = Signature("gla", frozenset({"initial_state", "cu_seqlens", "output_final_state"}))
+GATED_DELTA_RULE = Signature(
+    "gated_delta_rule",
+    frozenset({"initial_state", "cu_seqlens", "output_final_state", "use_qk_l2norm", "grouped_value_heads"}),
+)
+
+SIGNATURES: dict[str, Signature] = {signature.name: signature for signature in (SIMPLE_GLA, KDA, GLA, GATED_DELTA_RULE)}
 
 
 def known_op(name: str, source: str) -> Signature:

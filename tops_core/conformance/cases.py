@@ -19,7 +19,7 @@ from tops_core.ops import op
 
 HEAD_DIMS = (64, 100, 128)
 OUT_OF_RANGE_DIMS = (64, 100, 128, 256, 32, 96, 512)
-GATES = {"simple_gla": ("g", "g_gamma"), "kda": ()}
+GATES = {"simple_gla": ("g", "g_gamma"), "kda": (), "gla": (), "gated_delta_rule": ()}
 # Boundaries inside a chunk and on one (64), at token 0, empty sequences first, inside and last, one-token
 # sequences, a sequence over several chunks; cases that change T resize the last sequence. The first
 # packing holds every one of these and runs by default; the others, each a few of them, with -m slow.

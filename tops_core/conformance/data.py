@@ -1,10 +1,11 @@
 """Test data as docs/ops.md prescribes, deterministic per case.
 
 ``q, k`` unit-normal times ``K ** -0.5`` (kda: L2-normalised unless the kernel normalises),
-``v`` unit-normal, ``g = log_sigmoid(normal) / 16``, ``g_gamma`` from ALiBi slopes (kda's gate
+``v`` unit-normal, ``g = log_sigmoid(normal) / 16`` (per token and head; per key for kda and gla),
+``g_gamma`` from ALiBi slopes (kda's gate
 computed in the op: raw ``normal - 3`` in the inputs' dtype, ``A_log = log(uniform(0.5, 2))``,
 ``dt_bias`` normal / 2, ``lower_bound = -5``; beta logits unit-normal), and strong
-decays (``g_gamma = -1``; ``g <= -1``; kda's every other key at ``-10``) that overflow a naive ``exp`` of the masked triangle,
+decays (``g_gamma = -1``; ``g <= -1``; per-key gates' every other key at ``-10``) that overflow a naive ``exp`` of the masked triangle,
 weak ones (``g_gamma = -2**-8``; ``g`` 16 times weaker than the default) under which the decay gradient cancels,
 and gates of ``-inf`` (``reset_mask``), which reset the state.
 """
@@ -92,20 +93,25 @@ def forward_inputs(case: Case) -> dict[str, Any]:
     if case.op == "simple_gla":
         q, k = q * K**-0.5, k * K**-0.5
         if "g" in features:
-            g = -1.0 - np.abs(rng.standard_normal((B, T, H))) if case.strong_decay else _log_sigmoid(rng.standard_normal((B, T, H))) / 16
-            g = g / 16 if case.weak_decay else g
-            inputs["g"] = jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, gate_dtype)
+            inputs["g"] = _per_head_log_decay(case, rng, (B, T, H))
         if "g_gamma" in features:
             g_gamma = -np.ones(H) if case.strong_decay else np.full(H, -(2.0**-8)) if case.weak_decay else alibi_g_gamma(H)
             if case.reset and "g" not in features:
                 g_gamma[0] = -np.inf
             inputs["g_gamma"] = jnp.asarray(g_gamma[0] if dict(case.ndims).get("g_gamma") == 0 else g_gamma, gate_dtype)
-    else:
+    elif case.op == "gla":
+        q, k = q * K**-0.5, k * K**-0.5
+        inputs["g"] = _per_key_log_decay(case, rng, (B, T, H, K))
+    else:  # the delta rule: kda, gated_delta_rule
         if "use_qk_l2norm" in features:
             inputs["use_qk_l2norm"] = True
         else:
             q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
-        inputs.update(_kda_gate_and_beta(case, rng, (B, T, HV, K)))
+        if case.op == "kda":
+            inputs.update(_kda_gate_and_beta(case, rng, (B, T, HV, K)))
+        else:
+            inputs.update(g=_per_head_log_decay(case, rng, (B, T, HV)),
+                          beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((B, T, HV)))), gate_dtype))
     inputs.update(q=jnp.asarray(q, dtype), k=jnp.asarray(k, dtype), v=jnp.asarray(v, dtype))
     if "initial_state" in features:
         inputs["initial_state"] = jnp.asarray(rng.standard_normal((_state_rows(case), HV, K, V)), gate_dtype)
@@ -114,6 +120,21 @@ def forward_inputs(case: Case) -> dict[str, Any]:
     if "cu_seqlens" in features:
         inputs["cu_seqlens"] = jnp.asarray(np.cumsum((0,) + tuple(case.seqlens)), jnp.int32)
     return inputs
+
+
+def _per_head_log_decay(case: Case, rng: np.random.Generator, shape: tuple[int, ...]) -> Any:
+    """A log decay per token and head ``[B, T, H]`` (simple_gla's ``g``, gated_delta_rule's), in float32 (float64)."""
+    g = -1.0 - np.abs(rng.standard_normal(shape)) if case.strong_decay else _log_sigmoid(rng.standard_normal(shape)) / 16
+    g = g / 16 if case.weak_decay else g
+    return jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, _gate_dtype(case))
+
+
+def _per_key_log_decay(case: Case, rng: np.random.Generator, shape: tuple[int, ...]) -> Any:
+    """A log decay per key ``[B, T, H, K]`` (kda's given as it is, gla's), in float32 (float64)."""
+    g = -1.0 - np.abs(rng.standard_normal(shape)) if case.strong_decay else _log_sigmoid(rng.standard_normal(shape)) / 16
+    if case.strong_decay:  # and every other key at -10: exp of its chunk sum underflows, of its negation overflows
+        g[..., ::2] = -10.0
+    return jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, _gate_dtype(case))
 
 
 def _kda_gate_and_beta(case: Case, rng: np.random.Generator, shape: tuple[int, ...]) -> dict[str, Any]:
@@ -132,10 +153,7 @@ def _kda_gate_and_beta(case: Case, rng: np.random.Generator, shape: tuple[int, .
         if "dt_bias" in features:
             inputs["dt_bias"] = jnp.asarray(rng.standard_normal(shape[2] * shape[3]) / 2, gate_dtype)
     else:
-        g = -1.0 - np.abs(rng.standard_normal(shape)) if case.strong_decay else _log_sigmoid(rng.standard_normal(shape)) / 16
-        if case.strong_decay:  # and every other key at -10: exp of its chunk sum underflows, of its negation overflows
-            g[..., ::2] = -10.0
-        inputs["g"] = jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, gate_dtype)
+        inputs["g"] = _per_key_log_decay(case, rng, shape)
     if "lower_bound" in features:
         inputs["lower_bound"] = LOWER_BOUND
     logits = rng.standard_normal(shape[:3])

@@ -185,6 +185,11 @@ class OpContract:
     def call_backward(self, fn: Any, prepared: Prepared, do: Any, dht: Any, config: Any) -> Any:
         raise NotImplementedError
 
+    def counted_flops_per_token(self, key_dim: int, value_dim: int, chunk_size: int) -> float:
+        """The forward's FLOPs per token and value head as this project counts them (``tops bench``'s ceiling):
+        the chunked algorithm's matrix products, causal triangles counted whole."""
+        raise NotImplementedError
+
     def expected_outputs(self, prepared: Prepared) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct | None]:
         """Shape and dtype of ``o`` (like ``v``) and of the final state (``None`` when not requested)."""
         v = prepared.arrays["v"]
@@ -499,6 +504,17 @@ class OpContract:
     be split over devices; ``n`` (sequences) is ``b`` when nothing is packed."""
 
     _DIMS_LIKE: ClassVar[Mapping[str, str]] = {"o": "v", "do": "v", "final_state": "initial_state", "dht": "initial_state"}
+
+    def gate_inputs(self, features: frozenset[str]) -> dict[str, str]:
+        """The per-token inputs besides ``q``, ``k`` and ``v`` that a call with ``features`` passes (``g``, ``beta``),
+        each with what one token and value head holds of it: ``"k"`` (one per key) or ``"1"``. Read from ``dims``:
+        an input with a time factor, given when it is not optional or is among the features."""
+        gates = {}
+        for name, dims in self.dims.items():
+            factors = dims.split()
+            if name not in ("q", "k", "v") and "t" in factors and (name not in self.features or name in features):
+                gates[name] = "k" if factors[-1] == "k" else "1"
+        return gates
 
     def _dims(self, name: str, ndim: int, prepared: Prepared) -> tuple[str, ...]:
         array = self._DIMS_LIKE.get(name, name if name in self.dims else name.removeprefix("d"))

@@ -353,6 +353,11 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         """``beta`` (``[B, T, HV]``): a NaN write strength makes the state NaN, whatever its activation."""
         return {**arrays, "beta": nan_where(bad, arrays["beta"])}
 
+    def counted_flops_per_token(self, key_dim: int, value_dim: int, chunk_size: int) -> float:
+        """``6KV`` (queries and keys against the state, the state update), ``4C(K+V)`` (``Aqk``, ``Akk``, the inverse
+        and ``Aqk`` against the writes) and ``2C^2/3`` (the blocked triangular inverse)."""
+        return 6 * key_dim * value_dim + 4 * chunk_size * (key_dim + value_dim) + 2 * chunk_size * chunk_size / 3
+
     def call_forward(self, fn: Forward, prepared: Prepared, config: Any):
         a = prepared.arrays
         return fn(

@@ -201,6 +201,10 @@ class SimpleGLA(OpContract, signature=SIMPLE_GLA):
             return super().poisoned(arrays, bad)
         return {**arrays, "g": nan_where(bad, arrays["g"])}
 
+    def counted_flops_per_token(self, key_dim: int, value_dim: int, chunk_size: int) -> float:
+        """``4KV`` (queries against the state, the state update) and ``2C(K+V)`` (scores, scores against values)."""
+        return 4 * key_dim * value_dim + 2 * chunk_size * (key_dim + value_dim)
+
     def call_forward(self, fn: Forward, prepared: Prepared, config: Any):
         a = prepared.arrays
         return fn(

@@ -73,9 +73,9 @@ class _Summary:
         if not worst:
             return
         terminalreporter.section("tops conformance: worst relative RMS error against the reference")
-        terminalreporter.write_line(f"{'op':<11}{'implementation':<22}{'dtype':<10}{'output':<16}{'error':>10}{'tolerance':>11}  case")
+        terminalreporter.write_line(f"{'op':<18}{'implementation':<22}{'dtype':<10}{'output':<16}{'error':>10}{'tolerance':>11}  case")
         for (op_name, impl, dtype, output), (error, tolerance, case_name) in sorted(worst.items()):
-            terminalreporter.write_line(f"{op_name:<11}{impl:<22}{dtype:<10}{output:<16}{error:>10.2e}{tolerance:>11.0e}  {case_name}")
+            terminalreporter.write_line(f"{op_name:<18}{impl:<22}{dtype:<10}{output:<16}{error:>10.2e}{tolerance:>11.0e}  {case_name}")
 
 
 def selected_implementations(config: pytest.Config) -> list:

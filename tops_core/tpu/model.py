@@ -26,10 +26,10 @@ them (read off the compiled program) at HBM bandwidth, in two settings:
 
 An implementation with its own backward is modelled backward too: its backward alone (``op.backward``,
 its kernels modelled the same way), against the backward's floor, which reads ``q``, ``k``, ``v``,
-``do`` and writes ``dq``, ``dk``, ``dv`` once (kda: also reads ``g``, ``beta`` and writes ``dg``, ``dbeta``;
-any other gradient, and recomputing the forward's states, is above it).
+``do`` and writes ``dq``, ``dk``, ``dv`` once, and reads each gate given per token (``g``, kda's ``beta``) and
+writes its gradient; any other gradient, and recomputing the forward's states, is above it.
 
-The floor time reads ``q``, ``k``, ``v`` (kda: and ``g``, ``beta``) and writes ``o`` once at HBM bandwidth. The per-generation
+The floor time reads ``q``, ``k``, ``v`` and the per-token gates and writes ``o`` once at HBM bandwidth. The per-generation
 constants (bandwidth, peak, clock, MXUs, VLIW slots) and their sources are in
 ``generations``. Not modelled: stalls (a DMA that is late, an MXU result not ready when
 popped), the pipeline's first and last steps beyond their bundles, and anything XLA overlaps across
@@ -143,19 +143,28 @@ class TpuModel:
         return self.workload.batch * self.workload.seq_len * self.workload.value_heads
 
     @property
+    def gates(self) -> dict[str, str]:
+        """The workload's per-token inputs besides q, k and v (``g``, ``beta``), each ``"k"`` (one per key) or ``"1"``."""
+        return op(self.workload.op).gate_inputs(self.workload.features)
+
+    @property
+    def gate_bytes(self) -> int:
+        """The gates' bytes, all tokens and value heads: in their accumulator dtype (float32, float64 for float64)."""
+        case = self.workload
+        per_token = sum(case.key_dim if size == "k" else 1 for size in self.gates.values())
+        return self.tokens * per_token * state_dtype(case.dtype).itemsize
+
+    @property
     def floor_bytes(self) -> int:
-        """Read q, k, v and write o once: ``B*T*(2*H*K + 2*HV*V)`` elements; kda also reads g and beta (``K + 1`` gate-dtype elements per value head)."""
+        """Read q, k, v and the gates and write o once: ``B*T*(2*H*K + 2*HV*V)`` elements and ``gate_bytes``."""
         case = self.workload
         per_token = 2 * case.heads * case.key_dim + 2 * case.value_heads * case.value_dim
-        floor = case.batch * case.seq_len * per_token * jnp.dtype(case.dtype).itemsize
-        if case.op == "kda":
-            floor += self.tokens * (case.key_dim + 1) * state_dtype(case.dtype).itemsize
-        return floor
+        return case.batch * case.seq_len * per_token * jnp.dtype(case.dtype).itemsize + self.gate_bytes
 
     @property
     def floor_reads(self) -> str:
         """What the floor reads, for the section's text."""
-        return "q, k, v, g, beta" if self.workload.op == "kda" else "q, k, v"
+        return ", ".join(("q", "k", "v", *self.gates))
 
     @property
     def cores(self) -> int:
@@ -172,21 +181,18 @@ class TpuModel:
 
     @property
     def backward_floor_bytes(self) -> int:
-        """Read q, k, v, do and write dq, dk, dv once: ``B*T*(4*H*K + 3*HV*V)`` elements; kda also reads g and beta and
-        writes dg and dbeta (``2 (K + 1)`` gate-dtype elements per value head)."""
+        """Read q, k, v, do and write dq, dk, dv once: ``B*T*(4*H*K + 3*HV*V)`` elements; and read each gate and
+        write its gradient (``2 gate_bytes``)."""
         case = self.workload
         per_token = 4 * case.heads * case.key_dim + 3 * case.value_heads * case.value_dim
-        floor = case.batch * case.seq_len * per_token * jnp.dtype(case.dtype).itemsize
-        if case.op == "kda":
-            floor += self.tokens * 2 * (case.key_dim + 1) * state_dtype(case.dtype).itemsize
-        return floor
+        return case.batch * case.seq_len * per_token * jnp.dtype(case.dtype).itemsize + 2 * self.gate_bytes
 
     @property
     def backward_floor_moves(self) -> str:
         """What the backward's floor reads and writes, for the section's text."""
-        if self.workload.op == "kda":
-            return "read q, k, v, g, beta, do and write dq, dk, dv, dg, dbeta once"
-        return "read q, k, v, do and write dq, dk, dv once"
+        reads = ", ".join(("q", "k", "v", *self.gates, "do"))
+        writes = ", ".join("d" + name for name in ("q", "k", "v", *self.gates))
+        return f"read {reads} and write {writes} once"
 
     @property
     def backward_floor_seconds(self) -> float:

@@ -12,9 +12,11 @@ import tops_core
 from tops_core import Capabilities, Implementation
 from tops_core.capabilities import FLOAT_DTYPES
 from tops_core.callspec import PLATFORMS
+from tops_core.ops.gated_delta_rule import GatedDeltaRule
+from tops_core.ops.gla import GLA
 from tops_core.ops.kda import KDA
 from tops_core.ops.simple_gla import SimpleGLA
-from tops_plugins_ref import kda, simple_gla
+from tops_plugins_ref import gated_delta_rule, gla, kda, simple_gla
 
 TOPS_CORE_API_VERSION = 1
 
@@ -35,7 +37,7 @@ def needs_a_cpu_device(spec) -> str | None:
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register ``ref.recurrent`` for simple_gla and kda."""
+    """Register ``ref.recurrent`` for every op."""
     register(Implementation(
         op="simple_gla",
         name="recurrent",
@@ -59,3 +61,15 @@ def tops_register_implementations(register):
         priority=LOWEST_PRIORITY,
         description="float64 token-by-token NumPy delta-rule scan on the CPU host (the oracle); exact hand-written reverse sweep",
     ))
+    for op, module, contract in (("gla", gla, GLA), ("gated_delta_rule", gated_delta_rule, GatedDeltaRule)):
+        register(Implementation(
+            op=op,
+            name="recurrent",
+            forward=module.forward,
+            backward=module.backward,
+            capabilities=Capabilities(
+                platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=contract.features, predicate=needs_a_cpu_device,
+            ),
+            priority=LOWEST_PRIORITY,
+            description="float64 token-by-token NumPy scan on the CPU host (the oracle); exact hand-written reverse sweep",
+        ))

@@ -8,7 +8,7 @@ import tops_core
 from tops_plugins_xla.config import ChunkConfig
 
 
-@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+@pytest.mark.parametrize("op", ["simple_gla", "kda", "gla"])
 def test_registered_with_its_default_config(op):
     impl = next(i for i in tops_core.op(op).implementations() if i.name == "xla.chunk")
     assert impl.config == ChunkConfig(chunk_size=64)

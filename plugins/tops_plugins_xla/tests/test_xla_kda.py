@@ -1,5 +1,5 @@
-"""xla.chunk for kda beyond the conformance grid: flash-linear-attention's own formulas, decays at
-their extremes, boundaries traced under jit, and the chunk size as a pure tuning knob."""
+"""xla.chunk for kda beyond the conformance grid: flash-linear-attention's own formulas and the chunk size as
+a pure tuning knob (extreme decays and traced boundaries: ``test_xla_extremes.py``)."""
 
 import jax
 import jax.numpy as jnp
@@ -117,73 +117,6 @@ def test_matches_flash_linear_attention_naive_kda(naive, use_qk_l2norm_in_kernel
                                use_qk_l2norm=use_qk_l2norm_in_kernel, implementation="xla.chunk")
         for name, got, want in (("o", o, want_o), ("final_state", state, want_state)):
             assert measure(name, got, jnp.asarray(want), tolerance("float64", gradient=False)).passed
-
-
-# -- decays at their extremes -------------------------------------------------------------------
-
-
-def extreme_gates(kind, shape, rng):
-    if kind == "-10 everywhere":
-        return np.full(shape, -10.0)
-    if kind == "uniform in [-10, 0]":
-        return -10 * rng.uniform(size=shape)
-    # Half the keys decay at -10 per token and the other half not at all: sums of -640 per chunk
-    # beside decays of exactly 1, and a token at -30 now and then.
-    g = np.where(rng.uniform(size=shape[-1:]) < 0.5, -10.0, 0.0) * np.ones(shape)
-    return np.where(rng.uniform(size=shape) < 0.05, -30.0, g)
-
-
-@pytest.mark.parametrize("kind", ["-10 everywhere", pytest.param("uniform in [-10, 0]", marks=pytest.mark.slow), "-10 or 0 per key"])
-def test_extreme_decays_stay_finite_and_accurate(kind):
-    """g as low as -10 per token and key, -640 across a chunk of 64: no Inf or NaN anywhere, and
-    float32 results within tolerance of the reference, forward and every gradient."""
-    rng = np.random.default_rng(1)
-    B, T, H, K, V = 1, 130, 2, 32, 16
-    q, k, do = (jnp.asarray(rng.standard_normal((B, T, H, n)), jnp.float32) for n in (K, K, V))
-    v = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32)
-    g = jnp.asarray(extreme_gates(kind, (B, T, H, K), rng), jnp.float32)
-    beta = jnp.asarray(rng.uniform(size=(B, T, H)), jnp.float32)
-    h0, dht = (jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32) for _ in range(2))
-    results = {}
-    for impl in ("xla.chunk", "ref.recurrent"):
-        o, final_state = KDA.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
-                                     implementation=impl)
-        grads = KDA.backward(q, k, v, g, beta, do, initial_state=h0, dht=dht, use_qk_l2norm=True, implementation=impl)
-        results[impl] = dict(o=o, final_state=final_state, **{name: getattr(grads, name) for name in GRADIENTS})
-    for name, got in results["xla.chunk"].items():
-        assert bool(jnp.isfinite(got).all()), name
-        measurement = measure(name, got, results["ref.recurrent"][name], tolerance("float32", gradient=name in GRADIENTS))
-        assert measurement.passed, measurement.describe()
-
-
-# -- boundaries traced under jit ---------------------------------------------------------------
-
-
-def test_traced_cu_seqlens_under_jit_forward_and_gradients():
-    rng = np.random.default_rng(2)
-    T, H, K, V = 150, 2, 32, 16
-    q, k = (jnp.asarray(rng.standard_normal((1, T, H, K)), jnp.float32) for _ in range(2))
-    v = jnp.asarray(rng.standard_normal((1, T, H, V)), jnp.float32)
-    g = jnp.asarray(-np.abs(rng.standard_normal((1, T, H, K))) / 4, jnp.float32)
-    beta = jnp.asarray(rng.uniform(size=(1, T, H)), jnp.float32)
-    h0 = jnp.asarray(rng.standard_normal((4, H, K, V)), jnp.float32)
-
-    def loss(impl, q, k, v, g, beta, h0, cu_seqlens):
-        o, final_state = KDA.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
-                                     use_qk_l2norm=True, implementation=impl)
-        return jnp.sum(o * jnp.cos(o)) + jnp.sum(final_state**2), (o, final_state)
-
-    chunked = jax.jit(jax.value_and_grad(lambda *a: loss("xla.chunk", *a), argnums=tuple(range(6)), has_aux=True))
-    for boundaries in ([0, 0, 1, 70, 150], [0, 64, 65, 129, 150]):  # the same compiled program for both
-        cu_seqlens = jnp.asarray(boundaries, jnp.int32)
-        (_, got), got_grads = chunked(q, k, v, g, beta, h0, cu_seqlens)
-        (_, want), want_grads = jax.value_and_grad(lambda *a: loss("ref.recurrent", *a), argnums=tuple(range(6)),
-                                                   has_aux=True)(q, k, v, g, beta, h0, cu_seqlens)
-        for name, x, ref in zip(("o", "final_state"), got, want):
-            assert measure(name, x, ref, tolerance("float32", gradient=False)).passed, name
-        for name, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"), got_grads, want_grads):
-            assert measure(name, x, ref, tolerance("float32", gradient=True)).passed, name
-    assert chunked._cache_size() == 1
 
 
 # -- the chunk size ------------------------------------------------------------------------------

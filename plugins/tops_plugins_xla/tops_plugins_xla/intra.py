@@ -20,15 +20,18 @@ Nothing above the diagonal is ever formed, and a factor only underflows where th
 is smaller still. Each level is one batched product per block pair; the diagonal ``i == j``
 carries no decay.
 
-**Exponents without cancellation.** The exponents are never differences of cumulative gates:
-``b_i - r`` is the sum of ``g`` over the later block up to ``i`` (a prefix sum inside the block)
-and ``r - b_j`` the sum over the earlier block after ``j`` (an exclusive suffix sum). Both are
-built bottom-up along the same halving, with the block totals, and the last level yields the
-chunk's own prefix sums ``b``, exclusive suffix sums ``b_C - b`` and total ``b_C``. Each exponent
-is thus accurate relative to its own size: ``b_i - b_j`` taken as a difference would carry the
-rounding of ``b`` itself (``1e-5`` relative at ``|b| = 600`` in float32) into decays near 1.
-The gradient of ``g`` flows back along the same sums (``GateCotangents``), so ``dg`` adds, for
-each token, the terms of the pairs whose decay spans it, and nothing cancels.
+**Decays without cancellation.** No exponent is ever a difference of cumulative gates:
+``exp(b_i - r)`` is the product of ``exp(g)`` over the later block up to ``i`` (a prefix product
+inside the block) and ``exp(r - b_j)`` the product over the earlier block after ``j`` (an exclusive
+suffix product). Both are built bottom-up along the same halving, with the block totals, and the
+last level yields the chunk's own ``exp(b)``, ``exp(b_C - b)`` and ``exp(b_C)``. Each decay is thus
+accurate relative to its own size: ``exp(b_i - b_j)`` taken from a difference would carry the
+rounding of ``b`` itself (``1e-5`` relative at ``|b| = 600`` in float32) into decays near 1. A
+product of ``exp(g)``, each factor at most 1, never passes below its final value on the way, so
+it underflows only where the exact decay does; and one ``exp`` per token and key, where summing
+the exponents first took one per level. The gradient of ``g`` flows back along the same halving in
+exponent space (``DecayCotangents``), so ``dg`` adds, for each token, the terms of the pairs whose
+decay spans it, and nothing cancels.
 
 **Inverse.** It is built along the same levels, exactly: for a unit lower-triangular block
 matrix ``[[M_11, 0], [M_21, M_22]]`` the inverse is ``[[M_11^-1, 0], [-M_22^-1 M_21 M_11^-1,
@@ -91,26 +94,27 @@ class DecayCotangents:
 
 
 def decays(g: Array) -> Decays:
-    """The decays of a chunk with log decays ``g`` (``[..., C, K]``), exponents summed along the halving.
+    """The decays of a chunk with log decays ``g`` (``[..., C, K]``), as products along the halving.
 
-    ``sums`` holds each token's inclusive prefix sum and exclusive suffix sum inside its block
-    (``[2, ..., C, K]``), ``total`` each block's sum (``[..., blocks, K]``); blocks start as
-    single tokens.
+    ``running`` holds each token's inclusive prefix product and exclusive suffix product of ``exp(g)``
+    inside its block (``[2, ..., C, K]``), ``total`` each block's product (``[..., blocks, K]``); blocks
+    start as single tokens.
     """
     C = g.shape[-2]
-    sums, total = jnp.stack([g, jnp.zeros_like(g)]), g
+    token = jnp.exp(g)
+    running, total = jnp.stack([token, jnp.ones_like(token)]), token
     result = []
     size = 1
     while size < C:
-        earlier, later = halves(sums, size)
+        earlier, later = halves(running, size)
         total_earlier, total_later = halves(total, 1)
-        result.append(Level(size, jnp.exp(later[0]), jnp.exp(earlier[1])))
-        zeros = jnp.zeros_like(total_earlier)
-        # The later half's prefix sums start after the earlier half; the earlier half's suffix sums run on through the later.
-        sums = join(earlier + jnp.stack([zeros, total_later]), later + jnp.stack([total_earlier, zeros]))
-        total = (total_earlier + total_later)[..., 0, :]
+        result.append(Level(size, later[0], earlier[1]))
+        ones = jnp.ones_like(total_earlier)
+        # The later half's prefix products start after the earlier half; the earlier half's suffix products run on through the later.
+        running = join(earlier * jnp.stack([ones, total_later]), later * jnp.stack([total_earlier, ones]))
+        total = (total_earlier * total_later)[..., 0, :]
         size *= 2
-    return Decays(tuple(result), jnp.exp(sums[0]), jnp.exp(sums[1]), jnp.exp(total))
+    return Decays(tuple(result), running[0], running[1], total)
 
 
 def decays_backward(d: DecayCotangents) -> Array:

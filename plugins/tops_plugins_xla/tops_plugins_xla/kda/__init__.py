@@ -1,4 +1,4 @@
-"""KDA, chunked, in plain jax.numpy (``xla.chunk``): the sweeps in ``chunk``, one chunk's pair products in ``intra``."""
+"""KDA, chunked, in plain jax.numpy (``xla.chunk``): its entry points in ``chunk``, the sweeps in ``tops_plugins_xla.delta_rule``."""
 
 from tops_plugins_xla.kda.chunk import backward, forward
 

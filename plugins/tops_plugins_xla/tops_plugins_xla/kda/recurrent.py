@@ -23,12 +23,13 @@ def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_se
             use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False):
     """``(o, final_state)`` of kda (the ``Forward`` protocol of ``tops_core.ops.kda``); no ``cu_seqlens``."""
     del cu_seqlens, config  # the capabilities leave packed calls out; nothing to tune
-    return _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, scale=scale, output_final_state=output_final_state,
+    return step_all(q, k, v, g, beta, A_log, dt_bias, initial_state, scale=scale, output_final_state=output_final_state,
                     use_qk_l2norm=use_qk_l2norm, activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm", "activations"))
-def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, *, scale, output_final_state, use_qk_l2norm, activations):
+def step_all(q, k, v, g, beta, A_log, dt_bias, initial_state, *, scale, output_final_state, use_qk_l2norm, activations):
+    """Every token in turn: ``g`` per key ``[B, T, HV, K]``, or ``[B, T, HV, 1]`` one gate per head."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     dtype = state_dtype(q.dtype)

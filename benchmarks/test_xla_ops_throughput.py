@@ -1,11 +1,13 @@
-"""Throughput of xla.chunk for kda against simple_gla's xla.chunk, measured in the same process.
+"""Throughput of xla.chunk for kda, gla and gated_delta_rule against simple_gla's xla.chunk, measured in the same process.
 
-    pytest benchmarks/test_xla_kda_throughput.py --benchmark-only   # timings, one group per comparison
-    python -m benchmarks.test_xla_kda_throughput                   # ratios, GFLOP/s, shares (from the repository root)
+    pytest benchmarks/test_xla_ops_throughput.py --benchmark-only   # timings, one group per comparison
+    python -m benchmarks.test_xla_ops_throughput                   # ratios, GFLOP/s, shares (from the repository root)
 
 Same shape as the simple_gla report (``benchmarks/test_xla_throughput.py``): B=2, T=4096, H=8,
 K=V=128, float32, chunk 64. kda runs with ``use_qk_l2norm`` (as ``tops bench kda`` does) and per-key
-gates ``g = log_sigmoid(normal) / 16``; simple_gla with ALiBi ``g_gamma``, as in its report.
+gates ``g = log_sigmoid(normal) / 16``; gla with the same gates; simple_gla with ALiBi ``g_gamma``, as in
+its report. gla counts simple_gla's FLOPs (its per-key decays ride on the same products);
+gated_delta_rule (``use_qk_l2norm``, ``g = log_sigmoid(normal) / 16`` per head) counts kda's.
 
 FLOPs of the kda forward, per token and head, counting the chunked algorithm's matrix products
 with triangles whole: ``6KV`` (queries and keys against the state, the state update), ``4CK``
@@ -56,29 +58,65 @@ def kda_programs(seq_len: int = T, chunk_size: int = CHUNK):
     return jax.jit(forward), (q, k, v, g, beta), forward_backward, (q, k, v, g, beta, do)
 
 
+def gla_programs(seq_len: int = T, chunk_size: int = CHUNK):
+    """Jitted forward and forward+backward of gla's xla.chunk through the public op, with their inputs."""
+    op = tops_core.op("gla")
+    implementation = ("xla.chunk", {"chunk_size": chunk_size})
+
+    def forward(q, k, v, g):
+        return op.forward(q, k, v, g, implementation=implementation)[0]
+
+    def loss(q, k, v, g, do):
+        return jnp.sum(forward(q, k, v, g) * do)
+
+    q, k, v, _, do = inputs(seq_len)
+    g = jax.nn.log_sigmoid(jax.random.normal(jax.random.PRNGKey(3), (B, seq_len, H, K), jnp.float32)) / 16
+    return jax.jit(forward), (q, k, v, g), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))), (q, k, v, g, do)
+
+
+def gated_delta_rule_programs(seq_len: int = T, chunk_size: int = CHUNK):
+    """Jitted forward and forward+backward of gated_delta_rule's xla.chunk through the public op, with their inputs."""
+    op = tops_core.op("gated_delta_rule")
+    implementation = ("xla.chunk", {"chunk_size": chunk_size})
+
+    def forward(q, k, v, g, beta):
+        return op.forward(q, k, v, g, beta, use_qk_l2norm=True, implementation=implementation)[0]
+
+    def loss(q, k, v, g, beta, do):
+        return jnp.sum(forward(q, k, v, g, beta) * do)
+
+    q, k, v, _, do = inputs(seq_len)
+    keys = jax.random.split(jax.random.PRNGKey(4), 2)
+    g = jax.nn.log_sigmoid(jax.random.normal(keys[0], (B, seq_len, H), jnp.float32)) / 16
+    beta = jax.nn.sigmoid(jax.random.normal(keys[1], (B, seq_len, H), jnp.float32))
+    forward_backward = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+    return jax.jit(forward), (q, k, v, g, beta), forward_backward, (q, k, v, g, beta, do)
+
+
 # -- pytest-benchmark: one group per comparison -----------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def programs():
-    return {"kda": kda_programs(), "simple_gla": simple_gla_programs()}
+    return {"kda": kda_programs(), "gla": gla_programs(), "gated_delta_rule": gated_delta_rule_programs(),
+            "simple_gla": simple_gla_programs()}
 
 
-@pytest.mark.parametrize("op_name", ["kda", "simple_gla"])
+@pytest.mark.parametrize("op_name", ["kda", "gla", "gated_delta_rule", "simple_gla"])
 def test_forward(benchmark, programs, op_name):
     forward, args, _, _ = programs[op_name]
-    run(benchmark, "kda-vs-simple_gla-forward", ready(forward, args))
+    run(benchmark, "ops-vs-simple_gla-forward", ready(forward, args))
 
 
-@pytest.mark.parametrize("op_name", ["kda", "simple_gla"])
+@pytest.mark.parametrize("op_name", ["kda", "gla", "gated_delta_rule", "simple_gla"])
 def test_forward_backward(benchmark, programs, op_name):
     _, _, forward_backward, args = programs[op_name]
-    run(benchmark, "kda-vs-simple_gla-forward-backward", ready(forward_backward, args))
+    run(benchmark, "ops-vs-simple_gla-forward-backward", ready(forward_backward, args))
 
 
 def test_flat_product(benchmark):
     program, args, _ = product_programs()["flat product"]
-    run(benchmark, "kda-vs-simple_gla-forward", ready(program, args))
+    run(benchmark, "ops-vs-simple_gla-forward", ready(program, args))
 
 
 @pytest.mark.parametrize("chunk_size", [32, 64, 128])
@@ -92,42 +130,40 @@ def test_kda_forward_chunk_size(benchmark, chunk_size):
 
 def report(rounds: int = 7) -> None:
     matmul, matmul_args, matmul_flops = matmul_program()
-    sg_forward, sg_args, sg_forward_backward, sg_fb_args = simple_gla_programs()
-    kda_forward, kda_args, kda_forward_backward, kda_fb_args = kda_programs()
     flat, flat_args, flat_flops = product_programs()["flat product"]
-    calls = {
-        "matmul": ready(matmul, matmul_args),
-        "flat product": ready(flat, flat_args),
-        "simple_gla forward": ready(sg_forward, sg_args),
-        "kda forward": ready(kda_forward, kda_args),
-        "simple_gla fwd+bwd": ready(sg_forward_backward, sg_fb_args),
-        "kda fwd+bwd": ready(kda_forward_backward, kda_fb_args),
-    }
+    calls = {"matmul": ready(matmul, matmul_args), "flat product": ready(flat, flat_args)}
+    programs = {"simple_gla": simple_gla_programs(), "kda": kda_programs(), "gla": gla_programs(),
+                "gated_delta_rule": gated_delta_rule_programs()}
+    for direction, index in (("forward", 0), ("fwd+bwd", 2)):
+        for op_name, program in programs.items():
+            calls[f"{op_name} {direction}"] = ready(program[index], program[index + 1])
     for chunk_size in (32, 128):
         forward, args, _, _ = kda_programs(chunk_size=chunk_size)
         calls[f"kda forward, chunk {chunk_size}"] = ready(forward, args)
     timings = interleaved_timings(calls, rounds)
     sg_flops, kda_flops = forward_flops(T, CHUNK), kda_forward_flops(T, CHUNK)
-    flops = {"matmul": matmul_flops, "flat product": flat_flops, "simple_gla forward": sg_flops, "kda forward": kda_flops,
-             "simple_gla fwd+bwd": 3 * sg_flops, "kda fwd+bwd": 3 * kda_flops}
+    flops = {"matmul": matmul_flops, "flat product": flat_flops}
+    for op_name, op_flops in (("simple_gla", sg_flops), ("kda", kda_flops), ("gla", sg_flops), ("gated_delta_rule", kda_flops)):
+        flops |= {f"{op_name} forward": op_flops, f"{op_name} fwd+bwd": 3 * op_flops}
     rate = {name: flops[name] / timings[name][0] / 1e9 for name in flops}
 
     print(f"B={B} T={T} H={H} K={K} V={V} float32, chunk {CHUNK}; {jax.devices()[0].device_kind}; "
           f"medians of {rounds} interleaved rounds (wall, and CPU time of all threads)")
     for name, (wall, cpu) in timings.items():
-        line = f"  {name:24s} {wall * 1e3:8.1f} ms wall {cpu * 1e3:8.1f} ms CPU"
+        line = f"  {name:30s} {wall * 1e3:8.1f} ms wall {cpu * 1e3:8.1f} ms CPU"
         if name in rate:
             line += f"  {rate[name]:6.1f} GFLOP/s"
             if name != "matmul":
                 line += f"  {rate[name] / rate['matmul']:4.0%} of the matmul"
-            if name.startswith("kda") or name.startswith("simple_gla"):
+            if name not in ("matmul", "flat product"):
                 line += f", {rate[name] / rate['flat product']:4.0%} of the flat product"
         print(line)
-    for direction in ("forward", "fwd+bwd"):
-        kda_wall, kda_cpu = timings[f"kda {direction}"]
-        sg_wall, sg_cpu = timings[f"simple_gla {direction}"]
-        print(f"kda / simple_gla {direction}: {kda_wall / sg_wall:.2f}x wall, {kda_cpu / sg_cpu:.2f}x CPU time"
-              f" (kda counts {kda_flops / sg_flops:.2f}x the FLOPs)")
+    for op_name in ("kda", "gla", "gated_delta_rule"):
+        for direction in ("forward", "fwd+bwd"):
+            wall, cpu = timings[f"{op_name} {direction}"]
+            sg_wall, sg_cpu = timings[f"simple_gla {direction}"]
+            print(f"{op_name} / simple_gla {direction}: {wall / sg_wall:.2f}x wall, {cpu / sg_cpu:.2f}x CPU time"
+                  f" ({op_name} counts {flops[f'{op_name} forward'] / sg_flops:.2f}x the FLOPs)")
 
 
 if __name__ == "__main__":
