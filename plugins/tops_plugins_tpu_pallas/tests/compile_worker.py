@@ -12,7 +12,7 @@ Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
 text of ``tops bench``'s modelled TPU section; ``{"decode": {...}}`` compiles a decode step as a server
-runs it (or a packed prefill of ``num_seqs`` sequences), the dispatcher choosing: a state pool of ``pool`` rows
+runs it (or a packed prefill of ``num_seqs`` sequences; any op), the dispatcher choosing: a state pool of ``pool`` rows
 (or a dense state, or none) donated, the final state returned (``aliased``: whether the compiled program returns the pool in its input's buffer;
 ``moved_states``: the states XLA gathers or scatters around the kernels).
 """
@@ -74,6 +74,22 @@ def _kda_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
     return arrays
 
 
+def _decode_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
+    """A decode call's token inputs: kda's and simple_gla's as their compile calls take them; gla's gate per key and
+    gated_delta_rule's per value head (with beta), float32."""
+    B, T, H, HV, K, V = (call[name] for name in ("B", "T", "H", "HV", "K", "V"))
+    if call["op"] == "kda":
+        return _kda_arrays({**call, "groups": HV // H, "initial_state": False})
+    if call["op"] == "simple_gla":
+        return _arrays({**call, "initial_state": False})
+    dtype = jnp.dtype(call["dtype"])
+    arrays = {"q": jax.ShapeDtypeStruct((B, T, H, K), dtype), "k": jax.ShapeDtypeStruct((B, T, H, K), dtype),
+              "v": jax.ShapeDtypeStruct((B, T, HV, V), dtype)}
+    if call["op"] == "gla":
+        return {**arrays, "g": jax.ShapeDtypeStruct((B, T, HV, K), jnp.float32)}
+    return {**arrays, "g": jax.ShapeDtypeStruct((B, T, HV), jnp.float32), "beta": jax.ShapeDtypeStruct((B, T, HV), jnp.float32)}
+
+
 def _kda_forward(call: dict):
     """kda's forward through the public op and ``tpu_pallas.<kernel>`` (or ``implementation``), with the call's activation options."""
     options = {name: call[name] for name in ("use_gate", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval") if name in call}
@@ -133,15 +149,14 @@ def bench_section(request: dict) -> str:
 
 
 def compile_decode(call: dict) -> tuple[compile_only.ProgramFacts, bool, list[str]]:
-    B, T, H, HV, K, V, P = (call[name] for name in ("B", "T", "H", "HV", "K", "V", "pool"))
-    dtype = jnp.dtype(call["dtype"])
-    arrays = _kda_arrays({**call, "groups": HV // H, "initial_state": False}) if call["op"] == "kda" else _arrays({**call, "initial_state": False})
+    B, HV, K, V, P = (call[name] for name in ("B", "HV", "K", "V", "pool"))
+    arrays = _decode_arrays(call)
     options = {name: call[name] for name in ("use_qk_l2norm", "use_gate", "lower_bound", "use_beta_sigmoid") if name in call}
     num_seqs = call.get("num_seqs") or B  # a packed prefill with num_seqs (B == 1)
     if P is not None:
         arrays["ssm_state_indices"] = jax.ShapeDtypeStruct((num_seqs,), jnp.int32)
     state = None if call["state"] is None else jax.ShapeDtypeStruct((P or num_seqs, HV, K, V), jnp.float32)
-    contract = kda if call["op"] == "kda" else sg
+    contract = tops_core.op(call["op"])
 
     def step(state, arrays):
         return contract.forward(**arrays, initial_state=state, output_final_state=True, **options)

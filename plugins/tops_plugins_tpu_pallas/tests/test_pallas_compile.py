@@ -542,6 +542,8 @@ DECODE_CALLS = [
     dict(op="kda", B=16, T=1, H=2, HV=8, K=128, V=128, dtype="bfloat16", pool=33, state="pool", use_gate=True, lower_bound=-5.0,
          use_qk_l2norm=True, use_beta_sigmoid=True, A_log=True, dt_bias=True),
     dict(op="kda", B=4, T=4, H=4, HV=4, K=100, V=64, dtype="float32", pool=9, state="pool", use_qk_l2norm=False),
+    dict(op="gla", B=16, T=1, H=8, HV=8, K=128, V=128, dtype="bfloat16", pool=40, state="pool"),
+    dict(op="gated_delta_rule", B=16, T=2, H=2, HV=8, K=128, V=128, dtype="bfloat16", pool=33, state="pool", use_qk_l2norm=True),
 ]
 
 

@@ -1,6 +1,7 @@
 """Pallas TPU kernels for the tops ops: ``tpu_pallas.fused``, ``tpu_pallas.chunk`` and, for packed
 sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla); ``tpu_pallas.fused`` and, packed,
-``tpu_pallas.varlen`` for kda (``kda/``); ``tpu_pallas.recurrent`` for both, decode steps on a state pool in place.
+``tpu_pallas.varlen`` for kda (``kda/``); ``tpu_pallas.recurrent`` for every op (gla's and gated_delta_rule's only that
+so far), decode steps on a state pool in place.
 
 Each simple_gla kernel has its own backward (``backward_fused``, ``backward_split``,
 ``backward_varlen``), and so have kda's fused and packed kernels (``kda.backward``, one for both). All run natively on TPU and, with interpret mode on, in Pallas' TPU
@@ -15,7 +16,7 @@ import jax
 import tops_core
 from tops_core.tpu.generations import GENERATIONS
 
-from tops_plugins_tpu_pallas import grid, kda, launch, recurrent, simple_gla
+from tops_plugins_tpu_pallas import gated_delta_rule, gla, grid, kda, launch, recurrent, simple_gla
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, backward_split, backward_varlen, chunk, fused, varlen
 
 TOPS_CORE_API_VERSION = 1
@@ -305,11 +306,17 @@ def _recurrent(op: str, forward, features: set[str], label: str) -> tops_core.Im
 
 RECURRENT = _recurrent("simple_gla", simple_gla.recurrent.forward, _SIMPLE_GLA_FEATURES, "simple_gla")
 KDA_RECURRENT = _recurrent("kda", kda.recurrent.forward, {"initial_state", "output_final_state"} | _KDA_OPTIONS, "KDA")
+GLA_RECURRENT = _recurrent("gla", gla.recurrent.forward, {"initial_state", "output_final_state"}, "GLA")
+GATED_DELTA_RULE_RECURRENT = _recurrent(
+    "gated_delta_rule", gated_delta_rule.recurrent.forward,
+    {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"}, "the gated delta rule",
+)
 
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register the simple_gla kernels and kda's (unpacked and packed), each with its own backward, and the decode kernels."""
+    """Register the simple_gla kernels and kda's (unpacked and packed), each with its own backward, and the decode kernels
+    (gla's and gated_delta_rule's too)."""
     register(FUSED)
     register(CHUNK)
     register(VARLEN)
@@ -317,3 +324,5 @@ def tops_register_implementations(register):
     register(KDA_VARLEN)
     register(RECURRENT)
     register(KDA_RECURRENT)
+    register(GLA_RECURRENT)
+    register(GATED_DELTA_RULE_RECURRENT)

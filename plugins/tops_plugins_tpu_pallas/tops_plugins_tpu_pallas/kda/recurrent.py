@@ -22,13 +22,14 @@ def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_se
     (``Implementation.serves_pools``); no ``cu_seqlens``."""
     del cu_seqlens  # the capabilities leave packed calls out
     activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval)
-    return _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, ssm_state_indices, scale=scale,
-                    output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, activations=activations, config=config)
+    return run(q, k, v, g, beta, A_log, dt_bias, initial_state, ssm_state_indices, scale=scale,
+               output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm, activations=activations, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm", "activations", "config"))
-def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, ssm_state_indices, *, scale, output_final_state, use_qk_l2norm,
-             activations, config):
+def run(q, k, v, g, beta, A_log, dt_bias, initial_state, ssm_state_indices, *, scale, output_final_state, use_qk_l2norm,
+        activations, config):
+    """The decode kernel on ``g`` per key ``[B, T, HV, K]`` as the call gives it (raw with ``activations.use_gate``)."""
     groups = v.shape[2] // q.shape[2]
     q, k, log_decay, strength = token_inputs(
         q, k, g, beta, A_log, dt_bias, activations=activations, use_qk_l2norm=use_qk_l2norm, dtype=_F32,
