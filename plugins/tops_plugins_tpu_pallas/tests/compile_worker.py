@@ -7,7 +7,8 @@ line on stdin and answers each with one JSON line on stdout: the facts of the co
 
 Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<kernel>`` or, given
 ``"implementation"``, of that one (null: the dispatcher's choice) (simple_gla, packed with traced
-``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"``, with the activation options it names, and
+``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"`` (gated_delta_rule likewise), with the activation
+options it names, and
 ``groups`` value heads per query/key head), or with ``"gradient": true`` the
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
@@ -32,7 +33,7 @@ from tops_core.tpu import compile_only, model as tpu_model
 from tops_core.bench import workload
 
 sg = tops_core.op("simple_gla")
-kda = tops_core.op("kda")
+DELTA_RULE_OPS = ("kda", "gated_delta_rule")
 
 
 def _arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
@@ -53,14 +54,15 @@ def _arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def _kda_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
-    """kda's inputs; with ``groups``, ``groups * H`` value heads, and the raw gate and beta logits in the call's dtype when activated."""
+    """kda's inputs (gated_delta_rule's: ``g`` per value head); with ``groups``, ``groups * H`` value heads, and the raw gate
+    and beta logits in the call's dtype when activated."""
     B, T, H, K, V = (call[name] for name in ("B", "T", "H", "K", "V"))
     HV = H * call.get("groups", 1)
     dtype = jnp.dtype(call["dtype"])
     arrays = {
         "q": jax.ShapeDtypeStruct((B, T, H, K), dtype), "k": jax.ShapeDtypeStruct((B, T, H, K), dtype),
         "v": jax.ShapeDtypeStruct((B, T, HV, V), dtype),
-        "g": jax.ShapeDtypeStruct((B, T, HV, K), dtype if call.get("use_gate") else jnp.float32),
+        "g": jax.ShapeDtypeStruct((B, T, HV) if call.get("op") == "gated_delta_rule" else (B, T, HV, K), dtype if call.get("use_gate") else jnp.float32),
         "beta": jax.ShapeDtypeStruct((B, T, HV), dtype if call.get("use_beta_sigmoid") else jnp.float32),
     }
     if call["initial_state"]:  # one per sequence when packed
@@ -91,18 +93,20 @@ def _decode_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def _kda_forward(call: dict):
-    """kda's forward through the public op and ``tpu_pallas.<kernel>`` (or ``implementation``), with the call's activation options."""
+    """kda's (or gated_delta_rule's) forward through the public op and ``tpu_pallas.<kernel>`` (or ``implementation``), with
+    the call's activation options."""
     options = {name: call[name] for name in ("use_gate", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval") if name in call}
+    contract = tops_core.op(call["op"])
 
     def forward(arrays):
-        return kda.forward(**arrays, output_final_state=call["final_state"], use_qk_l2norm=call["use_qk_l2norm"],
+        return contract.forward(**arrays, output_final_state=call["final_state"], use_qk_l2norm=call["use_qk_l2norm"],
                            implementation=call.get("implementation", f"tpu_pallas.{call['kernel']}"), **options)
 
     return forward
 
 
 def _forward(call: dict):
-    if call.get("op") == "kda":
+    if call.get("op") in DELTA_RULE_OPS:
         return _kda_forward(call)
 
     def forward(arrays):
@@ -124,7 +128,7 @@ def _loss(call: dict):
 
 def compile_call(call: dict) -> compile_only.ProgramFacts:
     function = jax.value_and_grad(_loss(call), allow_int=True) if call.get("gradient") else _forward(call)  # cu_seqlens: int
-    arrays = _kda_arrays(call) if call.get("op") == "kda" else _arrays(call)
+    arrays = _kda_arrays(call) if call.get("op") in DELTA_RULE_OPS else _arrays(call)
     return compile_only.ProgramFacts.of(compile_only.compile_for(call["generation"], function, arrays))
 
 

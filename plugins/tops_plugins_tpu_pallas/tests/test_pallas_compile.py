@@ -381,6 +381,26 @@ def test_kda_gradient_compiles_the_forward_and_its_own_backward(worker, call):
     assert facts["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
 
 
+# -- gated_delta_rule: tpu_pallas.fused (forward; its gradient is xla.chunk's) ---------------------------
+
+
+def _gdn_call(call: dict) -> dict:
+    return {**call, "op": "gated_delta_rule", "kernel": "fused", "groups": 2}
+
+
+@pytest.mark.parametrize("call", _kda_default_calls(), ids=lambda call: "gated_delta_rule" + _kda_label(call).removeprefix("kda"))
+def test_gated_delta_rule_forward_compiles_to_the_mosaic_kernel(worker, call):
+    facts = compile_call(worker, _gdn_call(call))
+    assert facts["kernels"] == 1
+    assert facts["implementations"] == ["tpu_pallas.fused.forward"]
+
+
+def test_gated_delta_rule_gradient_pairs_the_mosaic_forward_with_xla_chunk(worker):
+    facts = compile_call(worker, _gdn_call(KDA_GRADIENTS[3]), gradient=True)
+    assert facts["kernels"] == 1
+    assert facts["implementations"] == ["tpu_pallas.fused.forward", "xla.chunk.backward"]
+
+
 # Grouped value heads, the raw gate and beta logits in bf16, activated in the kernel: each gate form on
 # one generation, through the plugin's forward (the op passes these options once its wiring lands).
 KDA_ACTIVATED = tuple(

@@ -245,6 +245,24 @@ KDA_FUSED = tops_core.Implementation(
 )
 
 
+GATED_DELTA_RULE_FUSED = tops_core.Implementation(
+    op="gated_delta_rule",
+    name="fused",
+    forward=gated_delta_rule.fused.forward,
+    # No backward yet: the dispatcher pairs this forward with xla.chunk's backward (explain says so).
+    capabilities=_capabilities(
+        _fits_vmem(KDA_FUSED_CONFIG, (gated_delta_rule.fused.geometry_of, gated_delta_rule.fused.plans)),
+        {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"},
+    ),
+    priority={"tpu": 200},
+    config=KDA_FUSED_CONFIG,
+    description=(
+        "forward only: one pallas_call on kda's fused grid, state in VMEM, the pair products of its gate per head dense "
+        "and kda's exact per-chunk inverse"
+    ),
+)
+
+
 KDA_PACKED_BACKWARD_UNCOMPILABLE = frozenset({"v5e", "v5p"})
 """Chips whose compiler (libtpu 0.0.52) stops on kda's packed gradients kernel: an internal check of its MXU pass
 (``RET_CHECK ... mxu_lmr_transform.cc ... XposeSequenceAssignment::kLmrWontHelp``) fails on the loops over a chunk's
@@ -322,6 +340,7 @@ def tops_register_implementations(register):
     register(VARLEN)
     register(KDA_FUSED)
     register(KDA_VARLEN)
+    register(GATED_DELTA_RULE_FUSED)
     register(RECURRENT)
     register(KDA_RECURRENT)
     register(GLA_RECURRENT)

@@ -264,7 +264,7 @@ def crossings(resets: jax.Array) -> jax.Array:
     return matmul(up_to_i, after_j, jnp.bfloat16)
 
 
-def _level_pairs_mask(chunk_size: int, size: int) -> jax.Array:
+def level_pairs_mask(chunk_size: int, size: int) -> jax.Array:
     """``(C, C)``: the pairs of level ``size``, the later half of a ``2 size``-block's rows with its earlier half's columns."""
     i, j = row_and_column_iotas(chunk_size)
     return (_block(i, 2 * size) == _block(j, 2 * size)) & _in_later_half(i, size) & ~_in_later_half(j, size)
@@ -302,7 +302,7 @@ def _exact_inverses_forward(every_levels, operands):
 
 def _exact_inverses_cotangents(operands, inverses, dinverses):
     C = inverses[0].shape[0]
-    masks = [_level_pairs_mask(C, size) for size in level_sizes(C)]
+    masks = [level_pairs_mask(C, size) for size in level_sizes(C)]
     every_dlevels = []
     for inverse, dinverse in zip(inverses, dinverses):
         dn = -matmul(matmul(inverse, dinverse, operands, COLUMNS_BY_COLUMNS), inverse, operands, ROWS_BY_ROWS)
@@ -340,7 +340,7 @@ def interleaved_pairs(chunks, operands) -> list[Pairs]:
             aqk[n] = aqk[n] + jnp.where(kept, products[C:], 0.0)
             beta_akk = beta * jnp.where(kept, products[:C], 0.0)
             # The fine levels' P_t are masks of the one sub-chunk matrix.
-            every_levels[n].extend(jnp.where(_level_pairs_mask(C, t), beta_akk, 0.0) for t in level_sizes(fine_size))
+            every_levels[n].extend(jnp.where(level_pairs_mask(C, t), beta_akk, 0.0) for t in level_sizes(fine_size))
     for level, s in enumerate(coarse_level_sizes(C, fine_size)):
         later = _in_later_half(rows, s)
         same_block = _block(i, 2 * s) == _block(j, 2 * s)
@@ -416,7 +416,7 @@ def chunk_core(q, k, v, g, beta, state, entering, *, operands, lower_bound: floa
     return through_state(q, k, v, beta, state, entering, factors, operands)
 
 
-def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, lower_bound: float | None = None):
+def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, lower_bound: float | None = None, factors=chunk_factors):
     """Consecutive chunks from ``state``: ``(o of each, the state entering each, the state leaving the last)``, ``o``
     float32 ``(C, value block)``, the states float32 ``(K_pad, value block)``.
 
@@ -426,8 +426,9 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, lower_bound
     ``packed``: a packed chunk's sequences (``kda.sequences.PackedChunk``) or None: its sequences' first rows reset the
     state (every key's decay ``exp(-inf)``), their initial states enter there and their final states leave.
 
-    Every chunk's ``chunk_factors`` first, then the chain through the state (``through_state``). A chunk's inverse is a
-    chain of dependent products, as is the state's way through the chunks; issued apart, each fills the other's waits.
+    Every chunk's ``factors`` first (kda's ``chunk_factors``; gated_delta_rule's, with ``g`` ``(C, 1)``, its own), then the
+    chain through the state (``through_state``). A chunk's inverse is a chain of dependent products, as is the state's
+    way through the chunks; issued apart, each fills the other's waits.
     """
     operands = mxu_operand_dtype(chunks[0][0].dtype)
     prepared = []
@@ -437,9 +438,9 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, lower_bound
         if packed is not None:
             g, resets = packed_log_decays(g), packed.resets()
         prepared.append((q, k, g, beta, resets))
-    factors = chunk_factors(prepared, operands=operands, lower_bound=lower_bound)
+    every_factors = factors(prepared, operands=operands, lower_bound=lower_bound)
     outputs, entering_states = [], []
-    for (q, k, g, beta, _), (_, _, v, _, _, packed), own in zip(prepared, chunks, factors):
+    for (q, k, g, beta, _), (_, _, v, _, _, packed), own in zip(prepared, chunks, every_factors):
         entering_states.append(state)
         entering = None if packed is None else packed.entering(q, k, g, operands)
         o, state_out, delta = through_state(q, k, v, beta, state, entering, own, operands)
