@@ -39,9 +39,10 @@ def kda_forward_flops(seq_len: int, chunk_size: int) -> float:
     return bench.forward_flops(bench.workload("kda", (B, seq_len, H, K, V), "float32", ["use_qk_l2norm"]), chunk_size)
 
 
-def kda_programs(seq_len: int = T, chunk_size: int = CHUNK):
-    """Jitted forward and forward+backward of kda's xla.chunk through the public op, with their inputs."""
-    op = tops_core.op("kda")
+def delta_rule_programs(op_name: str = "kda", seq_len: int = T, chunk_size: int = CHUNK):
+    """Jitted forward and forward+backward of kda's or gated_delta_rule's xla.chunk through the public op (``use_qk_l2norm``),
+    with their inputs: ``g`` per key for kda, per head for gated_delta_rule."""
+    op = tops_core.op(op_name)
     implementation = ("xla.chunk", {"chunk_size": chunk_size})
 
     def forward(q, k, v, g, beta):
@@ -52,7 +53,8 @@ def kda_programs(seq_len: int = T, chunk_size: int = CHUNK):
 
     q, k, v, _, do = inputs(seq_len)
     keys = jax.random.split(jax.random.PRNGKey(3), 2)
-    g = jax.nn.log_sigmoid(jax.random.normal(keys[0], (B, seq_len, H, K), jnp.float32)) / 16
+    gate_shape = (B, seq_len, H, K) if op_name == "kda" else (B, seq_len, H)
+    g = jax.nn.log_sigmoid(jax.random.normal(keys[0], gate_shape, jnp.float32)) / 16
     beta = jax.nn.sigmoid(jax.random.normal(keys[1], (B, seq_len, H), jnp.float32))
     forward_backward = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
     return jax.jit(forward), (q, k, v, g, beta), forward_backward, (q, k, v, g, beta, do)
@@ -74,31 +76,12 @@ def gla_programs(seq_len: int = T, chunk_size: int = CHUNK):
     return jax.jit(forward), (q, k, v, g), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))), (q, k, v, g, do)
 
 
-def gated_delta_rule_programs(seq_len: int = T, chunk_size: int = CHUNK):
-    """Jitted forward and forward+backward of gated_delta_rule's xla.chunk through the public op, with their inputs."""
-    op = tops_core.op("gated_delta_rule")
-    implementation = ("xla.chunk", {"chunk_size": chunk_size})
-
-    def forward(q, k, v, g, beta):
-        return op.forward(q, k, v, g, beta, use_qk_l2norm=True, implementation=implementation)[0]
-
-    def loss(q, k, v, g, beta, do):
-        return jnp.sum(forward(q, k, v, g, beta) * do)
-
-    q, k, v, _, do = inputs(seq_len)
-    keys = jax.random.split(jax.random.PRNGKey(4), 2)
-    g = jax.nn.log_sigmoid(jax.random.normal(keys[0], (B, seq_len, H), jnp.float32)) / 16
-    beta = jax.nn.sigmoid(jax.random.normal(keys[1], (B, seq_len, H), jnp.float32))
-    forward_backward = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-    return jax.jit(forward), (q, k, v, g, beta), forward_backward, (q, k, v, g, beta, do)
-
-
 # -- pytest-benchmark: one group per comparison -----------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def programs():
-    return {"kda": kda_programs(), "gla": gla_programs(), "gated_delta_rule": gated_delta_rule_programs(),
+    return {"kda": delta_rule_programs("kda"), "gla": gla_programs(), "gated_delta_rule": delta_rule_programs("gated_delta_rule"),
             "simple_gla": simple_gla_programs()}
 
 
@@ -121,7 +104,7 @@ def test_flat_product(benchmark):
 
 @pytest.mark.parametrize("chunk_size", [32, 64, 128])
 def test_kda_forward_chunk_size(benchmark, chunk_size):
-    forward, args, _, _ = kda_programs(chunk_size=chunk_size)
+    forward, args, _, _ = delta_rule_programs("kda", chunk_size=chunk_size)
     run(benchmark, "kda-forward-chunk-size", ready(forward, args))
 
 
@@ -132,13 +115,13 @@ def report(rounds: int = 7) -> None:
     matmul, matmul_args, matmul_flops = matmul_program()
     flat, flat_args, flat_flops = product_programs()["flat product"]
     calls = {"matmul": ready(matmul, matmul_args), "flat product": ready(flat, flat_args)}
-    programs = {"simple_gla": simple_gla_programs(), "kda": kda_programs(), "gla": gla_programs(),
-                "gated_delta_rule": gated_delta_rule_programs()}
+    programs = {"simple_gla": simple_gla_programs(), "kda": delta_rule_programs("kda"), "gla": gla_programs(),
+                "gated_delta_rule": delta_rule_programs("gated_delta_rule")}
     for direction, index in (("forward", 0), ("fwd+bwd", 2)):
         for op_name, program in programs.items():
             calls[f"{op_name} {direction}"] = ready(program[index], program[index + 1])
     for chunk_size in (32, 128):
-        forward, args, _, _ = kda_programs(chunk_size=chunk_size)
+        forward, args, _, _ = delta_rule_programs("kda", chunk_size=chunk_size)
         calls[f"kda forward, chunk {chunk_size}"] = ready(forward, args)
     timings = interleaved_timings(calls, rounds)
     sg_flops, kda_flops = forward_flops(T, CHUNK), kda_forward_flops(T, CHUNK)

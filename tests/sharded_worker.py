@@ -40,10 +40,6 @@ from tops_core.conformance.cases import Case
 from tops_core.conformance.compare import relative_error, tolerance
 from tops_core.conformance.data import LOWER_BOUND, backward_inputs, forward_inputs
 
-DIFFERENTIABLE = {
-    "simple_gla": ("q", "k", "v", "g", "g_gamma", "initial_state"),
-    "kda": ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"),
-}
 FACTOR_OF = {"batch": 0, "sequence": 1, "heads": 2}
 TPU_TOPOLOGY = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "v4": "v4:2x2x1"}
 
@@ -124,7 +120,7 @@ def program(case: dict, mesh: Mesh | None, explicit_backward: bool = False):
         options["lower_bound"] = LOWER_BOUND  # the test data's
 
     def run(inputs: dict):
-        given = {name: inputs[name] for name in DIFFERENTIABLE[op.name] if name in inputs}
+        given = {name: inputs[name] for name in op.differentiable if name in inputs}
         static = {"cu_seqlens": inputs.get("cu_seqlens"), **options}
         with scope():
             if explicit_backward:

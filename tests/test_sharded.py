@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import tops_core
 from tops_core.tpu import compile_only
 
 ALL = ["g", "g_gamma", "initial_state", "output_final_state"]
@@ -52,6 +53,11 @@ CASES = [
     dict(BASE, op="kda", name="kda-grouped-gated-batch-heads", mode="shard", mesh=[2, 2], split={"batch": 0, "heads": 1}, B=2, T=32,
          H=2, HV=6, features=["initial_state", "output_final_state", "use_gate", "A_log", "dt_bias", "lower_bound",
                               "use_beta_sigmoid", "grouped_value_heads"]),
+    # The ops added through declarations alone: their dims say how each array splits.
+    dict(BASE, op="gla", name="gla-batch-heads-shard", mode="shard", mesh=[2, 2], split={"batch": 0, "heads": 1}, B=2, T=32,
+         features=["initial_state", "output_final_state"], backward=True),
+    dict(BASE, op="gated_delta_rule", name="gated_delta_rule-grouped-heads-packed", mode="shard", mesh=[2], split={"heads": 0},
+         T=40, seqlens=[7, 0, 33], H=2, HV=4, features=["initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"]),
 ]
 
 # Unsharded inputs split over explicit mesh axes (jax.make_mesh's default): shard_map refuses an
@@ -67,8 +73,7 @@ UNSHARDED_OVER_EXPLICIT_AXES = [
 
 def _expected_results(case: dict) -> set[str]:
     features = set(case["features"])
-    if case.get("op") == "kda":  # its g and beta are always given
-        features |= {"g", "beta"}
+    features |= set(tops_core.op(case.get("op", "simple_gla")).gate_inputs(frozenset(features)))  # kda's g and beta are always given
     results = {"o", "dq", "dk", "dv"} | {"d" + name for name in ("g", "g_gamma", "beta", "initial_state", "A_log", "dt_bias") if name in features}
     return results | ({"final_state"} if "output_final_state" in features else set())
 
@@ -111,7 +116,7 @@ def assert_within_tolerance(case: dict, answer: dict) -> None:
     assert not failures, f"{case['name']}: " + "; ".join(failures)
 
 
-SLOW = {"kda-batch-heads-shard", "kda-heads-packed"}  # kda's splits beyond the one the default run keeps
+SLOW = {"kda-batch-heads-shard", "kda-heads-packed", "gla-batch-heads-shard"}  # splits beyond the one per op the default run keeps
 
 
 @pytest.mark.parametrize(

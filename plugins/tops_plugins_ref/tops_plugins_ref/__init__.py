@@ -35,41 +35,28 @@ def needs_a_cpu_device(spec) -> str | None:
     return None
 
 
+# Each op: its module of entry points, its contract (what a call of it may name) and what the reference sweeps.
+_OPS = {
+    "simple_gla": (simple_gla, SimpleGLA, "float64 token-by-token NumPy scan"),
+    "kda": (kda, KDA, "float64 token-by-token NumPy delta-rule scan"),
+    "gla": (gla, GLA, "float64 token-by-token NumPy scan"),
+    "gated_delta_rule": (gated_delta_rule, GatedDeltaRule, "float64 token-by-token NumPy delta-rule scan (kda's, one gate for every key)"),
+}
+
+
 @tops_core.hookimpl
 def tops_register_implementations(register):
     """Register ``ref.recurrent`` for every op."""
-    register(Implementation(
-        op="simple_gla",
-        name="recurrent",
-        forward=simple_gla.forward,
-        backward=simple_gla.backward,
-        capabilities=Capabilities(
-            platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=SimpleGLA.features, ndims={"g_gamma": {0, 1}},
-            predicate=needs_a_cpu_device,
-        ),
-        priority=LOWEST_PRIORITY,
-        description="float64 token-by-token NumPy scan on the CPU host (the oracle); exact hand-written reverse sweep",
-    ))
-    register(Implementation(
-        op="kda",
-        name="recurrent",
-        forward=kda.forward,
-        backward=kda.backward,
-        capabilities=Capabilities(
-            platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=KDA.features, predicate=needs_a_cpu_device,
-        ),
-        priority=LOWEST_PRIORITY,
-        description="float64 token-by-token NumPy delta-rule scan on the CPU host (the oracle); exact hand-written reverse sweep",
-    ))
-    for op, module, contract in (("gla", gla, GLA), ("gated_delta_rule", gated_delta_rule, GatedDeltaRule)):
+    for op, (module, contract, sweep) in _OPS.items():
         register(Implementation(
             op=op,
             name="recurrent",
             forward=module.forward,
             backward=module.backward,
             capabilities=Capabilities(
-                platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=contract.features, predicate=needs_a_cpu_device,
+                platforms=PLATFORMS, dtypes=FLOAT_DTYPES, features=contract.features,
+                ndims={name: {0, 1} for name in contract.variable_ndims}, predicate=needs_a_cpu_device,
             ),
             priority=LOWEST_PRIORITY,
-            description="float64 token-by-token NumPy scan on the CPU host (the oracle); exact hand-written reverse sweep",
+            description=f"{sweep} on the CPU host (the oracle); exact hand-written reverse sweep",
         ))
