@@ -60,6 +60,8 @@ CASES = [
          T=40, seqlens=[7, 0, 33], H=2, HV=4, features=["initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"]),
 ]
 
+KDA_GROUPED = next(case for case in CASES if case["name"] == "kda-grouped-gated-batch-heads")
+
 # Unsharded inputs split over explicit mesh axes (jax.make_mesh's default): shard_map refuses an
 # input whose type does not match its in_specs there, so the op reshards them to the split. The
 # reshard is the core's, whatever the kernel: kda's runs the reference, which compiles in no time.
@@ -171,7 +173,7 @@ def test_a_sequence_that_does_not_divide_evenly_is_refused_with_the_reason(worke
 
 
 def test_kda_refuses_a_split_sequence_with_the_reason(worker):
-    case = dict(CASES[-1], name="kda-sequence", mesh=[4], split={"sequence": 0})
+    case = dict(KDA_GROUPED, name="kda-sequence", mesh=[4], split={"sequence": 0})
     error = worker.ask("compare", case, failing=True)["error"]
     assert "cannot split the sequence over mesh axis 'axis0': kda has no sequence-parallel algorithm; shard the batch or the heads" in error
 
@@ -188,7 +190,7 @@ def test_a_call_inside_set_mesh_with_unsharded_inputs_runs_whole(worker):
 def test_an_implementation_on_the_host_runs_whole_under_sharded_inputs(worker):
     # JAX crashes running a host callback (the float64 reference, forced here) inside
     # custom_partitioning on several devices: such a call is left whole, gathered, and right.
-    case = dict(CASES[-1], name="kda-auto-host", mode="auto", force="ref.recurrent")
+    case = dict(KDA_GROUPED, name="kda-auto-host", mode="auto", force="ref.recurrent")
     answer = worker.ask("compare", case)
     assert_within_tolerance(case, answer)
     assert answer["o_spec"] == [None] * 4
