@@ -25,19 +25,16 @@ from tops_plugins_ref.host.sequences import Sequences
 def forward(inputs: dict, *, scale: float, output_final_state: bool) -> dict:
     """``o`` ``[B, T, H, V]`` and ``final_state`` ``[N, H, K, V]`` (None unless requested)."""
     sequences, tokens, initial_states = _prepare(inputs)
-    o, final_states = sweep.run(functools.partial(_step, scale=scale), tokens, initial_states, sequences.valid)
-    return {"o": sequences.unpad(o), "final_state": final_states if output_final_state else None}
+    return sweep.outputs(sequences, functools.partial(_step, scale=scale), tokens, initial_states, output_final_state)
 
 
 def backward(inputs: dict, *, scale: float) -> dict:
     """``dq``, ``dk``, ``dv``, ``dg`` and ``dinitial_state``; ``dht`` None means zero."""
     sequences, tokens, initial_states = _prepare(inputs)
-    dfinal_states = np.zeros_like(initial_states) if inputs["dht"] is None else inputs["dht"]
-    grads, dinitial_states = sweep.vjp(
-        functools.partial(_step, scale=scale), functools.partial(_step_vjp, scale=scale),
-        tokens, initial_states, sequences.valid, sequences.pad(inputs["do"]), dfinal_states,
+    (dq, dk, dv, dg), dinitial_states = sweep.token_gradients(
+        sequences, functools.partial(_step, scale=scale), functools.partial(_step_vjp, scale=scale),
+        tokens, initial_states, inputs["do"], inputs["dht"],
     )
-    dq, dk, dv, dg = (sequences.unpad(x) for x in grads)
     return {"dq": dq, "dk": dk, "dv": dv, "dg": dg, "dinitial_state": dinitial_states}
 
 

@@ -59,8 +59,7 @@ def forward(
     """``o`` ``[B, T, HV, V]`` and ``final_state`` ``[N, HV, K, V]`` (None unless requested)."""
     g, beta = _activated(inputs, use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval)
     sequences, tokens, initial_states, _ = _prepare(inputs, g, beta, use_qk_l2norm)
-    o, final_states = sweep.run(functools.partial(_step, scale=scale), tokens, initial_states, sequences.valid)
-    return {"o": sequences.unpad(o), "final_state": final_states if output_final_state else None}
+    return sweep.outputs(sequences, functools.partial(_step, scale=scale), tokens, initial_states, output_final_state)
 
 
 def backward(
@@ -71,12 +70,10 @@ def backward(
     for an absent input); ``dht`` None means zero."""
     g, beta = _activated(inputs, use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval)
     sequences, tokens, initial_states, norms = _prepare(inputs, g, beta, use_qk_l2norm)
-    dfinal_states = np.zeros_like(initial_states) if inputs["dht"] is None else inputs["dht"]
-    grads, dinitial_states = sweep.vjp(
-        functools.partial(_step, scale=scale), functools.partial(_step_vjp, scale=scale),
-        tokens, initial_states, sequences.valid, sequences.pad(inputs["do"]), dfinal_states,
+    (dq, dk, dv, dg, dbeta), dinitial_states = sweep.token_gradients(
+        sequences, functools.partial(_step, scale=scale), functools.partial(_step_vjp, scale=scale),
+        tokens, initial_states, inputs["do"], inputs["dht"],
     )
-    dq, dk, dv, dg, dbeta = (sequences.unpad(x) for x in grads)
     heads = inputs["q"].shape[2]
     dq, dk = _group_sum(dq, heads), _group_sum(dk, heads)
     if use_qk_l2norm:

@@ -29,23 +29,19 @@ from tops_plugins_ref.host.sequences import Sequences
 def forward(inputs: dict, *, scale: float, output_final_state: bool) -> dict:
     """``o`` ``[B, T, H, V]`` and ``final_state`` ``[N, H, K, V]`` (None unless requested)."""
     sequences, tokens, initial_states = _prepare(inputs)
-    o, final_states = sweep.run(functools.partial(_step, scale=scale), tokens, initial_states, sequences.valid)
-    return {"o": sequences.unpad(o), "final_state": final_states if output_final_state else None}
+    return sweep.outputs(sequences, functools.partial(_step, scale=scale), tokens, initial_states, output_final_state)
 
 
 def backward(inputs: dict, *, scale: float) -> dict:
     """``dq``, ``dk``, ``dv``, ``dg``, ``dg_gamma`` and ``dinitial_state``; ``dht`` None means zero."""
     sequences, tokens, initial_states = _prepare(inputs)
-    dfinal_states = np.zeros_like(initial_states) if inputs["dht"] is None else inputs["dht"]
-    (dq, dk, dv, da), dinitial_states = sweep.vjp(
-        functools.partial(_step, scale=scale), functools.partial(_step_vjp, scale=scale),
-        tokens, initial_states, sequences.valid, sequences.pad(inputs["do"]), dfinal_states,
+    (dq, dk, dv, da), dinitial_states = sweep.token_gradients(
+        sequences, functools.partial(_step, scale=scale), functools.partial(_step_vjp, scale=scale),
+        tokens, initial_states, inputs["do"], inputs["dht"],
     )
-    da = sequences.unpad(da)  # [B, T, H], padding dropped before anything is summed
-    g_gamma = inputs["g_gamma"]
+    g_gamma = inputs["g_gamma"]  # da is [B, T, H], padding dropped before anything is summed
     dg_gamma = None if g_gamma is None else np.sum(da, axis=tuple(range(da.ndim - g_gamma.ndim)))
-    return {"dq": sequences.unpad(dq), "dk": sequences.unpad(dk), "dv": sequences.unpad(dv),
-            "dg": da, "dg_gamma": dg_gamma, "dinitial_state": dinitial_states}
+    return {"dq": dq, "dk": dk, "dv": dv, "dg": da, "dg_gamma": dg_gamma, "dinitial_state": dinitial_states}
 
 
 def _prepare(inputs: dict) -> tuple[Sequences, tuple[np.ndarray, ...], np.ndarray]:

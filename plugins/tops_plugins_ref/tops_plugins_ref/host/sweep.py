@@ -80,3 +80,21 @@ def _where(valid: np.ndarray, taken: np.ndarray, kept: np.ndarray) -> np.ndarray
     if valid.all():
         return taken
     return np.where(valid.reshape(valid.shape + (1,) * (taken.ndim - 1)), taken, kept)
+
+
+def outputs(sequences, step: Step, tokens: tuple[np.ndarray, ...], initial_states: np.ndarray, output_final_state: bool) -> dict:
+    """``run`` over ``sequences`` (``host.sequences.Sequences``): ``o`` unpadded to ``[B, T, ...]`` and the final states,
+    None unless ``output_final_state``."""
+    o, final_states = run(step, tokens, initial_states, sequences.valid)
+    return {"o": sequences.unpad(o), "final_state": final_states if output_final_state else None}
+
+
+def token_gradients(
+    sequences, step: Step, step_vjp: StepVJP, tokens: tuple[np.ndarray, ...], initial_states: np.ndarray, do: np.ndarray,
+    dht: np.ndarray | None,
+) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """``vjp`` over ``sequences`` for ``do`` ``[B, T, ...]`` and ``dht`` (None: zero): each token input's cotangent
+    unpadded to ``[B, T, ...]``, and the initial states'."""
+    dfinal_states = np.zeros_like(initial_states) if dht is None else dht
+    grads, dinitial_states = vjp(step, step_vjp, tokens, initial_states, sequences.valid, sequences.pad(do), dfinal_states)
+    return tuple(sequences.unpad(x) for x in grads), dinitial_states
