@@ -7,9 +7,8 @@ line on stdin and answers each with one JSON line on stdout: the facts of the co
 
 Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<kernel>`` or, given
 ``"implementation"``, of that one (null: the dispatcher's choice) (simple_gla, packed with traced
-``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"`` (gated_delta_rule likewise), with the activation
-options it names, and
-``groups`` value heads per query/key head), or with ``"gradient": true`` the
+``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"`` (gated_delta_rule and gla likewise), with the
+activation options it names, and ``groups`` value heads per query/key head), or with ``"gradient": true`` the
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
 ``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
 text of ``tops bench``'s modelled TPU section; ``{"decode": {...}}`` compiles a decode step as a server
@@ -33,7 +32,7 @@ from tops_core.tpu import compile_only, model as tpu_model
 from tops_core.bench import workload
 
 sg = tops_core.op("simple_gla")
-DELTA_RULE_OPS = ("kda", "gated_delta_rule")
+PER_CHUNK_OPS = ("kda", "gated_delta_rule", "gla")  # the ops on kda's machinery, called with kda's arrays
 
 
 def _arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
@@ -54,8 +53,8 @@ def _arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def _kda_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
-    """kda's inputs (gated_delta_rule's: ``g`` per value head); with ``groups``, ``groups * H`` value heads, and the raw gate
-    and beta logits in the call's dtype when activated."""
+    """kda's inputs (gated_delta_rule's: ``g`` per value head; gla's: no ``beta``); with ``groups``, ``groups * H`` value heads,
+    and the raw gate and beta logits in the call's dtype when activated."""
     B, T, H, K, V = (call[name] for name in ("B", "T", "H", "K", "V"))
     HV = H * call.get("groups", 1)
     dtype = jnp.dtype(call["dtype"])
@@ -65,6 +64,8 @@ def _kda_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
         "g": jax.ShapeDtypeStruct((B, T, HV) if call.get("op") == "gated_delta_rule" else (B, T, HV, K), dtype if call.get("use_gate") else jnp.float32),
         "beta": jax.ShapeDtypeStruct((B, T, HV), dtype if call.get("use_beta_sigmoid") else jnp.float32),
     }
+    if call.get("op") == "gla":
+        del arrays["beta"]
     if call["initial_state"]:  # one per sequence when packed
         arrays["initial_state"] = jax.ShapeDtypeStruct((call.get("num_seqs") or B, HV, K, V), jnp.float32)
     if call.get("num_seqs") is not None:  # packed: B == 1 and N traced boundaries
@@ -93,20 +94,22 @@ def _decode_arrays(call: dict) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def _kda_forward(call: dict):
-    """kda's (or gated_delta_rule's) forward through the public op and ``tpu_pallas.<kernel>`` (or ``implementation``), with
-    the call's activation options."""
+    """kda's (or gated_delta_rule's, gla's) forward through the public op and ``tpu_pallas.<kernel>`` (or ``implementation``),
+    with the call's activation options (gla has neither those nor ``use_qk_l2norm``)."""
     options = {name: call[name] for name in ("use_gate", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval") if name in call}
+    if call["op"] != "gla":
+        options["use_qk_l2norm"] = call["use_qk_l2norm"]
     contract = tops_core.op(call["op"])
 
     def forward(arrays):
-        return contract.forward(**arrays, output_final_state=call["final_state"], use_qk_l2norm=call["use_qk_l2norm"],
+        return contract.forward(**arrays, output_final_state=call["final_state"],
                            implementation=call.get("implementation", f"tpu_pallas.{call['kernel']}"), **options)
 
     return forward
 
 
 def _forward(call: dict):
-    if call.get("op") in DELTA_RULE_OPS:
+    if call.get("op") in PER_CHUNK_OPS:
         return _kda_forward(call)
 
     def forward(arrays):
@@ -128,7 +131,7 @@ def _loss(call: dict):
 
 def compile_call(call: dict) -> compile_only.ProgramFacts:
     function = jax.value_and_grad(_loss(call), allow_int=True) if call.get("gradient") else _forward(call)  # cu_seqlens: int
-    arrays = _kda_arrays(call) if call.get("op") in DELTA_RULE_OPS else _arrays(call)
+    arrays = _kda_arrays(call) if call.get("op") in PER_CHUNK_OPS else _arrays(call)
     return compile_only.ProgramFacts.of(compile_only.compile_for(call["generation"], function, arrays))
 
 

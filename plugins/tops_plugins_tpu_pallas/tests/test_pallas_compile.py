@@ -381,31 +381,50 @@ def test_kda_gradient_compiles_the_forward_and_its_own_backward(worker, call):
     assert facts["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
 
 
-# -- gated_delta_rule: tpu_pallas.fused (forward; its gradient is xla.chunk's) ---------------------------
+# -- gla and gated_delta_rule: tpu_pallas.fused and tpu_pallas.varlen (kda's machinery, each op's chunk math) ---------
+
+OTHER_OPS = {"gla": {}, "gated_delta_rule": {"groups": 2}}  # gated_delta_rule with grouped value heads
 
 
-def _gdn_call(call: dict) -> dict:
-    return {**call, "op": "gated_delta_rule", "kernel": "fused", "groups": 2}
+def _other_label(op: str, call: dict) -> str:
+    packed = f"-varlen-N{call['num_seqs']}" if "num_seqs" in call else ""
+    return op + packed + _kda_label(call).removeprefix("kda")
 
 
-def _gdn_default_calls() -> list:
-    """kda's design: the v6e call by default (the other generations compile kda's kernel by default), the rest with -m slow."""
-    first_v6e = next(call for call in KDA_DESIGN if call["generation"] == "v6e")
-    return [call if call is first_v6e else pytest.param(call, marks=pytest.mark.slow) for call in KDA_DESIGN]
+def _other_calls(ops=tuple(OTHER_OPS)) -> list:
+    """kda's design for each op: the first call on each generation by default (four generations each), the rest with -m slow."""
+    calls = []
+    for op in ops:
+        seen = set()
+        for call in KDA_DESIGN:
+            request = {**call, "op": op, "kernel": "fused", **OTHER_OPS[op]}
+            calls.append(pytest.param(request, id=_other_label(op, call), marks=() if call["generation"] not in seen else pytest.mark.slow))
+            seen.add(call["generation"])
+    return calls
 
 
-@pytest.mark.parametrize("call", _gdn_default_calls(), ids=lambda call: "gated_delta_rule" + _kda_label(call).removeprefix("kda"))
-def test_gated_delta_rule_forward_compiles_to_the_mosaic_kernel(worker, call):
-    facts = compile_call(worker, _gdn_call(call))
+@pytest.mark.parametrize("call", _other_calls())
+def test_gla_and_gated_delta_rule_forward_compile_to_the_mosaic_kernel(worker, call):
+    facts = compile_call(worker, call)
     assert facts["kernels"] == 1
     assert facts["implementations"] == ["tpu_pallas.fused.forward"]
+    assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 
 
-@pytest.mark.slow  # 15 s: xla.chunk's backward compiled for the TPU
-def test_gated_delta_rule_gradient_pairs_the_mosaic_forward_with_xla_chunk(worker):
-    facts = compile_call(worker, _gdn_call(KDA_GRADIENTS[3]), gradient=True)
-    assert facts["kernels"] == 1
-    assert facts["implementations"] == ["tpu_pallas.fused.forward", "xla.chunk.backward"]
+# kda's four gradient calls (every value of every factor, one per generation) for each op: v6e's by default (the kernels
+# are kda's; its own gradients compile on every generation by default), the rest with -m slow.
+OTHER_GRADIENTS = [
+    pytest.param({**call, "op": op, "kernel": "fused", **OTHER_OPS[op]}, id=_other_label(op, call),
+                 marks=pytest.mark.slow if call["generation"] != "v6e" else ())
+    for op in OTHER_OPS for call in KDA_GRADIENTS
+]
+
+
+@pytest.mark.parametrize("call", OTHER_GRADIENTS)
+def test_gla_and_gated_delta_rule_gradients_compile_the_forward_and_their_own_backward(worker, call):
+    facts = compile_call(worker, call, gradient=True)
+    assert facts["kernels"] == 1 + 2
+    assert facts["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
 
 
 # Grouped value heads, the raw gate and beta logits in bf16, activated in the kernel: each gate form on
@@ -551,6 +570,37 @@ def test_kda_packed_gradient_compiles_the_forward_and_its_own_backward_where_it_
     request = {**call, "op": "kda", "kernel": "varlen", "B": 1, "H": 3, "gradient": True}
     facts = worker.ask({"call": request})
     if call["generation"] in KDA_PACKED_BACKWARD_UNCOMPILABLE:
+        assert facts["implementations"] == ["tpu_pallas.varlen.forward", "xla.chunk.backward"]
+    else:
+        assert facts["kernels"] == 1 + 2
+        assert facts["implementations"] == ["tpu_pallas.varlen.backward", "tpu_pallas.varlen.forward"]
+
+
+_KDA_ONLY = ("groups", "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval")
+# gla and gated_delta_rule packed (traced cu_seqlens, B = 1): kda's packed calls and a short one on v4, each op, forward
+# and gradient (the gradient's backward is xla.chunk's where KDA_PACKED_BACKWARD_UNCOMPILABLE says); the short one by
+# default, the rest with -m slow.
+OTHER_PACKED = [
+    pytest.param(
+        {**{name: value for name, value in call.items() if name not in _KDA_ONLY}, "op": op, "kernel": "varlen", "B": 1, "H": 3,
+         **OTHER_OPS[op]},
+        id=_other_label(op, call), marks=pytest.mark.slow if call["generation"] != "v4" or call["T"] > 100 else (),
+    )
+    for op in OTHER_OPS for call in (
+        *KDA_VARLEN_CALLS, dict(generation="v4", T=65, K=64, V=128, dtype="bfloat16", use_qk_l2norm=True, num_seqs=5,
+                                initial_state=True, final_state=True),
+    )
+]
+
+
+@pytest.mark.parametrize("call", OTHER_PACKED)
+@pytest.mark.parametrize("gradient", [False, True], ids=["forward", "gradient"])
+def test_gla_and_gated_delta_rule_packed_calls_compile_with_traced_cu_seqlens(worker, call, gradient):
+    facts = worker.ask({"call": {**call, "gradient": gradient}})
+    if not gradient:
+        assert facts["kernels"] == 1
+        assert facts["implementations"] == ["tpu_pallas.varlen.forward"]
+    elif call["generation"] in KDA_PACKED_BACKWARD_UNCOMPILABLE:
         assert facts["implementations"] == ["tpu_pallas.varlen.forward", "xla.chunk.backward"]
     else:
         assert facts["kernels"] == 1 + 2

@@ -1,11 +1,11 @@
 """Pallas TPU kernels for the tops ops: ``tpu_pallas.fused``, ``tpu_pallas.chunk`` and, for packed
 sequences (``cu_seqlens``), ``tpu_pallas.varlen`` (simple_gla); ``tpu_pallas.fused`` and, packed,
-``tpu_pallas.varlen`` for kda (``kda/``); ``tpu_pallas.recurrent`` for every op (gla's and gated_delta_rule's only that
-so far), decode steps on a state pool in place.
+``tpu_pallas.varlen`` for kda (``kda/``) and, on kda's machinery with their own chunk math, for gla (``gla/``) and
+gated_delta_rule (``gated_delta_rule/``); ``tpu_pallas.recurrent`` for every op, decode steps on a state pool in place.
 
-Each simple_gla kernel has its own backward (``backward_fused``, ``backward_split``,
-``backward_varlen``), and so have kda's fused and packed kernels (``kda.backward``, one for both). All run natively on TPU and, with interpret mode on, in Pallas' TPU
-interpreter anywhere else.
+Each simple_gla kernel has its own backward (``backward_fused``, ``backward_split``, ``backward_varlen``), and so have
+the other ops' fused and packed kernels (``kda.backward``, one for both). All run natively on TPU and, with interpret
+mode on, in Pallas' TPU interpreter anywhere else.
 """
 
 
@@ -245,24 +245,6 @@ KDA_FUSED = tops_core.Implementation(
 )
 
 
-GATED_DELTA_RULE_FUSED = tops_core.Implementation(
-    op="gated_delta_rule",
-    name="fused",
-    forward=gated_delta_rule.fused.forward,
-    # No backward yet: the dispatcher pairs this forward with xla.chunk's backward (explain says so).
-    capabilities=_capabilities(
-        _fits_vmem(KDA_FUSED_CONFIG, (gated_delta_rule.fused.geometry_of, gated_delta_rule.fused.plans)),
-        {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"},
-    ),
-    priority={"tpu": 200},
-    config=KDA_FUSED_CONFIG,
-    description=(
-        "forward only: one pallas_call on kda's fused grid, state in VMEM, the pair products of its gate per head dense "
-        "and kda's exact per-chunk inverse"
-    ),
-)
-
-
 KDA_PACKED_BACKWARD_UNCOMPILABLE = frozenset({"v5e", "v5p"})
 """Chips whose compiler (libtpu 0.0.52) stops on kda's packed gradients kernel: an internal check of its MXU pass
 (``RET_CHECK ... mxu_lmr_transform.cc ... XposeSequenceAssignment::kLmrWontHelp``) fails on the loops over a chunk's
@@ -301,6 +283,59 @@ KDA_VARLEN = tops_core.Implementation(
 )
 
 
+def _delta_rule_family(op: str, kernels, features: set[str], label: str) -> tuple[tops_core.Implementation, ...]:
+    """``tpu_pallas.fused`` and, packed, ``tpu_pallas.varlen`` for an op on kda's machinery (``kernels``: its module with
+    ``forward``, ``packed_forward``, ``backward``, ``plans`` and ``backward_plans``), kda's config and priorities."""
+    unpacked = tops_core.Implementation(
+        op=op,
+        name="fused",
+        forward=kernels.forward,
+        backward=kernels.backward,
+        capabilities=_capabilities(
+            _fits_vmem(KDA_FUSED_CONFIG, (kernels.geometry_of, kernels.plans), (kernels.geometry_of, kernels.backward_plans)),
+            features,
+        ),
+        priority={"tpu": 200},
+        config=KDA_FUSED_CONFIG,
+        serves_pools=True,
+        description=(
+            f"one pallas_call on kda's fused grid: state in VMEM along a sequential time axis, {label}; backward: the state "
+            "entering every chunk, then each chunk's VJP with dS in VMEM along the reverse time axis"
+        ),
+    )
+    packed = tops_core.Implementation(
+        op=op,
+        name="varlen",
+        forward=kernels.packed_forward,
+        backward=kernels.backward,
+        capabilities=_capabilities(
+            _fits_vmem(
+                KDA_FUSED_CONFIG, (kernels.geometry_of, functools.partial(kernels.plans, num_seqs=1)),
+                (kernels.geometry_of, functools.partial(kernels.backward_plans, num_seqs=1)),
+            ),
+            features, packed=True, backward_predicate=_packed_kda_backward_compiles,
+        ),
+        priority=_varlen_priority,
+        config=KDA_FUSED_CONFIG,
+        serves_pools=True,
+        description=(
+            "fused's pallas_call over packed sequences: cu_seqlens in SMEM, the state reset on each sequence's first token, "
+            "per-sequence states moved by DMA where each sequence starts and ends; backward: fused's, dS from dht where each "
+            "sequence ends and dinitial_state written where it starts"
+        ),
+    )
+    return unpacked, packed
+
+
+GLA_FUSED, GLA_VARLEN = _delta_rule_family(
+    "gla", gla.fused, {"initial_state", "output_final_state"}, "kda's per-key decays and query pairs without the delta rule",
+)
+GATED_DELTA_RULE_FUSED, GATED_DELTA_RULE_VARLEN = _delta_rule_family(
+    "gated_delta_rule", gated_delta_rule.fused, {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"},
+    "the pair products of its gate per head dense and kda's exact per-chunk inverse",
+)
+
+
 def _recurrent_fits(spec: tops_core.CallSpec) -> str | None:
     """a block of all value heads, or of a multiple of 8 of them, must hold their float32 states within 1 MiB"""
     return recurrent.fits(spec.value_heads, spec.key_dim, spec.value_dim)
@@ -333,14 +368,17 @@ GATED_DELTA_RULE_RECURRENT = _recurrent(
 
 @tops_core.hookimpl
 def tops_register_implementations(register):
-    """Register the simple_gla kernels and kda's (unpacked and packed), each with its own backward, and the decode kernels
-    (gla's and gated_delta_rule's too)."""
+    """Register the simple_gla kernels, and kda's, gla's and gated_delta_rule's (unpacked and packed), each with its own
+    backward, and every op's decode kernel."""
     register(FUSED)
     register(CHUNK)
     register(VARLEN)
     register(KDA_FUSED)
     register(KDA_VARLEN)
+    register(GLA_FUSED)
+    register(GLA_VARLEN)
     register(GATED_DELTA_RULE_FUSED)
+    register(GATED_DELTA_RULE_VARLEN)
     register(RECURRENT)
     register(KDA_RECURRENT)
     register(GLA_RECURRENT)

@@ -1,5 +1,5 @@
-"""gated_delta_rule's Pallas TPU kernels: the fused forward (``fused``, its chunk math in ``chunkwise``) and the
-decode kernel (``recurrent``)."""
+"""gated_delta_rule's Pallas TPU kernels: ``tpu_pallas.fused`` and, packed, ``tpu_pallas.varlen`` (``fused``: kda's
+machinery with the chunk math of ``chunkwise``), and the decode kernel (``recurrent``)."""
 
 from tops_plugins_tpu_pallas.gated_delta_rule import chunkwise, fused, recurrent
 

@@ -15,26 +15,27 @@ where kda builds them level by level from per-key decays. The inverse of ``I + d
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from tops_plugins_tpu_pallas.grid import Work
-from tops_plugins_tpu_pallas.kda.chunkwise import Factors, exact_inverses, level_pairs_mask, level_sizes
+from tops_plugins_tpu_pallas.kda.chunkwise import Factors, exact_inverses, level_pairs_mask, level_sizes, through_state
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, row_and_column_iotas
+from tops_plugins_tpu_pallas.recurrence import Recurrence
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import ChunkGates
 
 
 def chunk_factors(chunks, *, operands, lower_bound: float | None = None) -> list[Factors]:
     """kda's ``chunk_factors`` for gates per head: ``(q, k, g, beta, resets)`` each, ``g`` ``(C, 1)`` float32 (0 past the
-    end of the sequence), ``resets`` None (no packed kernel here); ``lower_bound`` unused (no decay can overflow)."""
+    end of the sequence, ``-inf`` a reset, as a packed chunk's ``resets`` rows are); ``lower_bound`` unused (no decay can
+    overflow)."""
     del lower_bound
     C = chunks[0][1].shape[0]
     i, j = row_and_column_iotas(C)
     masks = [level_pairs_mask(C, size) for size in level_sizes(C)]
     gates, aqk, every_levels = [], [], []
-    for q, k, g, beta, _ in chunks:
-        own = ChunkGates.compute(0.0, g, None, C)
+    for q, k, g, beta, resets in chunks:
+        own = ChunkGates.compute(0.0, g if resets is None else jnp.where(resets, -jnp.inf, g), None, C)
         products = matmul(jnp.concatenate([k, q], axis=0), k, operands, ROWS_BY_ROWS)
         beta_akk = beta * jnp.where(j < i, products[:C] * own.decays, 0.0)
         gates.append(own)
@@ -44,10 +45,11 @@ def chunk_factors(chunks, *, operands, lower_bound: float | None = None) -> list
     return [Factors(to_token=own.query, to_end=own.key, whole=own.chunk, aqk=a, inverse=d) for own, a, d in zip(gates, aqk, inverses)]
 
 
-def chunk_work(geometry: Geometry, use_qk_l2norm: bool) -> Work:
+def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | None = None, packed: bool = False) -> Work:
     """One chunk's ``chunk_factors`` and ``through_state`` for one value block, counted op by op: the cumulative sum (a
     ``C x C`` by ``C x 128`` product), the pair products, the inverse's levels, the state's products; the exps of the
-    decays and, with ``use_qk_l2norm``, the norms' square roots."""
+    decays and, with ``use_qk_l2norm``, the norms' square roots. ``lower_bound`` and ``packed`` change none of it."""
+    del lower_bound, packed
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     cumulative = 2 * C * C * LANES
     pairs = 2 * (2 * C) * K * C
@@ -57,13 +59,26 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool) -> Work:
     return Work(flops=cumulative + pairs + inverse + outputs, transcendentals=exps)
 
 
-def step_body_vmem(geometry: Geometry) -> int:
-    """An upper estimate of the values one grid step of ``chunk_steps`` holds at once (bytes): what each of its chunks keeps
-    until its turn at the state (float32 ``q``, ``k``, ``v``, ``Aqk``, the inverse, the decays and their columns), plus one
-    chunk's working values (the cumulative sum's ``C x 128`` operand, the pair products ``2C x C``, every level's pairs
-    and the inverse's products, decayed ``q`` and ``k``, the state in and out, four ``C x value block`` values)."""
+def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
+    """An upper estimate of one chunk's working values (bytes): the cumulative sum's ``C x 128`` operand, the pair
+    products ``2C x C``, every level's pairs and the inverse's products, decayed ``q`` and ``k``, the state in and out,
+    four ``C x value block`` values."""
+    del lower_bound
+    C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
+    levels = len(level_sizes(C))
+    return 4 * (2 * C * LANES + (2 + levels + 4) * C * C + 4 * C * K + 2 * K * Vb + 4 * C * Vb)
+
+
+def step_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
+    """An upper estimate of the values one grid step of ``chunk_steps`` holds at once (bytes): what each of its chunks
+    keeps until its turn at the state (float32 ``q``, ``k``, ``v``, ``Aqk``, the inverse, the decays and their columns),
+    plus one chunk's working values (``chunk_body_vmem``)."""
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     kept = 4 * (2 * C * K + C * Vb + 3 * C * C + 3 * C * LANES)
-    levels = len(level_sizes(C))
-    body = 4 * (2 * C * LANES + (2 + levels + 4) * C * C + 4 * C * K + 2 * K * Vb + 4 * C * Vb)
-    return geometry.chunks_per_step * kept + body
+    return geometry.chunks_per_step * kept + chunk_body_vmem(geometry, lower_bound)
+
+
+GATED_DELTA_RULE = Recurrence(
+    op="gated_delta_rule", gate_per_key=False, delta_rule=True, factors=chunk_factors, through_state=through_state,
+    chunk_work=chunk_work, chunk_body_vmem=chunk_body_vmem, step_body_vmem=step_body_vmem,
+)

@@ -1,70 +1,63 @@
-"""``tpu_pallas.fused`` for gated_delta_rule: the whole forward in one ``pallas_call`` on the fused grid (``grid.run``,
-as kda's ``kda/fused.py``): grid ``(batch, value head, value block, time step)``, the float32 state in VMEM along the
-sequential time axis, each step's chunks unrolled through ``kda.chunkwise.chunk_steps`` with this op's own pair
-products (``gated_delta_rule.chunkwise``).
+"""``tpu_pallas.fused`` and, over packed sequences, ``tpu_pallas.varlen`` for gated_delta_rule: kda's fused machinery
+(``kda/fused.py``, ``kda/varlen.py``, ``kda/backward.py``) with this op's chunk math (``gated_delta_rule.chunkwise``).
 
-Value head ``j`` reads query/key head ``j // G`` in place (grouped value heads); ``g`` and ``beta`` ``[B, T, HV]`` are
-read as they are, every head's column of a step's rows (``blocks.per_head``), the kernel taking its own. A state pool
-is served on gathered rows (the core's), packed calls by ``xla.chunk``; the backward is ``xla.chunk``'s.
+The forward is one ``pallas_call`` on the fused grid ``(batch, value head, value block, time step)``, the float32 state
+in VMEM along the sequential time axis, each step's chunks unrolled through ``kda.chunkwise.chunk_steps``. Value head
+``j`` reads query/key head ``j // G`` in place (grouped value heads); ``g`` and ``beta`` ``[B, T, HV]`` are read as they
+are, every head's column of a step's rows (``blocks.per_head``), the kernel taking its own. Packed, a sequence's first
+row is a reset (``g = -inf`` there, which ``ChunkGates`` takes exactly) and its states move by DMA where it starts and
+ends (``kda.sequences``, the gate given to every key). The backward is kda's two walks: the state entering every chunk,
+then each chunk's VJP in reverse with ``dS`` in VMEM; ``dg`` and ``dbeta`` leave as a row per chunk.
 """
 
 from __future__ import annotations
 
-import functools
+from tops_core import GatedDeltaRuleGrads
 
-import jax.numpy as jnp
-from jax.experimental import pallas as pl
-
-from tops_plugins_tpu_pallas import blocks, grid
-from tops_plugins_tpu_pallas.gated_delta_rule.chunkwise import chunk_factors, chunk_work, step_body_vmem
-from tops_plugins_tpu_pallas.grid import chunks_of_the_grid, finish_sequence, geometry_of, start_sequence, step_chunks
-from tops_plugins_tpu_pallas.kda.chunkwise import chunk_steps
+from tops_plugins_tpu_pallas.gated_delta_rule.chunkwise import GATED_DELTA_RULE
+from tops_plugins_tpu_pallas.grid import geometry_of, pool_states
+from tops_plugins_tpu_pallas.kda import backward as kda_backward, fused as kda_fused, varlen as kda_varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.plan import LaunchPlan
 
-__all__ = ["forward", "geometry_of", "plans"]
+__all__ = ["backward", "backward_plans", "forward", "geometry_of", "packed_forward", "plans"]
 
 
-def plans(
-    geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None, output_final_state: bool = False,
-    use_qk_l2norm: bool = False,
-) -> tuple[LaunchPlan]:
-    """The (single) launch plan of one call; a dtype of None for ``g`` or ``beta`` (a ``CallSpec``, which carries neither)
-    plans it as float32, the larger."""
-    inputs = [
-        blocks.key_rows("q", geometry, dtype), blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype),
-        blocks.per_head("g", geometry, gate_dtype or jnp.float32), blocks.per_head("beta", geometry, beta_dtype or jnp.float32),
-    ]
-    if initial_state_dtype is not None:
-        inputs.append(blocks.state("initial_state", geometry, initial_state_dtype))
-    outputs = [blocks.value_rows("o", geometry, dtype)]
-    if output_final_state:
-        outputs.append(blocks.state("final_state", geometry, jnp.float32))
-    work = chunk_work(geometry, use_qk_l2norm) * chunks_of_the_grid(geometry)
-    return (grid.grid_plan("gated_delta_rule_fused", geometry, (), inputs, outputs, work, step_body_vmem(geometry)),)
+def plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
+    """The forward's (single) launch plan: ``kda.fused.plans``' with this op's chunk math."""
+    return kda_fused.plans(geometry, dtype, recurrence=GATED_DELTA_RULE, **inputs)
 
 
-def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool):
-    refs = plan.bind(refs)
-    head, step = pl.program_id(1), pl.program_id(3)
-    start_sequence(refs, step)
-    chunks, inputs = step_chunks(geometry, step), []
-    for chunk in chunks:
-        q, k, v = (chunk.read(refs[name]) for name in ("q", "k", "v"))
-        inputs.append((q, k, v, chunk.head_column(refs["g"], head), chunk.head_column(refs["beta"], head), None))
-    outputs, _, state = chunk_steps(inputs, refs["state"][...], scale=scale, use_qk_l2norm=use_qk_l2norm, factors=chunk_factors)
-    for chunk, o in zip(chunks, outputs):
-        refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
-    refs["state"][...] = state
-    finish_sequence(refs, step, geometry)
+def backward_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
+    """The backward's checkpoints and gradients plans: ``kda.backward.plans``' with this op's chunk math."""
+    return kda_backward.plans(geometry, dtype, recurrence=GATED_DELTA_RULE, **inputs)
 
 
-def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config):
-    """The ``Forward`` protocol of ``tops_core.ops.gated_delta_rule`` (``cu_seqlens`` is rejected by the capabilities)."""
+def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config,
+            ssm_state_indices=None):
+    """The ``Forward`` protocol of ``tops_core.ops.gated_delta_rule`` (``cu_seqlens`` is rejected by the capabilities), a
+    state pool served in place."""
     del cu_seqlens
-    return grid.run(
-        functools.partial(kernel, use_qk_l2norm=use_qk_l2norm),
-        functools.partial(plans, beta_dtype=beta.dtype, use_qk_l2norm=use_qk_l2norm),
-        q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        config=config, operands={"beta": beta},
+    return pool_states(
+        kda_fused.run, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm, config=config, ssm_state_indices=ssm_state_indices, recurrence=GATED_DELTA_RULE,
     )
+
+
+def packed_forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config,
+                   ssm_state_indices=None):
+    """The ``Forward`` protocol for packed input (``B == 1``, ``cu_seqlens`` given), a state pool served in place."""
+    return pool_states(
+        kda_varlen.run, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=use_qk_l2norm, config=config, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+        recurrence=GATED_DELTA_RULE,
+    )
+
+
+def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config) -> GatedDeltaRuleGrads:
+    """The ``Backward`` protocol of ``tops_core.ops.gated_delta_rule``, unpacked or packed."""
+    grads = kda_backward.gradients(
+        q, k, v, g, beta, do, scale=scale, initial_state=initial_state, dht=dht, cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm, config=config, recurrence=GATED_DELTA_RULE,
+    )
+    return GatedDeltaRuleGrads(**{name: grads[name] for name in ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")})

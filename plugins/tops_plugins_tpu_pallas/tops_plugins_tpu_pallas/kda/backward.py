@@ -45,18 +45,17 @@ from tops_plugins_tpu_pallas.grid import (
     step_chunks,
 )
 from tops_plugins_tpu_pallas.kda import fused
-from tops_plugins_tpu_pallas.kda.chunkwise import (
-    chunk_body_vmem, chunk_core, chunk_work, packed_log_decays, prepared_queries_keys,
-)
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA, chunk_core, prepared_queries_keys
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and_strength, geometry_of, read_chunk
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_dtype, row_and_column_iotas
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.recurrence import Recurrence
 from tops_plugins_tpu_pallas.grid import SequenceStates, sequence_states
 from tops_plugins_tpu_pallas.simple_gla.varlen import with_empty_sequences
 
-__all__ = ["backward", "geometry_of", "plans"]
+__all__ = ["backward", "geometry_of", "gradients", "plans"]
 
 _F32 = jnp.float32
 
@@ -83,7 +82,7 @@ def _per_head_sums(name: str, geometry: Geometry, width: int) -> Blocked:
 def plans(
     geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None, output_final_state: bool = False,
     use_qk_l2norm: bool = False, activations: Activations = Activations(), with_A_log: bool = False, dt_bias_dtype=None,
-    num_seqs: int | None = None,
+    num_seqs: int | None = None, recurrence: Recurrence = KDA,
 ) -> tuple[LaunchPlan, LaunchPlan]:
     """The checkpoints and gradients plans of one call; ``output_final_state``: a ``dht`` is given; ``num_seqs``: a packed
     call (``B == 1``) of that many sequences, whose per-sequence ``initial_state``, ``dht`` and ``dinitial_state`` sit in
@@ -91,11 +90,11 @@ def plans(
     geometry = backward_geometry(geometry)
     forward_inputs = dict(
         gate_dtype=gate_dtype, beta_dtype=beta_dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
-        with_A_log=with_A_log, dt_bias_dtype=dt_bias_dtype, num_seqs=num_seqs,
+        with_A_log=with_A_log, dt_bias_dtype=dt_bias_dtype, num_seqs=num_seqs, recurrence=recurrence,
     )
     (forward,) = fused.plans(geometry, dtype, initial_state_dtype=initial_state_dtype, **forward_inputs)
     checkpoints = dataclasses.replace(
-        forward, name="kda_backward_checkpoints", outputs=(state_checkpoints(geometry, every_chunk=True),),
+        forward, name=f"{recurrence.op}_backward_checkpoints", outputs=(state_checkpoints(geometry, every_chunk=True),),
     )
     steps = functools.partial(reversed_in_time, geometry=geometry)
     # The forward's inputs but the initial state (the checkpoints hold it); dt_bias's block ignores the time step.
@@ -107,9 +106,11 @@ def plans(
         steps(blocks.key_rows("dq", geometry, key_dtype, per_value_head=True)),
         steps(blocks.key_rows("dk", geometry, key_dtype, per_value_head=True)),
         steps(blocks.value_rows("dv", geometry, dtype)),
-        steps(blocks.key_rows("dg", geometry, gate_dtype or _F32, per_value_head=True)),
-        steps(blocks.token_rows("dbeta", geometry)),
+        steps(blocks.key_rows("dg", geometry, gate_dtype or _F32, per_value_head=True) if recurrence.gate_per_key
+              else blocks.token_rows("dg", geometry)),
     ]
+    if recurrence.delta_rule:
+        outputs.append(steps(blocks.token_rows("dbeta", geometry)))
     scratch = [state_gradient(geometry)]
     if num_seqs is None:
         if output_final_state:
@@ -133,14 +134,14 @@ def plans(
     if dt_bias_dtype is not None:
         outputs.append(_per_head_sums("ddt_bias", geometry, geometry.padded_key_dim))
     bound, packed = activations.decay_lower_bound, num_seqs is not None
-    chunk = chunk_work(geometry, use_qk_l2norm, bound, packed) + fused.activation_work(activations, geometry)
+    chunk = recurrence.chunk_work(geometry, use_qk_l2norm, bound, packed) + fused.activation_work(activations, geometry)
     work = chunk * (VJP_WORK_FACTOR * grid.chunks_of_the_grid(geometry))
-    body = VJP_VMEM_FACTOR * chunk_body_vmem(geometry, bound)
+    body = VJP_VMEM_FACTOR * recurrence.chunk_body_vmem(geometry, bound)
     if packed:  # each sequence's terms recomputed and differentiated; the loops carry three (C, K) sums
         states = sequence_work(geometry, initial_state_dtype is not None, output_final_state)
         work = work + states * ((1 + VJP_WORK_FACTOR) * geometry.heads * geometry.value_tiles * num_seqs)
         body += 4 * 3 * geometry.chunk_size * geometry.padded_key_dim
-    name = "kda_fused_backward" if num_seqs is None else "kda_varlen_backward"
+    name = f"{recurrence.op}_{'fused' if num_seqs is None else 'varlen'}_backward"
     gradients = grid.grid_plan(name, geometry, forward.scalars, inputs, outputs, work, body, scratch=scratch)
     return checkpoints, gradients
 
@@ -152,39 +153,50 @@ def _as_row(column: jax.Array) -> jax.Array:
 
 
 def _chunk_gradients(chunk: Chunk, refs: dict, head, A_log, dt_bias, dstate, sequences: PackedChunk | None, *,
-                     scale: float, use_qk_l2norm: bool, activations: Activations):
-    """One chunk's gradients, ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)``, and ``dS`` entering it: the VJPs of the
-    forward's pieces of a chunk in reverse, ``dS`` leaving it (``dstate``) and ``do`` given.
+                     scale: float, use_qk_l2norm: bool, activations: Activations, recurrence: Recurrence):
+    """One chunk's gradients, ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` (``dbeta`` None without the delta rule), and
+    ``dS`` entering it: the VJPs of the forward's pieces of a chunk in reverse, ``dS`` leaving it (``dstate``) and ``do``
+    given.
 
     The activations and ``prepared_queries_keys``, then ``chunk_core``; a packed chunk's sequences (``sequences``) add
-    the VJPs of their final states (to ``delta``, from ``dht``) and of their initial states' terms (``dinitial_state``)."""
-    q, k, v, g, beta = read_chunk(refs, chunk, head)
+    the VJPs of their final states (to the writes, from ``dht``) and of their initial states' terms (``dinitial_state``),
+    through the gate as those terms take it (``Recurrence.per_key_log_decays``)."""
+    q, k, v, g, beta = read_chunk(refs, chunk, head, recurrence)
     operands = mxu_operand_dtype(q.dtype)
 
     def chunk_inputs(q, k, g, beta, A_log, dt_bias):
         g, beta = activated_gate_and_strength(chunk, g, beta, A_log, dt_bias, activations)
         q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
-        return q, k, g if sequences is None else packed_log_decays(g), beta
+        return q, k, g, beta
 
     (q, k, g, beta), inputs_vjp = jax.vjp(chunk_inputs, q, k, g, beta, A_log, dt_bias)
     carried = refs["checkpoints"][chunk.index]
     resets = entering = None
     if sequences is not None:
-        resets, entering = sequences.resets(), sequences.entering(q, k, g, operands)
-    core = functools.partial(chunk_core, operands=operands, lower_bound=activations.decay_lower_bound, resets=resets)
-    (_, _, delta), core_vjp = jax.vjp(core, q, k, v, g, beta, carried, entering)
-    leaving = None if sequences is None else sequences.leave_gradients(k, g, delta, carried, operands)
-    ddelta = jnp.zeros(delta.shape, _F32) if leaving is None else leaving[2]
-    dq, dk, dv, dg, dbeta, dcarried, dentering = core_vjp((chunk.read(refs["do"]).astype(_F32), dstate, ddelta))
-    if leaving is not None:
-        dk, dg, dcarried = dk + leaving[0], dg + leaving[1], dcarried + leaving[3]
-    if entering is not None:
-        dq, dk, dg = (x + more for x, more in zip((dq, dk, dg), sequences.entering_gradients(q, k, g, dentering, operands)))
+        sequence_gates, sequence_gates_vjp = jax.vjp(lambda g: recurrence.per_key_log_decays(g, k.shape[1]), g)
+        resets, entering = sequences.resets(), sequences.entering(q, k, sequence_gates, operands)
+    core = functools.partial(
+        chunk_core, operands=operands, lower_bound=activations.decay_lower_bound, resets=resets, recurrence=recurrence,
+    )
+    (_, _, writes), core_vjp = jax.vjp(core, q, k, v, g, beta, carried, entering)
+    leaving = None if sequences is None else sequences.leave_gradients(k, sequence_gates, writes, carried, operands)
+    dwrites = jnp.zeros(writes.shape, _F32) if leaving is None else leaving[2]
+    dq, dk, dv, dg, dbeta, dcarried, dentering = core_vjp((chunk.read(refs["do"]).astype(_F32), dstate, dwrites))
+    if sequences is not None:
+        dsequence_gates = jnp.zeros(sequence_gates.shape, _F32)
+        if leaving is not None:
+            dk, dsequence_gates, dcarried = dk + leaving[0], dsequence_gates + leaving[1], dcarried + leaving[3]
+        if entering is not None:
+            dq_entering, dk_entering, dg_entering = sequences.entering_gradients(q, k, sequence_gates, dentering, operands)
+            dq, dk, dsequence_gates = dq + dq_entering, dk + dk_entering, dsequence_gates + dg_entering
+        (dg_sequences,) = sequence_gates_vjp(dsequence_gates)
+        dg = dg + dg_sequences
     dq, dk, dg, dbeta, dA_log, ddt_bias = inputs_vjp((dq, dk, dg, dbeta))
     return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias), dcarried
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations,
+            recurrence: Recurrence):
     refs = plan.bind(refs)
     head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     packed = "cu_seqlens" in refs
@@ -208,11 +220,16 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
             sequences = PackedChunk.of(refs, forward_step * geometry.chunks_per_step + chunk.index, geometry.chunk_size, states)
         gradients, dstate = _chunk_gradients(
             chunk, refs, head, A_log, dt_bias, dstate, sequences, scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations,
+            recurrence=recurrence,
         )
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias = gradients
-        for name, value in (("dq", dq), ("dk", dk), ("dv", dv), ("dg", dg)):
-            refs[name][chunk.rows, :] = value.astype(refs[name].dtype)
-        refs["dbeta"][chunk.index : chunk.index + 1, :] = _as_row(dbeta)
+        for name, value in (("dq", dq), ("dk", dk), ("dv", dv), ("dg", dg), ("dbeta", dbeta)):
+            if value is None:
+                continue
+            if value.shape[1] == 1:  # one per token (beta, a gate per head): a row per chunk
+                refs[name][chunk.index : chunk.index + 1, :] = _as_row(value)
+            else:
+                refs[name][chunk.rows, :] = value.astype(refs[name].dtype)
         for name, value in (("dA_log", dA_log), ("ddt_bias", ddt_bias)):
             if name in refs:
                 refs[name][...] += value.astype(_F32)
@@ -227,15 +244,29 @@ def backward(
     config: KdaFusedConfig,
 ) -> KDAGrads:
     """The ``Backward`` protocol of ``tops_core.ops.kda``: unpacked (fused's), or packed (``cu_seqlens`` given, ``B == 1``: varlen's)."""
+    activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True)
+    return KDAGrads(**gradients(
+        q, k, v, g, beta, do, scale=scale, initial_state=initial_state, dht=dht, cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm, activations=activations, A_log=A_log, dt_bias=dt_bias, config=config, recurrence=KDA,
+    ))
+
+
+def gradients(
+    q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config, recurrence: Recurrence,
+    activations: Activations = Activations(), A_log=None, dt_bias=None,
+) -> dict[str, jax.Array | None]:
+    """Every gradient of a call of ``recurrence``'s op by name, in the caller's shapes and dtypes: ``dq``, ``dk``, ``dv``,
+    ``dg``, ``dbeta`` (with the delta rule), ``dinitial_state``, ``dA_log`` and ``ddt_bias`` (None where there is no
+    such input); unpacked, or packed (``cu_seqlens`` given, ``B == 1``)."""
     B, T, H, K = q.shape
     value_heads, V = v.shape[2:]
     num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True)
     geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
         plans, geometry_of(B, T, value_heads, K, V, config, value_heads // H), q.dtype, config.interpret,
-        gate_dtype=g.dtype, beta_dtype=beta.dtype, initial_state_dtype=None if initial_state is None else initial_state.dtype,
-        output_final_state=dht is not None, use_qk_l2norm=use_qk_l2norm, activations=activations,
-        with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype, num_seqs=num_seqs,
+        gate_dtype=g.dtype, beta_dtype=None if beta is None else beta.dtype,
+        initial_state_dtype=None if initial_state is None else initial_state.dtype, output_final_state=dht is not None,
+        use_qk_l2norm=use_qk_l2norm, activations=activations, with_A_log=A_log is not None,
+        dt_bias_dtype=None if dt_bias is None else dt_bias.dtype, num_seqs=num_seqs, recurrence=recurrence,
     )
     arrays = {**kernel_operands(q, k, v, None, None, initial_state, geometry), **fused.gate_operands(g, beta, A_log, dt_bias, geometry)}
     arrays["do"] = heads_flattened(do, geometry.padded_value_dim)
@@ -243,34 +274,36 @@ def backward(
         arrays["dht"] = padded_state(dht.astype(_F32), geometry)
     if cu_seqlens is not None:
         arrays.update(fused.packed_boundaries(cu_seqlens, T, config.chunk_size))
-    static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations)
+    static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence)
     checkpoints = run(checkpoints_plan, fused.kernel, arrays, **static)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, **static)
-    grads = _caller_gradients(results, q, beta, initial_state, A_log, dt_bias, geometry)
-    if cu_seqlens is None or initial_state is None:
-        return grads
-    return dataclasses.replace(grads, dinitial_state=with_empty_sequences(grads.dinitial_state, cu_seqlens, dht))
+    grads = _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry)
+    if cu_seqlens is not None and initial_state is not None:
+        grads["dinitial_state"] = with_empty_sequences(grads["dinitial_state"], cu_seqlens, dht)
+    return grads
 
 
-def _caller_gradients(results, q, beta, initial_state, A_log, dt_bias, geometry: Geometry) -> KDAGrads:
+def _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry: Geometry) -> dict[str, jax.Array | None]:
     """The kernels' outputs in the caller's shapes and dtypes: dq and dk summed over each group of value heads."""
     B, T, HV, K = geometry.batch, geometry.seq_len, geometry.heads, geometry.key_dim
-    keys = dataclasses.replace(geometry, value_dim=K)  # dq, dk, dg: the layout of o, K wide
+    keys = dataclasses.replace(geometry, value_dim=K)  # dq, dk, dg per key: the layout of o, K wide
 
     def query_key(name):
         per_value_head = caller_output(results[name], keys)
         return per_value_head.reshape(B, T, HV // geometry.groups, geometry.groups, K).sum(axis=3).astype(q.dtype)
 
-    dbeta = jnp.swapaxes(results["dbeta"].reshape(B, HV, -1)[:, :, :T], 1, 2).astype(beta.dtype)
-    dinitial_state = dA_log = ddt_bias = None
-    if initial_state is not None:
-        dinitial_state = caller_state(results["dinitial_state"], geometry).astype(initial_state.dtype)
-    if A_log is not None:
-        dA_log = results["dA_log"].sum(axis=0).reshape(HV).astype(A_log.dtype)
-    if dt_bias is not None:
-        ddt_bias = results["ddt_bias"].sum(axis=0)[:, 0, :K].reshape(dt_bias.shape).astype(dt_bias.dtype)
-    return KDAGrads(
+    def per_token(name, like):  # token rows [B, HV, steps, chunks, C] -> [B, T, HV]
+        return jnp.swapaxes(results[name].reshape(B, HV, -1)[:, :, :T], 1, 2).astype(like.dtype)
+
+    grads = dict(
         dq=query_key("dq"), dk=query_key("dk"), dv=caller_output(results["dv"], geometry),
-        dg=caller_output(results["dg"], keys), dbeta=dbeta,
-        dinitial_state=dinitial_state, dA_log=dA_log, ddt_bias=ddt_bias,
+        dg=caller_output(results["dg"], keys) if g.ndim == 4 else per_token("dg", g),
+        dbeta=None if beta is None else per_token("dbeta", beta), dinitial_state=None, dA_log=None, ddt_bias=None,
     )
+    if initial_state is not None:
+        grads["dinitial_state"] = caller_state(results["dinitial_state"], geometry).astype(initial_state.dtype)
+    if A_log is not None:
+        grads["dA_log"] = results["dA_log"].sum(axis=0).reshape(HV).astype(A_log.dtype)
+    if dt_bias is not None:
+        grads["ddt_bias"] = results["ddt_bias"].sum(axis=0)[:, 0, :K].reshape(dt_bias.shape).astype(dt_bias.dtype)
+    return grads

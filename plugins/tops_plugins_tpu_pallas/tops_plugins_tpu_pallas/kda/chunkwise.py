@@ -74,6 +74,7 @@ from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, bf16_parts, matmul, mxu_operand_dtype, row_and_column_iotas
 from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas.recurrence import Recurrence
 
 _F32 = jnp.float32
 
@@ -252,7 +253,7 @@ def l2_normalised(x: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Pairs:
     aqk: jax.Array  # (C, C), zero above the diagonal
-    inverse: jax.Array  # (C, C): (I + diag(beta) Akk)^-1, unit lower-triangular
+    inverse: jax.Array | None  # (C, C): (I + diag(beta) Akk)^-1, unit lower-triangular; None without the delta rule
 
 
 def crossings(resets: jax.Array) -> jax.Array:
@@ -322,9 +323,10 @@ def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands,
     return result
 
 
-def interleaved_pairs(chunks, operands) -> list[Pairs]:
+def interleaved_pairs(chunks, operands, delta_rule: bool = True) -> list[Pairs]:
     """``pairs`` of several chunks ``(q, k, beta, decays, resets)``: every chunk's levels' products, then their inverses
-    at once (``exact_inverses``)."""
+    at once (``exact_inverses``). Without the ``delta_rule`` (gla: ``beta`` None), ``Aqk`` alone: each level streams
+    only the later half's query rows, and no inverse (``Pairs.inverse`` None)."""
     C = chunks[0][1].shape[0]
     i, j = row_and_column_iotas(C)
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
@@ -335,24 +337,29 @@ def interleaved_pairs(chunks, operands) -> list[Pairs]:
         inside = (_block(i, fine_size) == _block(j, fine_size)) & (j < i)
         for n, (q, k, beta, decays, resets) in enumerate(chunks):
             row_decay, column_decay = decays.fine
-            products = matmul(jnp.concatenate([k * row_decay, q * row_decay], axis=0), k * column_decay, operands, ROWS_BY_ROWS)
+            left = [k * row_decay, q * row_decay] if delta_rule else [q * row_decay]
+            products = matmul(jnp.concatenate(left, axis=0), k * column_decay, operands, ROWS_BY_ROWS)
             kept = inside if resets is None else inside & (crossings(resets) == 0)
-            aqk[n] = aqk[n] + jnp.where(kept, products[C:], 0.0)
-            beta_akk = beta * jnp.where(kept, products[:C], 0.0)
-            # The fine levels' P_t are masks of the one sub-chunk matrix.
-            every_levels[n].extend(jnp.where(level_pairs_mask(C, t), beta_akk, 0.0) for t in level_sizes(fine_size))
+            aqk[n] = aqk[n] + jnp.where(kept, products[-C:], 0.0)
+            if delta_rule:
+                beta_akk = beta * jnp.where(kept, products[:C], 0.0)
+                # The fine levels' P_t are masks of the one sub-chunk matrix.
+                every_levels[n].extend(jnp.where(level_pairs_mask(C, t), beta_akk, 0.0) for t in level_sizes(fine_size))
     for level, s in enumerate(coarse_level_sizes(C, fine_size)):
         later = _in_later_half(rows, s)
         same_block = _block(i, 2 * s) == _block(j, 2 * s)
         for n, (q, k, beta, decays, _) in enumerate(chunks):
             decayed_keys = k * decays.levels[level]
-            later_keys = jnp.where(later, decayed_keys, 0.0)
             later_queries = jnp.where(later, q * decays.levels[level], 0.0)
             earlier_keys = jnp.where(later, 0.0, decayed_keys)
-            products = matmul(jnp.concatenate([later_keys, later_queries], axis=0), earlier_keys, operands, ROWS_BY_ROWS)
-            aqk[n] = aqk[n] + jnp.where(same_block, products[C:], 0.0)
-            # Later rows against earlier columns inside one 2s-block: the level's pairs, zero elsewhere.
-            every_levels[n].append(beta * jnp.where(same_block, products[:C], 0.0))
+            left = [jnp.where(later, decayed_keys, 0.0), later_queries] if delta_rule else [later_queries]
+            products = matmul(jnp.concatenate(left, axis=0), earlier_keys, operands, ROWS_BY_ROWS)
+            aqk[n] = aqk[n] + jnp.where(same_block, products[-C:], 0.0)
+            if delta_rule:
+                # Later rows against earlier columns inside one 2s-block: the level's pairs, zero elsewhere.
+                every_levels[n].append(beta * jnp.where(same_block, products[:C], 0.0))
+    if not delta_rule:
+        return [Pairs(aqk=a, inverse=None) for a in aqk]
     inverses = exact_inverses(tuple(tuple(levels) for levels in every_levels), operands)
     return [Pairs(aqk=a, inverse=d) for a, d in zip(aqk, inverses)]
 
@@ -374,7 +381,7 @@ class Factors:
     to_end: jax.Array  # (C, K): exp(b_C - b_i)
     whole: jax.Array  # (K, 1): exp(b_C)
     aqk: jax.Array  # (C, C)
-    inverse: jax.Array  # (C, C): (I + diag(beta) Akk)^-1
+    inverse: jax.Array | None  # (C, C): (I + diag(beta) Akk)^-1; None without the delta rule (gla)
 
 
 def chunk_factors(chunks, *, operands, lower_bound: float | None) -> list[Factors]:
@@ -406,55 +413,49 @@ def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
     return o, state_out, delta
 
 
-def chunk_core(q, k, v, g, beta, state, entering, *, operands, lower_bound: float | None, resets: jax.Array | None):
-    """``through_state`` of one chunk with its own ``chunk_factors``: ``(o, S_out, delta)`` from ``prepared_queries_keys``'
-    ``q`` and ``k``, ``resets`` as ``chunk_factors`` takes them. The backward's VJP (``kda.backward``), a chunk at a time:
-    interleaved over a step's chunks, the VJP's residuals of every chunk would be held at once (Mosaic needs 33 MB of
-    VMEM at eight chunks of K = V = 128 for it, against 6 one at a time) for 8% fewer cycles on a v6e (measured
-    before ``exact_inverses`` had its closed-form VJP)."""
-    (factors,) = chunk_factors([(q, k, g, beta, resets)], operands=operands, lower_bound=lower_bound)
-    return through_state(q, k, v, beta, state, entering, factors, operands)
+def chunk_core(q, k, v, g, beta, state, entering, *, operands, lower_bound: float | None, resets: jax.Array | None,
+               recurrence: Recurrence):
+    """``through_state`` of one chunk with its own factors (``recurrence``'s): ``(o, S_out, writes)`` from
+    ``prepared_queries_keys``' ``q`` and ``k``, ``resets`` as ``chunk_factors`` takes them. The backward's VJP
+    (``kda.backward``), a chunk at a time: interleaved over a step's chunks, the VJP's residuals of every chunk would be
+    held at once (Mosaic needs 33 MB of VMEM at eight chunks of K = V = 128 for it, against 6 one at a time) for 8% fewer
+    cycles on a v6e (measured before ``exact_inverses`` had its closed-form VJP)."""
+    (factors,) = recurrence.factors([(q, k, g, beta, resets)], operands=operands, lower_bound=lower_bound)
+    return recurrence.through_state(q, k, v, beta, state, entering, factors, operands)
 
 
-def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, lower_bound: float | None = None, factors=chunk_factors):
+def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence: Recurrence, lower_bound: float | None = None):
     """Consecutive chunks from ``state``: ``(o of each, the state entering each, the state leaving the last)``, ``o``
     float32 ``(C, value block)``, the states float32 ``(K_pad, value block)``.
 
-    ``chunks``: ``(q, k, v, g, beta, packed)`` each: ``q``, ``k``, ``v`` in the input dtype, ``g`` ``(C, K_pad)`` and
-    ``beta`` ``(C, 1)`` float32, every row past the end of the sequence already zero (no decay, no write).
-    ``lower_bound``: static, a bound every ``g`` respects (the bounded path where ``fine_block_size`` allows it).
-    ``packed``: a packed chunk's sequences (``kda.sequences.PackedChunk``) or None: its sequences' first rows reset the
-    state (every key's decay ``exp(-inf)``), their initial states enter there and their final states leave.
+    ``chunks``: ``(q, k, v, g, beta, packed)`` each: ``q``, ``k``, ``v`` in the input dtype, ``g`` float32 ``(C, K_pad)``
+    (``(C, 1)`` for a gate per head) and ``beta`` ``(C, 1)`` float32 (None without the delta rule), every row past the end
+    of the sequence already zero (no decay, no write). ``lower_bound``: static, a bound every ``g`` respects (kda's
+    bounded path where ``fine_block_size`` allows it). ``packed``: a packed chunk's sequences
+    (``kda.sequences.PackedChunk``) or None: its sequences' first rows reset the state (every key's decay ``exp(-inf)``),
+    their initial states enter there and their final states leave.
 
-    Every chunk's ``factors`` first (kda's ``chunk_factors``; gated_delta_rule's, with ``g`` ``(C, 1)``, its own), then the
-    chain through the state (``through_state``). A chunk's inverse is a chain of dependent products, as is the state's
-    way through the chunks; issued apart, each fills the other's waits.
+    Every chunk's factors first (``recurrence.factors``), then the chain through the state (``recurrence.through_state``).
+    A chunk's inverse is a chain of dependent products, as is the state's way through the chunks; issued apart, each
+    fills the other's waits.
     """
     operands = mxu_operand_dtype(chunks[0][0].dtype)
     prepared = []
     for q, k, v, g, beta, packed in chunks:
         q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
-        resets = None
-        if packed is not None:
-            g, resets = packed_log_decays(g), packed.resets()
-        prepared.append((q, k, g, beta, resets))
-    every_factors = factors(prepared, operands=operands, lower_bound=lower_bound)
+        prepared.append((q, k, g, beta, None if packed is None else packed.resets()))
+    every_factors = recurrence.factors(prepared, operands=operands, lower_bound=lower_bound)
     outputs, entering_states = [], []
     for (q, k, g, beta, _), (_, _, v, _, _, packed), own in zip(prepared, chunks, every_factors):
         entering_states.append(state)
-        entering = None if packed is None else packed.entering(q, k, g, operands)
-        o, state_out, delta = through_state(q, k, v, beta, state, entering, own, operands)
+        sequence_gates = None if packed is None else recurrence.per_key_log_decays(g, k.shape[1])
+        entering = None if packed is None else packed.entering(q, k, sequence_gates, operands)
+        o, state_out, writes = recurrence.through_state(q, k, v, beta, state, entering, own, operands)
         if packed is not None:
-            packed.leave(k, g, delta, state, operands)
+            packed.leave(k, sequence_gates, writes, state, operands)
         outputs.append(o)
         state = state_out
     return outputs, entering_states, state
-
-
-def packed_log_decays(g: jax.Array) -> jax.Array:
-    """A packed chunk's ``g`` with ``-inf`` taken as ``RESET_LOG_DECAY``, for the sequences' run sums too (``-inf`` times a
-    mask's 0 would be NaN)."""
-    return jnp.maximum(g, RESET_LOG_DECAY)
 
 
 def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | None = None, packed: bool = False) -> Work:
@@ -500,3 +501,9 @@ def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int
     decays = sections + (C if fine else 0)
     squares = 6 + (3 if fine else 0)
     return 4 * (sections * C + 2 * decays * K + 6 * C * K + squares * C * C + 2 * K * Vb + 4 * C * Vb)
+
+
+KDA = Recurrence(
+    op="kda", gate_per_key=True, delta_rule=True, factors=chunk_factors, through_state=through_state, chunk_work=chunk_work,
+    chunk_body_vmem=chunk_body_vmem, step_body_vmem=step_body_vmem,
+)

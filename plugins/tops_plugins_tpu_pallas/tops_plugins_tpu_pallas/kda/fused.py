@@ -45,9 +45,10 @@ from tops_plugins_tpu_pallas.grid import (
     step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
-from tops_plugins_tpu_pallas.kda.chunkwise import chunk_steps, chunk_work, step_body_vmem
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA, chunk_steps
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Relayout, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
+from tops_plugins_tpu_pallas.recurrence import Recurrence
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.simple_gla.varlen import boundaries, boundary_operands
 
@@ -103,12 +104,13 @@ def plans(
     geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None,
     output_final_state: bool = False, use_qk_l2norm: bool = False, activations: Activations = Activations(),
     with_A_log: bool = False, dt_bias_dtype=None, num_seqs: int | None = None, pool_rows: int | None = None,
+    recurrence: Recurrence = KDA,
 ) -> tuple[LaunchPlan]:
-    """The (single) launch plan of one call; ``initial_state_dtype`` and ``dt_bias_dtype`` None when
+    """The (single) launch plan of one call of ``recurrence``'s op; ``initial_state_dtype`` and ``dt_bias_dtype`` None when
     there is no such input, ``with_A_log`` whether ``A_log`` is given.
 
-    ``g`` and ``beta`` are always inputs; a dtype of None (a ``CallSpec``, which carries neither)
-    plans them as float32, the larger. ``num_seqs``: a packed call (``kda/varlen.py``) of that many
+    ``g`` (per key, laid out as ``k``, or per head) and, with the delta rule, ``beta`` are always inputs; a dtype of None
+    (a ``CallSpec``, which carries neither) plans them as float32, the larger. ``num_seqs``: a packed call (``kda/varlen.py``) of that many
     sequences, whose boundaries the kernel reads from SMEM (``varlen.boundaries``: ``N + 1 + 2 * chunks``
     int32); without states its blocks, work and VMEM are the unpacked kernel's at ``B = 1``, and its
     per-sequence states sit in HBM, moved through VMEM buffers, their work counted per sequence. With
@@ -123,9 +125,10 @@ def plans(
         scalars.append(state_rows(sequences))
     inputs = [
         blocks.key_rows("q", geometry, dtype), blocks.key_rows("k", geometry, dtype), blocks.value_rows("v", geometry, dtype),
-        blocks.key_rows("g", geometry, gate_dtype or jnp.float32, per_value_head=True),
-        blocks.per_head("beta", geometry, beta_dtype or jnp.float32),
+        gate_block(geometry, gate_dtype or jnp.float32, recurrence),
     ]
+    if recurrence.delta_rule:
+        inputs.append(blocks.per_head("beta", geometry, beta_dtype or jnp.float32))
     if dt_bias_dtype is not None:
         inputs.append(_gate_bias(geometry, dt_bias_dtype))
     outputs = [blocks.value_rows("o", geometry, dtype)]
@@ -149,13 +152,14 @@ def plans(
         if len(scratch) > 1:
             scratch.append(DmaSemaphores("copies", 2))
     bound, packed = activations.decay_lower_bound, num_seqs is not None
-    work = (chunk_work(geometry, use_qk_l2norm, bound, packed) + activation_work(activations, geometry)) * chunks_of_the_grid(geometry)
+    chunk = recurrence.chunk_work(geometry, use_qk_l2norm, bound, packed) + activation_work(activations, geometry)
+    work = chunk * chunks_of_the_grid(geometry)
     if packed:
         states = sequence_work(geometry, initial_state_dtype is not None, output_final_state)
         work = work + states * (geometry.heads * geometry.value_tiles * num_seqs)
-    name = "kda_fused" if num_seqs is None else "kda_varlen"
+    name = f"{recurrence.op}_{'fused' if num_seqs is None else 'varlen'}"
     return (grid.grid_plan(
-        name, geometry, scalars, inputs, outputs, work, step_body_vmem(geometry, bound), scratch,
+        name, geometry, scalars, inputs, outputs, work, recurrence.step_body_vmem(geometry, bound), scratch,
         aliases=pool_aliases(pool_rows, output_final_state),
     ),)
 
@@ -165,9 +169,20 @@ def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UN
     return grid.fitted_plans(plans, geometry, dtype, target=target, **inputs)
 
 
-def read_chunk(refs: dict, chunk: Chunk, head) -> tuple[jax.Array, ...]:
-    """The chunk's ``q``, ``k``, ``v``, ``g`` (as given: raw with ``use_gate``) and ``beta`` (float32 ``(C, 1)``, as given)."""
-    return (*(chunk.read(refs[name]) for name in ("q", "k", "v", "g")), chunk.head_column(refs["beta"], head))
+def gate_block(geometry: Geometry, dtype, recurrence: Recurrence) -> Blocked:
+    """``g``'s block: a gate per key ``[B, T, HV, K]`` laid out as ``k`` (a row per value head), or one per head ``[B, T, HV]``
+    as it is (every head's column of a step's rows)."""
+    if recurrence.gate_per_key:
+        return blocks.key_rows("g", geometry, dtype, per_value_head=True)
+    return blocks.per_head("g", geometry, dtype)
+
+
+def read_chunk(refs: dict, chunk: Chunk, head, recurrence: Recurrence) -> tuple[jax.Array, ...]:
+    """The chunk's ``q``, ``k``, ``v``, ``g`` (as given: raw with ``use_gate``; a gate per head as a float32 ``(C, 1)``
+    column) and ``beta`` (float32 ``(C, 1)``, as given; None without the delta rule)."""
+    q, k, v = (chunk.read(refs[name]) for name in ("q", "k", "v"))
+    g = chunk.read(refs["g"]) if recurrence.gate_per_key else chunk.head_column(refs["g"], head)
+    return q, k, v, g, chunk.head_column(refs["beta"], head) if recurrence.delta_rule else None
 
 
 def activated_gate_and_strength(chunk: Chunk, g, beta, A_log, dt_bias, activations: Activations) -> tuple[jax.Array, jax.Array]:
@@ -182,8 +197,9 @@ def activated_gate_and_strength(chunk: Chunk, g, beta, A_log, dt_bias, activatio
     return g.astype(jnp.float32), beta
 
 
-def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations):
-    """The fused kda kernel; with ``cu_seqlens`` among the refs (``num_seqs`` planned) the packed one: every key's
+def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations,
+           recurrence: Recurrence):
+    """The fused kernel of ``recurrence``'s op; with ``cu_seqlens`` among the refs (``num_seqs`` planned) the packed one: every key's
     log decay on a sequence's first row is ``RESET_LOG_DECAY`` (exp of it 0: the state is reset before that token
     writes), which ``chunkwise`` takes exactly, and the per-sequence states enter and leave where each sequence
     starts and ends (``kda.sequences``). With ``activations.decay_lower_bound`` known, ``chunkwise``'s bounded path
@@ -199,14 +215,15 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
     dt_bias = refs["dt_bias"][...] if "dt_bias" in refs else None
     chunks, inputs = step_chunks(geometry, step), []
     for chunk in chunks:
-        q, k, v, g, beta = read_chunk(refs, chunk, head)
+        q, k, v, g, beta = read_chunk(refs, chunk, head, recurrence)
         g, beta = activated_gate_and_strength(chunk, g, beta, A_log, dt_bias, activations)
         sequences = None
         if packed:
             sequences = PackedChunk.of(refs, step * geometry.chunks_per_step + chunk.index, geometry.chunk_size, states)
         inputs.append((q, k, v, g, beta, sequences))
     outputs, entering, state = chunk_steps(
-        inputs, refs["state"][...], scale=scale, use_qk_l2norm=use_qk_l2norm, lower_bound=activations.decay_lower_bound,
+        inputs, refs["state"][...], scale=scale, use_qk_l2norm=use_qk_l2norm, recurrence=recurrence,
+        lower_bound=activations.decay_lower_bound,
     )
     for chunk, o, before in zip(chunks, outputs, entering):
         if "checkpoints" in refs:  # the backward's first walk (kda.backward): the state entering every chunk, no o
@@ -237,13 +254,15 @@ def forward(
 
 
 def gate_operands(g, beta, A_log, dt_bias, geometry: Geometry) -> dict:
-    """kda's own operands beyond ``layout.kernel_operands``, by name: ``g`` laid out as ``k`` (per value head),
-    ``beta`` as given, and ``A_log`` and ``dt_bias`` when given."""
-    value_heads, key_dim = g.shape[2:]
-    operands = {"g": heads_flattened(g, geometry.padded_key_dim), "beta": beta}
+    """The op's own operands beyond ``layout.kernel_operands``, by name: ``g`` laid out as ``k`` (per value head) when it
+    is per key (``[B, T, HV, K]``), as given when per head (``[B, T, HV]``); ``beta``, ``A_log`` and ``dt_bias`` when given."""
+    operands = {"g": heads_flattened(g, geometry.padded_key_dim) if g.ndim == 4 else g}
+    if beta is not None:
+        operands["beta"] = beta
     if A_log is not None:
         operands["A_log"] = A_log.astype(jnp.float32)  # SMEM holds 32-bit words; gate computes in float32 anyway
     if dt_bias is not None:
+        value_heads, key_dim = g.shape[2:]
         operands["dt_bias"] = heads_flattened(dt_bias.reshape(value_heads, 1, 1, key_dim), geometry.padded_key_dim)  # [HV, 1, K_pad]
     return operands
 
@@ -259,21 +278,22 @@ def packed_boundaries(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> d
 
 
 def run(
-    q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, activations: Activations,
-    A_log, dt_bias, config, cu_seqlens=None, ssm_state_indices=None,
+    q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, activations: Activations = Activations(),
+    A_log=None, dt_bias=None, config, cu_seqlens=None, ssm_state_indices=None, recurrence: Recurrence = KDA,
 ):
-    """One launch of the kernel: unpacked, or (``cu_seqlens`` given, ``B == 1``) packed, ``kda/varlen.py``'s, its states
-    perhaps rows of a pool (``ssm_state_indices``)."""
+    """One launch of ``recurrence``'s kernel: unpacked, or (``cu_seqlens`` given, ``B == 1``) packed, ``kda/varlen.py``'s,
+    its states perhaps rows of a pool (``ssm_state_indices``); ``beta`` None without the delta rule."""
     operands = gate_operands(g, beta, A_log, dt_bias, geometry_of(*q.shape, v.shape[-1], config))
     num_seqs = None
     if cu_seqlens is not None:
         num_seqs = cu_seqlens.shape[0] - 1
         operands.update(packed_boundaries(cu_seqlens, q.shape[1], config.chunk_size))
     return grid.run(
-        functools.partial(kernel, use_qk_l2norm=use_qk_l2norm, activations=activations),
+        functools.partial(kernel, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence),
         functools.partial(
-            plans, beta_dtype=beta.dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
+            plans, beta_dtype=None if beta is None else beta.dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
             with_A_log=A_log is not None, dt_bias_dtype=None if dt_bias is None else dt_bias.dtype, num_seqs=num_seqs,
+            recurrence=recurrence,
         ),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         config=config, operands=operands, ssm_state_indices=ssm_state_indices,

@@ -49,19 +49,21 @@ def forward(
 ):
     """The ``Forward`` protocol of ``tops_core.ops.kda`` for packed input (``B == 1``, ``cu_seqlens`` given), a state pool
     served in place (``Implementation.serves_pools``)."""
-    if cu_seqlens is None:
-        raise ValueError("tpu_pallas.varlen (kda) takes packed calls only: cu_seqlens is required")
-    if q.shape[0] != 1:
-        raise ValueError(f"a packed call has B == 1, got q of shape {q.shape}")
     activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True)
     return pool_states(
-        _forward, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        run, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm, activations=activations, A_log=A_log, dt_bias=dt_bias, config=config, cu_seqlens=cu_seqlens,
         ssm_state_indices=ssm_state_indices,
     )
 
 
-def _forward(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, ssm_state_indices, **options):
+def run(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, ssm_state_indices, **options):
+    """``fused.run`` over packed sequences (any ``recurrence`` among ``options``), an empty sequence's final state its
+    initial state."""
+    if cu_seqlens is None:
+        raise ValueError("tpu_pallas.varlen takes packed calls only: cu_seqlens is required")
+    if q.shape[0] != 1:
+        raise ValueError(f"a packed call has B == 1, got q of shape {q.shape}")
     o, final_state = fused.run(
         q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         ssm_state_indices=ssm_state_indices, **options,

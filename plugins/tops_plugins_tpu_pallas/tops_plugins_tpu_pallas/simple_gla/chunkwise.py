@@ -47,6 +47,7 @@ def _column_to_row(column: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(rows == cols, column, 0.0), axis=0, keepdims=True)
 
 
+@jax.custom_vjp
 def cumulative_sum(g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The chunk-local cumulative sums ``(B, R)`` of ``g`` ``(C, 1)`` (float32) as one bf16 MXU pass, each exact as a float32
     HIGHEST product: ``B`` sums the gates with every ``-inf`` counted as 0, ``R`` counts the ``-inf`` gates (module docstring).
@@ -61,6 +62,23 @@ def cumulative_sum(g: jax.Array) -> tuple[jax.Array, jax.Array]:
     rows, cols = row_and_column_iotas(g.shape[0])
     partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), _parts_and_resets_along(g, 1, LANES), jnp.bfloat16)
     return _sums_of_parts_and_resets(partial_sums, 1)
+
+
+def _cumulative_sum_forward(g):
+    return cumulative_sum(g), g == -jnp.inf
+
+
+def _cumulative_sum_cotangents(resets, cotangents):
+    """``dg_t = sum_{i >= t} dB_i`` (0 on a ``-inf`` gate, which ``B`` counts as 0), in the forward's exact bf16 parts:
+    jax's own rule would round the cotangent to bf16 on its way through the parts (what kda's ``run_sums`` avoids too)."""
+    dsums, _ = cotangents  # R counts resets: no gradient
+    rows, cols = row_and_column_iotas(dsums.shape[0])
+    partial_sums = matmul((rows <= cols).astype(jnp.bfloat16), _parts_and_resets_along(dsums, 1, LANES), jnp.bfloat16)
+    dg, _ = _sums_of_parts_and_resets(partial_sums, 1)
+    return (jnp.where(resets, 0.0, dg),)
+
+
+cumulative_sum.defvjp(_cumulative_sum_forward, _cumulative_sum_cotangents)
 
 
 def cumulative_sum_along_lanes(g: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,80 @@
+"""What one chunk of gla does inside the kernel: kda's per-key decays and query pairs (``kda/chunkwise.py``) without the
+delta rule. With ``b`` the chunk's cumulative log decays per token and key, ``q`` times ``scale`` and ``S`` the state
+entering the chunk::
+
+    Aqk[i, j] = sum_d q[i, d] k[j, d] exp(b[i, d] - b[j, d])              (j <= i)
+    o     = (exp(b) * q) S + Aqk v
+    S_out = exp(b_C) * S + (exp(b_C - b) * k)^T v
+
+``Aqk`` is kda's, level by level along the halving (no decay is ever ``exp`` of a positive exponent, however strong the
+gates), each level streaming the later half's query rows only; there is no ``Akk`` and no inverse, and the writes are
+the values themselves.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from tops_plugins_tpu_pallas.grid import Work
+from tops_plugins_tpu_pallas.kda.chunkwise import Decays, Factors, chunk_body_vmem, interleaved_pairs, level_sizes, run_sum_parts
+from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul
+from tops_plugins_tpu_pallas.recurrence import Recurrence
+
+_F32 = jnp.float32
+
+
+def chunk_factors(chunks, *, operands, lower_bound: float | None = None) -> list[Factors]:
+    """Every chunk's decays, then every chunk's ``Aqk`` (kda's ``interleaved_pairs`` without the delta rule), from ``(q, k,
+    g, beta, resets)`` each (``beta`` None; ``resets`` None or a packed chunk's sequence starts); ``lower_bound`` unused
+    (gla has none)."""
+    del lower_bound
+    parts = run_sum_parts(operands)
+    decays = [Decays.compute(g, None, resets, parts) for _, _, g, _, resets in chunks]
+    every_pairs = interleaved_pairs([(q, k, None, d, resets) for (q, k, _, _, resets), d in zip(chunks, decays)], operands, delta_rule=False)
+    return [Factors(d.to_token, d.to_end, d.whole, p.aqk, None) for d, p in zip(decays, every_pairs)]
+
+
+def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
+    """``(o, S_out, v)`` of one chunk from the state entering it and its ``factors`` (the writes are ``v``, float32).
+
+    ``entering``: None, or a packed chunk's initial-state terms ``(keys, queries, leaving)`` (``kda.sequences``; ``keys``,
+    the delta rule's, unused) added to ``o`` and ``S_out``."""
+    del beta
+    v = v.astype(_F32)
+    o = matmul(q * factors.to_token, state, operands)
+    state_out = factors.whole * state
+    if entering is not None:
+        _, queries, leaving = entering
+        o, state_out = o + queries, state_out + leaving
+    o = o + matmul(factors.aqk, v, operands)
+    state_out = state_out + matmul(k * factors.to_end, v, operands, COLUMNS_BY_COLUMNS)
+    return o, state_out, v
+
+
+def chunk_work(geometry: Geometry, use_qk_l2norm: bool = False, lower_bound: float | None = None, packed: bool = False) -> Work:
+    """One chunk's ``chunk_factors`` and ``through_state`` for one value block, counted op by op: the run sums of ``g``
+    (``2 + levels`` sections of ``C`` rows against ``C x K``), one ``C x K @ K x C`` product per level, the state's three
+    products and ``Aqk v``; the decays' exps. ``use_qk_l2norm``, ``lower_bound`` and ``packed`` change none of it."""
+    del use_qk_l2norm, lower_bound, packed
+    C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
+    levels = len(level_sizes(C))
+    run_sums = 2 * (2 + levels) * C * C * K
+    pairs = levels * 2 * C * K * C
+    outputs = 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb
+    return Work(flops=run_sums + pairs + outputs, transcendentals=(2 + levels) * C * K)
+
+
+def step_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
+    """An upper estimate of the values one grid step holds at once (bytes): what each chunk keeps from its decays to its
+    turn at the state (float32 ``q``, ``k``, ``v``, the three decays it needs there and ``Aqk``), plus one chunk's working
+    values (kda's ``chunk_body_vmem``, which holds more: its ``Akk`` and inverse besides)."""
+    C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
+    kept = 4 * (5 * C * K + C * Vb + C * C)
+    return geometry.chunks_per_step * kept + chunk_body_vmem(geometry, lower_bound)
+
+
+GLA = Recurrence(
+    op="gla", gate_per_key=True, delta_rule=False, factors=chunk_factors, through_state=through_state, chunk_work=chunk_work,
+    chunk_body_vmem=chunk_body_vmem, step_body_vmem=step_body_vmem,
+)

@@ -1,0 +1,59 @@
+"""``tpu_pallas.fused`` and, over packed sequences, ``tpu_pallas.varlen`` for gla: kda's fused machinery
+(``kda/fused.py``, ``kda/varlen.py``, ``kda/backward.py``) with this op's chunk math (``gla.chunkwise``: kda's per-key
+decays and query pairs, no delta rule).
+
+The forward is one ``pallas_call`` on the fused grid ``(batch, head, value block, time step)``, the float32 state in
+VMEM along the sequential time axis; ``g`` ``[B, T, H, K]`` is read in place, laid out as ``k``. Packed, every key's
+decay is reset on a sequence's first row and the sequence's states move by DMA where it starts and ends
+(``kda.sequences``). The backward is kda's two walks: the state entering every chunk, then each chunk's VJP in
+reverse with ``dS`` in VMEM.
+"""
+
+from __future__ import annotations
+
+from tops_core import GLAGrads
+
+from tops_plugins_tpu_pallas.gla.chunkwise import GLA
+from tops_plugins_tpu_pallas.grid import geometry_of, pool_states
+from tops_plugins_tpu_pallas.kda import backward as kda_backward, fused as kda_fused, varlen as kda_varlen
+from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas.plan import LaunchPlan
+
+__all__ = ["backward", "backward_plans", "forward", "geometry_of", "packed_forward", "plans"]
+
+
+def plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
+    """The forward's (single) launch plan: ``kda.fused.plans``' with this op's chunk math."""
+    return kda_fused.plans(geometry, dtype, recurrence=GLA, **inputs)
+
+
+def backward_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
+    """The backward's checkpoints and gradients plans: ``kda.backward.plans``' with this op's chunk math."""
+    return kda_backward.plans(geometry, dtype, recurrence=GLA, **inputs)
+
+
+def forward(q, k, v, g, *, scale, initial_state, output_final_state, cu_seqlens, config, ssm_state_indices=None):
+    """The ``Forward`` protocol of ``tops_core.ops.gla`` (``cu_seqlens`` is rejected by the capabilities), a state pool
+    served in place."""
+    del cu_seqlens
+    return pool_states(
+        kda_fused.run, q, k, v, g, None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=False, config=config, ssm_state_indices=ssm_state_indices, recurrence=GLA,
+    )
+
+
+def packed_forward(q, k, v, g, *, scale, initial_state, output_final_state, cu_seqlens, config, ssm_state_indices=None):
+    """The ``Forward`` protocol for packed input (``B == 1``, ``cu_seqlens`` given), a state pool served in place."""
+    return pool_states(
+        kda_varlen.run, q, k, v, g, None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=False, config=config, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, recurrence=GLA,
+    )
+
+
+def backward(q, k, v, g, do, *, scale, initial_state, dht, cu_seqlens, config) -> GLAGrads:
+    """The ``Backward`` protocol of ``tops_core.ops.gla``, unpacked or packed."""
+    grads = kda_backward.gradients(
+        q, k, v, g, None, do, scale=scale, initial_state=initial_state, dht=dht, cu_seqlens=cu_seqlens,
+        use_qk_l2norm=False, config=config, recurrence=GLA,
+    )
+    return GLAGrads(**{name: grads[name] for name in ("dq", "dk", "dv", "dg", "dinitial_state")})

@@ -1,0 +1,48 @@
+"""What kda's fused machinery (``kda/fused.py``, ``kda/backward.py``, ``kda/varlen.py``) needs to know of an op to run it:
+the kda, gla and gated_delta_rule kernels are that machinery with one ``Recurrence`` each.
+
+The three ops share a chunk's shape of computation: factors that depend only on the chunk's own rows (decays, pair
+products and, with the delta rule, the inverse of ``I + diag(beta) Akk``), then the chunk's way through the state. They
+differ in the gate (one log decay per key, ``[B, T, HV, K]``, or one per head, ``[B, T, HV]``), in whether a chunk solves
+for its writes (the delta rule, with ``beta``) or writes its values as they are (gla), and in how the factors are built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
+
+
+@dataclasses.dataclass(frozen=True)
+class Recurrence:
+    """One op's chunk math on the fused grid.
+
+    ``factors(chunks, operands=, lower_bound=)``: every chunk's ``Factors`` (``kda.chunkwise``) from ``(q, k, g, beta,
+    resets)`` each (``beta`` None without the delta rule; ``g`` as the kernel read it, ``-inf`` a reset; ``resets`` None or a
+    packed chunk's ``(C, 1)`` sequence starts); a pure function of its arrays, so its VJP is the backward's.
+    ``through_state(q, k, v, beta, state, entering, factors, operands)``: ``(o, state leaving, writes)``, the writes being
+    what each row adds to the state (``delta`` of the delta rule, ``v`` itself without it).
+    ``chunk_work(geometry, use_qk_l2norm, lower_bound, packed)`` and ``chunk_body_vmem`` / ``step_body_vmem(geometry,
+    lower_bound)``: what a chunk computes and holds, for the launch plans.
+    """
+
+    op: str
+    gate_per_key: bool  # g [B, T, HV, K] (kda, gla), else [B, T, HV] (gated_delta_rule)
+    delta_rule: bool  # beta [B, T, HV] and the writes' solve (kda, gated_delta_rule)
+    factors: Callable
+    through_state: Callable
+    chunk_work: Callable
+    chunk_body_vmem: Callable
+    step_body_vmem: Callable
+
+    def per_key_log_decays(self, g: jax.Array, key_dim: int) -> jax.Array:
+        """``g`` as kda's per-sequence terms (``kda.sequences``) take it: ``(C, K)`` (a gate per head given to every key),
+        ``-inf`` as ``RESET_LOG_DECAY`` (those terms sum runs of it, and a mask's 0 times ``-inf`` is NaN)."""
+        if not self.gate_per_key:
+            g = jnp.broadcast_to(g, (g.shape[0], key_dim))
+        return jnp.maximum(g, RESET_LOG_DECAY)
