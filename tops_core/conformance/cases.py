@@ -139,13 +139,19 @@ def grid(impl: Implementation) -> Grid:
     # An implementation that requires cu_seqlens runs every case packed, so its option toggles, its other head dims
     # and its second packing repeat what its packed base, strong, reset and bf16 cases already hold packed: slow.
     packed_only = "cu_seqlens" in caps.requires
+    # Unpacked, the default run takes the other side of the base's shape and of its plain options in one case ("edges":
+    # the first other head dims, off the 128-lane tile; the ragged T that crosses a chunk; no initial state; no l2norm):
+    # a failure there names its factors, each of which runs alone with -m slow.
+    unpacked = "cu_seqlens" not in base_features
+    edge_toggles = (toggles & base_features & {"initial_state", "use_qk_l2norm"}) - caps.requires if unpacked else set()
     for toggle in sorted((toggles & base_features) - caps.requires):
         # Without the final state only drops an output the base case checks; the other forms of kda's gate
         # and beta than the base's bounded gate with A_log and dt_bias and beta logits with negative
         # eigenvalues: slow, but for the softplus gate (without lower_bound) and the precomputed gate; one
         # value head per query/key head: slow, the strong and reset cases' form; three per head (below): slow.
         changes = {"heads": 2} if toggle == "grouped_value_heads" else {}
-        slow = packed_only or toggle in ("output_final_state", "A_log", "dt_bias", "use_beta_sigmoid", "allow_neg_eigval", "grouped_value_heads")
+        slow = packed_only or toggle in edge_toggles or toggle in (
+            "output_final_state", "A_log", "dt_bias", "use_beta_sigmoid", "allow_neg_eigval", "grouped_value_heads")
         supported.append(base.with_features(f"without-{toggle}", signature.closed(base_features - {toggle}), slow=slow, **changes))
     states = {"initial_state", "output_final_state"}
     if states <= base_features - caps.requires:
@@ -154,17 +160,21 @@ def grid(impl: Implementation) -> Grid:
         supported.append(base.with_features("without-states", signature.closed(base_features - states), slow=not packed_only))
     if "grouped_value_heads" in base_features:
         supported.append(dataclasses.replace(base, name="grouped_value_heads=3", value_heads=3, slow=True))
-    # The default run keeps the first other head dims (off the 128-lane tile) and the ragged T that
-    # crosses a chunk; the rest of the breadth runs with -m slow.
-    for index, key_dim in enumerate(key_dims[1:]):
+    for key_dim in key_dims[1:]:
         value_dim = key_dim if caps.value_dim.accepts(key_dim) else value_dims[-1]
-        supported.append(dataclasses.replace(
-            base, name=f"K={key_dim},V={value_dim}", key_dim=key_dim, value_dim=value_dim, slow=packed_only or index > 0))
+        supported.append(dataclasses.replace(base, name=f"K={key_dim},V={value_dim}", key_dim=key_dim, value_dim=value_dim, slow=True))
     if key_dims[0] != value_dims[-1]:
         supported.append(dataclasses.replace(base, name=f"K={key_dims[0]},V={value_dims[-1]}", value_dim=value_dims[-1], slow=True))
     if "cu_seqlens" not in base_features:
         for seq_len in (1, 128, 130):
-            supported.append(dataclasses.replace(base, name=f"T={seq_len}", seq_len=seq_len, batch=1 if seq_len > 100 else 2, slow=seq_len != 130))
+            supported.append(dataclasses.replace(base, name=f"T={seq_len}", seq_len=seq_len, batch=1 if seq_len > 100 else 2, slow=True))
+        key_dim = key_dims[1] if len(key_dims) > 1 else key_dims[0]
+        value_dim = key_dim if caps.value_dim.accepts(key_dim) else value_dims[-1]
+        factors = [f"K={key_dim},V={value_dim}", "T=130", *(f"without-{toggle}" for toggle in sorted(edge_toggles))]
+        supported.append(base.with_features(
+            "edges:" + ",".join(factors), signature.closed(base_features - edge_toggles), key_dim=key_dim, value_dim=value_dim,
+            seq_len=130, batch=1,
+        ))
     if "cu_seqlens" in declared:
         for index, seqlens in enumerate(PACKINGS):
             name = "varlen=" + "+".join(map(str, seqlens))
@@ -172,11 +182,16 @@ def grid(impl: Implementation) -> Grid:
                 name, base_features | {"cu_seqlens"}, batch=1, seqlens=seqlens, seq_len=sum(seqlens), slow=packed_only or index > 0))
     # A state pool (ssm_state_indices): the sequences' rows scattered over a larger pool, one a padding slot.
     if {"initial_state", "output_final_state"} <= base_features:
-        pool = dataclasses.replace(base, name="state-pool", pool_rows=2 * base.spec("cpu", False).num_seqs + 1)
+        in_place = impl.serves_pools and caps.key_dim.accepts(128) and caps.value_dim.accepts(128)
+        # Where the rows can be served in place, that path runs by default and the gathered rows (the core's
+        # ``ops.pool`` around the dense call, which every implementation that does not serve pools runs by default)
+        # with -m slow.
+        pool = dataclasses.replace(base, name="state-pool", pool_rows=2 * base.spec("cpu", False).num_seqs + 1, slow=in_place)
         supported.append(pool)
-        if impl.serves_pools and caps.key_dim.accepts(128) and caps.value_dim.accepts(128):
-            # Whole lanes, where a kernel that serves pools may read and write the rows in place rather than gathered.
-            supported.append(dataclasses.replace(pool, name="state-pool,K=128,V=128", key_dim=128, value_dim=128))
+        if in_place:
+            # Whole lanes, where a kernel that serves pools may read and write the rows in place rather than gathered
+            # (packed-only, with -m slow: its unpacked sibling's in-place pool runs by default).
+            supported.append(dataclasses.replace(pool, name="state-pool,K=128,V=128", key_dim=128, value_dim=128, slow=packed_only))
     # The strong and reset cases are kda's plain call (one value head per query/key head; the log decays and
     # beta given as they are), which the default run checks nowhere else.
     plain_features = signature.closed(base_features - {"use_gate", "lower_bound", "use_beta_sigmoid", "grouped_value_heads"})
@@ -185,9 +200,12 @@ def grid(impl: Implementation) -> Grid:
     supported += strong
     supported += _reset_cases(plain, plain.features, gate_options, gates)
     for dtype in sorted(caps.dtypes - {base_dtype}):
-        supported.append(dataclasses.replace(base, name=dtype, dtype=dtype))
+        # Packed-only, bfloat16 runs with -m slow (the unpacked sibling's and xla.chunk's run by default); float16, which only
+        # the XLA implementations declare, too (its rounding is bfloat16's with a narrower range: their bfloat16 runs).
+        supported.append(dataclasses.replace(base, name=dtype, dtype=dtype, slow=packed_only or dtype == "float16"))
         if dtype == "bfloat16":
-            supported += [dataclasses.replace(case, name=f"bfloat16-{case.name}", dtype=dtype) for case in strong[:1]]
+            # The strong decays and bfloat16 each run by default; together with -m slow.
+            supported += [dataclasses.replace(case, name=f"bfloat16-{case.name}", dtype=dtype, slow=True) for case in strong[:1]]
             supported += _weak_decay_cases(base, base_features, gate_options, gates)
     for overrides in impl.config_sweep:
         label = "config=" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))

@@ -150,7 +150,17 @@ def test_forward_compiles_to_the_mosaic_kernels(worker, call):
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0  # every launch told XLA its cost
 
 
-@pytest.mark.parametrize("call", GRADIENTS, ids=_label)
+def _shortest_per_generation(calls) -> list:
+    """The call of the shortest T on each generation by default (T = 1000 unrolls eight chunks per step: a compile of
+    10 s against 2), the rest with -m slow."""
+    chosen = {}
+    for call in calls:
+        if call["generation"] not in chosen or call["T"] < chosen[call["generation"]]["T"]:
+            chosen[call["generation"]] = call
+    return [call if any(call is c for c in chosen.values()) else pytest.param(call, marks=pytest.mark.slow) for call in calls]
+
+
+@pytest.mark.parametrize("call", _shortest_per_generation(GRADIENTS), ids=_label)
 def test_gradient_compiles_the_kernels_forward_and_the_paired_backward(worker, call):
     # jax.grad through the op lowered for TPU: the dispatcher pairs each forward with its backward, in one TPU program.
     facts = compile_call(worker, call, gradient=True)
@@ -158,7 +168,7 @@ def test_gradient_compiles_the_kernels_forward_and_the_paired_backward(worker, c
     assert facts["implementations"] == sorted([f"tpu_pallas.{call['kernel']}.forward", f"tpu_pallas.{call['kernel']}.backward"])
 
 
-@pytest.mark.parametrize(("generation", "chosen"), [("v4", "xla.chunk"), ("v6e", "tpu_pallas.fused")])
+@pytest.mark.parametrize(("generation", "chosen"), [pytest.param("v4", "xla.chunk", marks=pytest.mark.slow), ("v6e", "tpu_pallas.fused")])
 def test_kernels_are_sized_for_the_vmem_of_the_chip_lowered_for(worker, generation, chosen):
     # K = V = 1024 bf16 with g: fused's forward plan needs 24.4 MiB of VMEM even at one chunk per step.
     # Lowered for v4 (16 MiB) the dispatcher passes the Pallas kernels over; for v6e they take up to
@@ -175,8 +185,8 @@ def test_kernels_are_sized_for_the_vmem_of_the_chip_lowered_for(worker, generati
 # calls sit at the edge on v4 (measured 14-15 MiB planned before); each must compile with the Pallas kernels chosen.
 VMEM_EDGE_CALLS = [
     dict(kernel="fused", generation="v4", T=1000, K=64, V=200, dtype="float32", g=True, initial_state=True, final_state=True),
-    dict(op="kda", kernel="fused", generation="v4", T=1000, K=64, V=200, dtype="float32", use_qk_l2norm=True, initial_state=True,
-         final_state=True),
+    pytest.param(dict(op="kda", kernel="fused", generation="v4", T=1000, K=64, V=200, dtype="float32", use_qk_l2norm=True,
+                      initial_state=True, final_state=True), marks=pytest.mark.slow),  # 23 s
     pytest.param(dict(kernel="fused", generation="v4", T=1000, K=256, V=256, dtype="bfloat16", g=True, initial_state=True,
                       final_state=True), marks=pytest.mark.slow),
 ]
@@ -226,7 +236,7 @@ def test_compiled_cost_analysis_reads_back_the_kernels_estimates(worker):
     assert facts["bytes_accessed"] >= kernel_bytes  # plus what XLA moves around the kernel
 
 
-@pytest.mark.parametrize("kernel", ["fused", "chunk"])
+@pytest.mark.parametrize("kernel", ["fused", pytest.param("chunk", marks=pytest.mark.slow)])  # the same layout rule: chunk's 8 s with -m slow
 def test_layout_around_the_kernels_on_v6e(worker, kernel):
     # K = V = 128 at the benchmark shape. As the program's [B, T, H, D] parameters, q, k, v and o
     # are tiled over (H, D) and XLA relayouts each to and from the kernels' [B, T, H * D] view;
@@ -285,7 +295,10 @@ VARLEN_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("call", VARLEN_CALLS, ids=lambda call: f"{call['generation']}-N{call['num_seqs']}-" + _label({**call, "kernel": "varlen"}).split("-", 2)[2])
+@pytest.mark.parametrize(
+    "call", [c if c["T"] < 1000 else pytest.param(c, marks=pytest.mark.slow) for c in VARLEN_CALLS],  # T = 1000: with -m slow
+    ids=lambda call: f"{call['generation']}-N{call['num_seqs']}-" + _label({**call, "kernel": "varlen"}).split("-", 2)[2],
+)
 def test_varlen_forward_compiles_with_traced_cu_seqlens(worker, call):
     facts = worker.ask({"call": {**call, "kernel": "varlen", "B": 1, "H": 3, "gradient": False}})
     assert facts["kernels"] == 1
@@ -296,7 +309,7 @@ def test_varlen_forward_compiles_with_traced_cu_seqlens(worker, call):
 @pytest.mark.parametrize(
     "call",
     [
-        VARLEN_CALLS[1], pytest.param({**VARLEN_CALLS[3], "K": 128, "V": 128}, marks=pytest.mark.slow),  # 10 s
+        pytest.param(VARLEN_CALLS[1], marks=pytest.mark.slow), pytest.param({**VARLEN_CALLS[3], "K": 128, "V": 128}, marks=pytest.mark.slow),
         pytest.param(VARLEN_CALLS[3], marks=pytest.mark.slow),
         {**VARLEN_CALLS[2], "generation": "v6e"},
     ],
@@ -370,9 +383,10 @@ def test_kda_forward_compiles_to_the_mosaic_kernel(worker, call):
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 
 
-# v4's (T = 1000, K = 200, 12 s) with -m slow; the grouped heads' gradient below compiles for v4 by default.
+# v6e's by default (gla's and gated_delta_rule's gradients compile kda's backward for v6e too, the grouped heads' below
+# for v4); the other generations' with -m slow.
 @pytest.mark.parametrize(
-    "call", [pytest.param(c, marks=pytest.mark.slow) if c["generation"] == "v4" else c for c in KDA_GRADIENTS], ids=_kda_label,
+    "call", [c if c["generation"] == "v6e" else pytest.param(c, marks=pytest.mark.slow) for c in KDA_GRADIENTS], ids=_kda_label,
 )
 def test_kda_gradient_compiles_the_forward_and_its_own_backward(worker, call):
     # The loss's forward kernel, then the backward's checkpoints and gradients kernels; nothing of xla.chunk.
@@ -450,16 +464,19 @@ def _kda_activated_label(call: dict) -> str:
     return f"kda-{call['generation']}-T{call['T']}-K{call['K']}-V{call['V']}-G{call['groups']}-{gate}-{parameters}"
 
 
-@pytest.mark.parametrize("call", KDA_ACTIVATED, ids=_kda_activated_label)
+@pytest.mark.parametrize(
+    "call", [c if c["generation"] in ("v4", "v6e") else pytest.param(c, marks=pytest.mark.slow) for c in KDA_ACTIVATED],
+    ids=_kda_activated_label,
+)
 def test_kda_forward_with_grouped_heads_and_the_activations_compiles_to_the_mosaic_kernel(worker, call):
     facts = compile_call(worker, _kda_call(call))
     assert facts["kernels"] == 1
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["transcendentals"] > 0
 
 
-# Grouped heads and the activations' gradients: v4 and v5p by default (seconds), v5e and v6e (T = 1000, 15 s each) with -m slow.
+# Grouped heads and the activations' gradients: v4's by default (seconds), the others (T = 1000, 15 s each) with -m slow.
 KDA_ACTIVATED_GRADIENTS = [
-    call if call["generation"] in ("v4", "v5p") else pytest.param(call, marks=pytest.mark.slow) for call in KDA_ACTIVATED
+    call if call["generation"] == "v4" else pytest.param(call, marks=pytest.mark.slow) for call in KDA_ACTIVATED
 ]
 
 
@@ -547,7 +564,11 @@ def _kda_varlen_label(call: dict) -> str:
     return f"kda-varlen-{call['generation']}-N{call['num_seqs']}-T{call['T']}-K{call['K']}-V{call['V']}-{call['dtype']}{extra}{states}"
 
 
-@pytest.mark.parametrize("call", KDA_VARLEN_CALLS, ids=_kda_varlen_label)
+# v5e's short call by default (v6e's packed gradient below compiles the packed forward too), the rest with -m slow.
+@pytest.mark.parametrize(
+    "call", [c if c["generation"] == "v5e" else pytest.param(c, marks=pytest.mark.slow) for c in KDA_VARLEN_CALLS],
+    ids=_kda_varlen_label,
+)
 def test_kda_packed_forward_compiles_with_traced_cu_seqlens(worker, call):
     request = {**call, "op": "kda", "kernel": "varlen", "B": 1, "H": 3, "gradient": False}
     facts = worker.ask({"call": request})
@@ -665,7 +686,14 @@ PREFILL_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("call", _generations_of(PREFILL_CALLS, everywhere=1), ids=_decode_label)
+# An unpacked simple_gla and a packed kda call on v6e by default (the DMAs and aliasing are the same code on every
+# generation and for both ops), the rest with -m slow.
+@pytest.mark.parametrize(
+    "call",
+    [{**call, "generation": g} if g == "v6e" and index in (0, 3) else pytest.param({**call, "generation": g}, marks=pytest.mark.slow)
+     for g in FACTORS["generation"] for index, call in enumerate(PREFILL_CALLS)],
+    ids=_decode_label,
+)
 def test_prefill_reads_and_writes_the_pool_rows_in_place(worker, call):
     facts = worker.ask({"decode": call})
     kernel = "varlen" if call.get("num_seqs") else "fused"
