@@ -136,7 +136,12 @@ def run(plan: LaunchPlan, kernel: Callable[..., None], arrays: dict[str, jax.Arr
         )(*operands)
 
     if interpret is None:
-        results = per_platform(operands, {"tpu": functools.partial(launch, False), "default": functools.partial(launch, True)})
+        # per_platform traces its first branch now and the other only when a program is lowered for its platforms: the
+        # branch of the platform the call is traced on goes first (a kernel traced for a TPU it never runs on would
+        # double the tracing of every interpreted call).
+        compiled, interpreted = ("tpu", functools.partial(launch, False)), ("default", functools.partial(launch, True))
+        on_a_tpu = target.chip is not None or jax.default_backend() == "tpu"
+        results = per_platform(operands, dict([compiled, interpreted] if on_a_tpu else [interpreted, compiled]))
     else:
         results = launch(interpret, operands)
     return {x.name: result for x, result in zip(plan.outputs, results)}
