@@ -50,6 +50,7 @@ import jax.numpy as jnp
 
 from tops_core.tpu import compile_only, llo
 from tops_core.bench import case_json, describe_shape
+from tops_core.callspec import CallSpec
 from tops_core.conformance import data
 from tops_core.conformance.cases import Case
 from tops_core.conformance.checks import REFERENCE
@@ -208,7 +209,7 @@ def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = Non
     """
     tpu = GENERATIONS[generation]
     contract = op(case.op)
-    spec = case.spec("tpu", interpret=False)
+    spec = tpu_spec(case, generation)
     candidates = [
         impl for impl in sorted(contract.implementations(), key=lambda impl: impl.name)
         if impl.name != REFERENCE and not impl.reasons(spec, "forward") and (not names or impl.name in names)
@@ -235,6 +236,12 @@ def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = Non
     except compile_only.CompileOnlyUnavailable as error:
         return TpuModel(case, tpu, (), (), unavailable=str(error))
     return TpuModel(case, tpu, tuple(rows), tuple(not_modelled), share=share)
+
+
+def tpu_spec(case: Case, generation: str) -> CallSpec:
+    """The call spec ``model`` matches implementations with: the workload lowered for a ``generation`` TPU, the chip named,
+    since a capability may turn on it (kda's packed backward does not compile on every chip)."""
+    return dataclasses.replace(case.spec("tpu", interpret=False), chip=generation)
 
 
 def _modelled(name: str, tpu: TpuGeneration, share: float, alone: compile_only.Dumped, in_layer: compile_only.Dumped, backward: compile_only.Dumped | None) -> Modelled:
