@@ -156,7 +156,7 @@ def test_packed_prefill_reads_and_writes_its_pool_rows(op, implementation, dims)
 # (against the reference), so comparing them with a gather around the dense call again runs with -m slow.
 @pytest.mark.parametrize("implementation", [IMPLEMENTATIONS[0], *(pytest.param(name, marks=pytest.mark.slow) for name in IMPLEMENTATIONS[1:])])
 @pytest.mark.parametrize("op", ["simple_gla", "kda"])
-@pytest.mark.parametrize("output_final_state", [True, False], ids=["pool-out", "pool-read-only"])
+@pytest.mark.parametrize("output_final_state", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["pool-out", "pool-read-only"])
 def test_gradients_flow_to_the_pool_rows_read(op, output_final_state, implementation):
     arrays = inputs(op, 5, seed=1)
     indices = jnp.asarray(INDICES, jnp.int32)

@@ -135,7 +135,8 @@ def grid(impl: Implementation) -> Grid:
             supported.append(base.with_features(f"gates={'+'.join(sorted(subset)) or 'none'}", (base_features - gates) | subset))
     accepted_ndims = caps.accepted_ndims("g_gamma")
     if "g_gamma" in base_features and (accepted_ndims is None or 0 in accepted_ndims):
-        supported.append(dataclasses.replace(base, name="g_gamma-scalar", ndims=(("g_gamma", 0),)))
+        # Packed-only, with -m slow: the scalar is broadcast before any kernel, as for the unpacked sibling.
+        supported.append(dataclasses.replace(base, name="g_gamma-scalar", ndims=(("g_gamma", 0),), slow="cu_seqlens" in caps.requires))
     # An implementation that requires cu_seqlens runs every case packed, so its option toggles, its other head dims
     # and its second packing repeat what its packed base, strong, reset and bf16 cases already hold packed: slow.
     packed_only = "cu_seqlens" in caps.requires
@@ -206,7 +207,8 @@ def grid(impl: Implementation) -> Grid:
         if dtype == "bfloat16":
             # The strong decays and bfloat16 each run by default; together with -m slow.
             supported += [dataclasses.replace(case, name=f"bfloat16-{case.name}", dtype=dtype, slow=True) for case in strong[:1]]
-            supported += _weak_decay_cases(base, base_features, gate_options, gates)
+            # Their point is the decay gradient's cancellation: a forward-only implementation runs them with -m slow.
+            supported += [dataclasses.replace(case, slow=impl.backward is None) for case in _weak_decay_cases(base, base_features, gate_options, gates)]
     for overrides in impl.config_sweep:
         label = "config=" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
         config = tuple(sorted(overrides.items()))

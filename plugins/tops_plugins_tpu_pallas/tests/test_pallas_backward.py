@@ -100,7 +100,7 @@ def test_alibi_decays_of_twenty_layers_at_4096(kernel, make_inputs, alibi_layers
         assert np.isfinite(np.asarray(x, np.float64)).all(), name
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", [k if k == "fused" else pytest.param(k, marks=pytest.mark.slow) for k in KERNELS])  # chunk's: 9 s
 def test_num_steps_do_not_change_a_bit(kernel, make_inputs, default_cpu_emitters):
     # 4 chunks of 64, the last one ragged: 1 or 4 chunks per grid step give the same gradients bit for bit.
     inputs, _ = make_inputs(1, 250, 2, 128, 128, jnp.float32, g=True, g_gamma="alibi", initial_state=True, seed=6)

@@ -383,10 +383,10 @@ def test_kda_forward_compiles_to_the_mosaic_kernel(worker, call):
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 
 
-# v6e's by default (gla's and gated_delta_rule's gradients compile kda's backward for v6e too, the grouped heads' below
-# for v4); the other generations' with -m slow.
+# With -m slow: by default gla's and gated_delta_rule's gradients compile kda's backward machinery for v6e, the grouped
+# heads' below for v4, the packed one for v6e.
 @pytest.mark.parametrize(
-    "call", [c if c["generation"] == "v6e" else pytest.param(c, marks=pytest.mark.slow) for c in KDA_GRADIENTS], ids=_kda_label,
+    "call", [pytest.param(c, marks=pytest.mark.slow) for c in KDA_GRADIENTS], ids=_kda_label,
 )
 def test_kda_gradient_compiles_the_forward_and_its_own_backward(worker, call):
     # The loss's forward kernel, then the backward's checkpoints and gradients kernels; nothing of xla.chunk.

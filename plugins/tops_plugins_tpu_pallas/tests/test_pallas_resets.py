@@ -198,7 +198,7 @@ RESET_TOKENS = [(0, 0, 0), (1, 37, 1), (1, 38, 1), (0, 64, 1), (1, 128, 0), (0, 
 @pytest.mark.parametrize(("implementation", "config"), [
     ("tpu_pallas.fused", dict(chunk_size=64, num_steps=2, backward_num_steps=2)),  # gates as columns
     ("tpu_pallas.fused", dict(chunk_size=256, num_steps=2, backward_num_steps=1)),  # v6e's forward: rows, 2 x 2 blocks of decays
-    ("tpu_pallas.chunk", dict(chunk_size=64, num_steps=2)),
+    pytest.param("tpu_pallas.chunk", dict(chunk_size=64, num_steps=2), marks=pytest.mark.slow),  # the kit's reset cases run it
 ])
 def test_kernels_match_the_reference_with_resets(implementation, config):
     inputs = _inputs(2, 600, 2, jnp.float32, resets=RESET_TOKENS, g_gamma=[-0.05, -0.2])

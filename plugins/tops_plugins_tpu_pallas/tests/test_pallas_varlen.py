@@ -156,7 +156,9 @@ def test_packed_gradients_equal_separate_calls(packing, dtype):
     _assert_gradients_match(grads, _gradients_separately(inputs, cu_seqlens, do, dht), dtype)
 
 
-@pytest.mark.parametrize("kernel", ["varlen", pytest.param("separate fused", marks=pytest.mark.slow), pytest.param("separate chunk", marks=pytest.mark.slow)])
+# The kit's bfloat16-weak cases run the packed kernel's by default (8 s here): every kernel with -m slow.
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["varlen", "separate fused", "separate chunk"])
 def test_bf16_decay_gradient_under_a_weak_decay(kernel, reference_gradients):
     # One head, g_gamma = -2**-8, g ~ -0.05, 12 sequences: dg_gamma sums per-token terms that nearly cancel. With
     # one bf16 pass for the state products every backward missed it by 0.21 to 0.27; their float32 operands now
@@ -172,6 +174,7 @@ def test_bf16_decay_gradient_under_a_weak_decay(kernel, reference_gradients):
     _assert_gradients_match(grads, want, jnp.bfloat16)
 
 
+@pytest.mark.slow  # 10 s; the fused backward's segments are checked bit for bit by default (test_pallas_backward.py)
 def test_backward_segments_do_not_change_a_bit():
     # The backward's segment (1 or 5 chunks of 64 here) changes where states are checkpointed, not one result.
     inputs, cu_seqlens = _packed(PACKINGS["anywhere"], jnp.float32, seed=2)

@@ -57,7 +57,7 @@ def test_extreme_decays_stay_finite_and_accurate(op_name, kind):
         assert measurement.passed, measurement.describe()
 
 
-@pytest.mark.parametrize("op_name", ["kda", "gla", "gated_delta_rule"])
+@pytest.mark.parametrize("op_name", ["kda", pytest.param("gla", marks=pytest.mark.slow), pytest.param("gated_delta_rule", marks=pytest.mark.slow)])
 def test_traced_cu_seqlens_under_jit_forward_and_gradients(op_name):
     rng = np.random.default_rng(2)
     seq_len = 150
