@@ -283,20 +283,23 @@ KDA_VARLEN = tops_core.Implementation(
 )
 
 
-def _delta_rule_family(op: str, kernels, features: set[str], label: str) -> tuple[tops_core.Implementation, ...]:
+def _delta_rule_family(
+    op: str, kernels, features: set[str], label: str, config=KDA_FUSED_CONFIG,
+) -> tuple[tops_core.Implementation, ...]:
     """``tpu_pallas.fused`` and, packed, ``tpu_pallas.varlen`` for an op on kda's machinery (``kernels``: its module with
-    ``forward``, ``packed_forward``, ``backward``, ``plans`` and ``backward_plans``), kda's config and priorities."""
+    ``forward``, ``packed_forward``, ``backward``, ``plans`` and ``backward_plans``), kda's priorities and ``config``
+    (a ``KdaFusedConfig``)."""
     unpacked = tops_core.Implementation(
         op=op,
         name="fused",
         forward=kernels.forward,
         backward=kernels.backward,
         capabilities=_capabilities(
-            _fits_vmem(KDA_FUSED_CONFIG, (kernels.geometry_of, kernels.plans), (kernels.geometry_of, kernels.backward_plans)),
+            _fits_vmem(config, (kernels.geometry_of, kernels.plans), (kernels.geometry_of, kernels.backward_plans)),
             features,
         ),
         priority={"tpu": 200},
-        config=KDA_FUSED_CONFIG,
+        config=config,
         serves_pools=True,
         description=(
             f"one pallas_call on kda's fused grid: state in VMEM along a sequential time axis, {label}; backward: the state "
@@ -310,13 +313,13 @@ def _delta_rule_family(op: str, kernels, features: set[str], label: str) -> tupl
         backward=kernels.backward,
         capabilities=_capabilities(
             _fits_vmem(
-                KDA_FUSED_CONFIG, (kernels.geometry_of, functools.partial(kernels.plans, num_seqs=1)),
+                config, (kernels.geometry_of, functools.partial(kernels.plans, num_seqs=1)),
                 (kernels.geometry_of, functools.partial(kernels.backward_plans, num_seqs=1)),
             ),
             features, packed=True, backward_predicate=_packed_kda_backward_compiles,
         ),
         priority=_varlen_priority,
-        config=KDA_FUSED_CONFIG,
+        config=config,
         serves_pools=True,
         description=(
             "fused's pallas_call over packed sequences: cu_seqlens in SMEM, the state reset on each sequence's first token, "
@@ -333,6 +336,7 @@ GLA_FUSED, GLA_VARLEN = _delta_rule_family(
 GATED_DELTA_RULE_FUSED, GATED_DELTA_RULE_VARLEN = _delta_rule_family(
     "gated_delta_rule", gated_delta_rule.fused, {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"},
     "the pair products of its gate per head dense and kda's exact per-chunk inverse",
+    gated_delta_rule.fused.GatedDeltaRuleFusedConfig(),
 )
 
 
