@@ -202,7 +202,7 @@ def test_a_call_at_the_edge_of_vmem_compiles_with_the_kernels_the_matcher_accept
     assert facts["implementations"] == sorted([f"tpu_pallas.{call['kernel']}.forward", f"tpu_pallas.{call['kernel']}.backward"])
 
 
-# -m slow: every kernel's gradient (kda's packed one where it compiles) on every generation, at head dims below, off
+# -m slow: every kernel's gradient (kda's packed one where it compiles; gla's and gated_delta_rule's) on every generation, at head dims below, off
 # and above a lane tile, both dtypes, with g and states: whatever the dispatcher accepts must compile.
 VMEM_GRID = [
     {**dict(generation=generation, T=1000, K=K, V=V, dtype=dtype, initial_state=True, final_state=True), **kernel}
@@ -210,7 +210,8 @@ VMEM_GRID = [
     for K, V in ((64, 200), (100, 100), (256, 256))
     for dtype in ("bfloat16", "float32")
     for kernel in (dict(kernel="fused", g=True), dict(kernel="chunk", g=True), dict(kernel="varlen", g=True, num_seqs=3, B=1),
-                   dict(op="kda", kernel="fused", use_qk_l2norm=True))
+                   dict(op="kda", kernel="fused", use_qk_l2norm=True), dict(op="gla", kernel="fused"),
+                   dict(op="gated_delta_rule", kernel="fused", use_qk_l2norm=True, groups=2))
 ]
 
 

@@ -6,14 +6,15 @@ on the fused grid.
    checkpoint per chunk (``4 K V / C`` bytes per token written and read again) costs less than
    recomputing a segment's states in the reverse walk.
 2. **gradients**: the grid's time axis reversed (``grid.reversed_in_time``; nothing flipped or
-   copied). Each chunk's gradients are the VJPs of the forward's own chunk functions, in reverse
-   (``_chunk_gradients``): ``chunkwise.chunk_core`` (the decays, the pairs, the exact inverse, the output
-   and the state leaving: ``chunk_factors`` and ``through_state``), then ``fused.activated_gate_and_strength`` with ``chunkwise.prepared_queries_keys``
-   (the gate and beta activations, ``use_qk_l2norm``), taken by ``jax.vjp`` inside the kernel at the chunk's
-   inputs and its checkpoint, with ``do`` and the state gradient ``dS`` carried in VMEM from the chunk
-   after it. So the backward computes exactly what the forward computes, both paths (exact and bounded
-   gates) and every option, and a change to the chunk math changes both. Packed, each sequence's terms
-   (``kda.sequences``) add their VJPs: ``dht[n]`` where a sequence ends, ``dinitial_state[n]`` where it starts.
+   copied). A step's gradients are the VJPs of the forward's own chunk functions, taken by ``jax.vjp`` inside
+   the kernel at the chunks' inputs and checkpoints (``_step_gradients``), in three passes: every chunk's
+   inputs (``fused.activated_gate_and_strength``, ``chunkwise.prepared_queries_keys``: the activations,
+   ``use_qk_l2norm``) and factors (the recurrence's ``factors``: decays, pairs, the exact inverse), recomputed;
+   then the chain of ``through_state``'s VJPs from the step's last chunk to its first, with ``do`` and the state
+   gradient ``dS`` carried in VMEM from the step after; then every chunk's factors' and inputs' VJPs. So the
+   backward computes exactly what the forward computes, both paths (exact and bounded gates) and every option,
+   and a change to the chunk math changes both. Packed, each sequence's terms (``kda.sequences``) add their VJPs
+   on the chain: ``dht[n]`` where a sequence ends, ``dinitial_state[n]`` where it starts.
 
 Two things keep the VJP as exact as the forward, both in the forward's own building blocks:
 ``mxu.matmul`` differentiates into products of the same kind with float32 cotangents (jax's rule
@@ -45,7 +46,7 @@ from tops_plugins_tpu_pallas.grid import (
     step_chunks,
 )
 from tops_plugins_tpu_pallas.kda import fused
-from tops_plugins_tpu_pallas.kda.chunkwise import KDA, chunk_core, prepared_queries_keys
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA, prepared_queries_keys
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and_strength, geometry_of, read_chunk
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_dtype, row_and_column_iotas
@@ -64,8 +65,9 @@ VJP_WORK_FACTOR = 3
 forward and transposes each product twice (both operands' cotangents). Declared to XLA as the cost estimate."""
 
 VJP_VMEM_FACTOR = 3
-"""The gradients kernel's body values, in units of the forward chunk's (``chunk_body_vmem``): the forward's values
-are the VJP's residuals, held while their cotangents are computed."""
+"""The gradients kernel's body values, in units of the forward's: one chunk's working values (``chunk_body_vmem``), and
+what each other chunk of the step keeps (``step_body_vmem``'s share per chunk), its factors being the VJP's residuals,
+held with their cotangents through the step's chain."""
 
 
 def _per_head_sums(name: str, geometry: Geometry, width: int) -> Blocked:
@@ -136,7 +138,9 @@ def plans(
     bound, packed = activations.decay_lower_bound, num_seqs is not None
     chunk = recurrence.chunk_work(geometry, use_qk_l2norm, bound, packed) + fused.activation_work(activations, geometry)
     work = chunk * (VJP_WORK_FACTOR * grid.chunks_of_the_grid(geometry))
-    body = VJP_VMEM_FACTOR * recurrence.chunk_body_vmem(geometry, bound)
+    one_chunk = dataclasses.replace(geometry, num_steps=1)
+    kept = recurrence.step_body_vmem(one_chunk, bound) - recurrence.chunk_body_vmem(one_chunk, bound)
+    body = VJP_VMEM_FACTOR * (recurrence.chunk_body_vmem(geometry, bound) + (geometry.chunks_per_step - 1) * kept)
     if packed:  # each sequence's terms recomputed and differentiated; the loops carry three (C, K) sums
         states = sequence_work(geometry, initial_state_dtype is not None, output_final_state)
         work = work + states * ((1 + VJP_WORK_FACTOR) * geometry.heads * geometry.value_tiles * num_seqs)
@@ -152,47 +156,74 @@ def _as_row(column: jax.Array) -> jax.Array:
     return matmul(column, (rows == columns).astype(_F32), _F32, COLUMNS_BY_COLUMNS)
 
 
-def _chunk_gradients(chunk: Chunk, refs: dict, head, A_log, dt_bias, dstate, sequences: PackedChunk | None, *,
-                     scale: float, use_qk_l2norm: bool, activations: Activations, recurrence: Recurrence):
-    """One chunk's gradients, ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` (``dbeta`` None without the delta rule), and
-    ``dS`` entering it: the VJPs of the forward's pieces of a chunk in reverse, ``dS`` leaving it (``dstate``) and ``do``
-    given.
+def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstate, packed: list[PackedChunk] | None, *,
+                    scale: float, use_qk_l2norm: bool, activations: Activations, recurrence: Recurrence):
+    """A grid step's gradients, ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` of each chunk (``dbeta`` None without the
+    delta rule), and ``dS`` entering the first: the VJPs of the forward's pieces in reverse, ``dS`` leaving the last
+    chunk (``dstate``) and ``do`` given. ``packed``: each chunk's sequences, or None.
 
-    The activations and ``prepared_queries_keys``, then ``chunk_core``; a packed chunk's sequences (``sequences``) add
-    the VJPs of their final states (to the writes, from ``dht``) and of their initial states' terms (``dinitial_state``),
-    through the gate as those terms take it (``Recurrence.per_key_log_decays``)."""
-    q, k, v, g, beta = read_chunk(refs, chunk, head, recurrence)
-    operands = mxu_operand_dtype(q.dtype)
+    In three passes, as the forward (``chunk_steps``) computes: every chunk's inputs (the activations and
+    ``prepared_queries_keys``) and factors, recomputed with their VJPs; then the chain of ``through_state``'s VJPs from
+    the last chunk to the first, which carries ``dS`` (a packed chunk's sequences add the VJPs of their final states,
+    to the writes from ``dht``, and of their initial states' terms, ``dinitial_state``, through the gate as those terms
+    take it: ``Recurrence.per_key_log_decays``); then every chunk's factors' and inputs' VJPs, which depend on no other
+    chunk's. Apart from the chain, the factors' products (the inverse's levels) fill its waits."""
+    read = [read_chunk(refs, chunk, head, recurrence) for chunk in chunks]
+    operands = mxu_operand_dtype(read[0][0].dtype)
+    prepared, inputs_vjps = [], []
+    for chunk, (q, k, _, g, beta) in zip(chunks, read):
+        def chunk_inputs(q, k, g, beta, A_log, dt_bias, chunk=chunk):
+            g, beta = activated_gate_and_strength(chunk, g, beta, A_log, dt_bias, activations)
+            q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
+            return q, k, g, beta
 
-    def chunk_inputs(q, k, g, beta, A_log, dt_bias):
-        g, beta = activated_gate_and_strength(chunk, g, beta, A_log, dt_bias, activations)
-        q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
-        return q, k, g, beta
+        inputs, inputs_vjp = jax.vjp(chunk_inputs, q, k, g, beta, A_log, dt_bias)
+        prepared.append(inputs)
+        inputs_vjps.append(inputs_vjp)
+    resets = [None] * len(chunks) if packed is None else [sequences.resets() for sequences in packed]
 
-    (q, k, g, beta), inputs_vjp = jax.vjp(chunk_inputs, q, k, g, beta, A_log, dt_bias)
-    carried = refs["checkpoints"][chunk.index]
-    resets = entering = None
-    if sequences is not None:
-        sequence_gates, sequence_gates_vjp = jax.vjp(lambda g: recurrence.per_key_log_decays(g, k.shape[1]), g)
-        resets, entering = sequences.resets(), sequences.entering(q, k, sequence_gates, operands)
-    core = functools.partial(
-        chunk_core, operands=operands, lower_bound=activations.decay_lower_bound, resets=resets, recurrence=recurrence,
-    )
-    (_, _, writes), core_vjp = jax.vjp(core, q, k, v, g, beta, carried, entering)
-    leaving = None if sequences is None else sequences.leave_gradients(k, sequence_gates, writes, carried, operands)
-    dwrites = jnp.zeros(writes.shape, _F32) if leaving is None else leaving[2]
-    dq, dk, dv, dg, dbeta, dcarried, dentering = core_vjp((chunk.read(refs["do"]).astype(_F32), dstate, dwrites))
-    if sequences is not None:
-        dsequence_gates = jnp.zeros(sequence_gates.shape, _F32)
-        if leaving is not None:
-            dk, dsequence_gates, dcarried = dk + leaving[0], dsequence_gates + leaving[1], dcarried + leaving[3]
-        if entering is not None:
-            dq_entering, dk_entering, dg_entering = sequences.entering_gradients(q, k, sequence_gates, dentering, operands)
-            dq, dk, dsequence_gates = dq + dq_entering, dk + dk_entering, dsequence_gates + dg_entering
-        (dg_sequences,) = sequence_gates_vjp(dsequence_gates)
-        dg = dg + dg_sequences
-    dq, dk, dg, dbeta, dA_log, ddt_bias = inputs_vjp((dq, dk, dg, dbeta))
-    return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias), dcarried
+    def step_factors(prepared):
+        chunk_rows = [(q, k, g, beta, chunk_resets) for (q, k, g, beta), chunk_resets in zip(prepared, resets)]
+        return recurrence.factors(chunk_rows, operands=operands, lower_bound=activations.decay_lower_bound)
+
+    every_factors, factors_vjp = jax.vjp(step_factors, prepared)
+
+    def through_state(q, k, v, beta, state, entering, factors):
+        return recurrence.through_state(q, k, v, beta, state, entering, factors, operands)
+
+    cotangents = [None] * len(chunks)
+    for n in reversed(range(len(chunks))):
+        chunk, (q, k, g, beta), v, factors = chunks[n], prepared[n], read[n][2], every_factors[n]
+        carried = refs["checkpoints"][chunk.index]
+        sequences = None if packed is None else packed[n]
+        entering = None
+        if sequences is not None:
+            sequence_gates, sequence_gates_vjp = jax.vjp(lambda g: recurrence.per_key_log_decays(g, k.shape[1]), g)
+            entering = sequences.entering(q, k, sequence_gates, operands)
+        (_, _, writes), state_vjp = jax.vjp(through_state, q, k, v, beta, carried, entering, factors)
+        leaving = None if sequences is None else sequences.leave_gradients(k, sequence_gates, writes, carried, operands)
+        dwrites = jnp.zeros(writes.shape, _F32) if leaving is None else leaving[2]
+        dq, dk, dv, dbeta, dcarried, dentering, dfactors = state_vjp((chunk.read(refs["do"]).astype(_F32), dstate, dwrites))
+        dg = jnp.zeros(g.shape, _F32)
+        if sequences is not None:
+            dsequence_gates = jnp.zeros(sequence_gates.shape, _F32)
+            if leaving is not None:
+                dk, dsequence_gates, dcarried = dk + leaving[0], dsequence_gates + leaving[1], dcarried + leaving[3]
+            if entering is not None:
+                dq_entering, dk_entering, dg_entering = sequences.entering_gradients(q, k, sequence_gates, dentering, operands)
+                dq, dk, dsequence_gates = dq + dq_entering, dk + dk_entering, dsequence_gates + dg_entering
+            (dg,) = sequence_gates_vjp(dsequence_gates)
+        cotangents[n] = (dq, dk, dv, dg, dbeta, dfactors)
+        dstate = dcarried
+    (dprepared,) = factors_vjp([dfactors for *_, dfactors in cotangents])
+    gradients = []
+    for (dq, dk, dv, dg, dbeta, _), (dq_factors, dk_factors, dg_factors, dbeta_factors), inputs_vjp in zip(
+        cotangents, dprepared, inputs_vjps,
+    ):
+        dbeta = None if dbeta is None else dbeta + dbeta_factors
+        dq, dk, dg, dbeta, dA_log, ddt_bias = inputs_vjp((dq + dq_factors, dk + dk_factors, dg + dg_factors, dbeta))
+        gradients.append((dq, dk, dv, dg, dbeta, dA_log, ddt_bias))
+    return gradients, dstate
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations,
@@ -214,15 +245,16 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
     dt_bias = refs["dt_bias"][...] if "dt_bias" in refs else None
     dstate = refs["dstate"][...]
     forward_step = geometry.time_steps - 1 - step
-    for chunk in reversed(step_chunks(geometry, forward_step)):
-        sequences = None
-        if packed:
-            sequences = PackedChunk.of(refs, forward_step * geometry.chunks_per_step + chunk.index, geometry.chunk_size, states)
-        gradients, dstate = _chunk_gradients(
-            chunk, refs, head, A_log, dt_bias, dstate, sequences, scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations,
-            recurrence=recurrence,
-        )
-        dq, dk, dv, dg, dbeta, dA_log, ddt_bias = gradients
+    chunks = step_chunks(geometry, forward_step)
+    packed_chunks = None
+    if packed:
+        first = forward_step * geometry.chunks_per_step
+        packed_chunks = [PackedChunk.of(refs, first + chunk.index, geometry.chunk_size, states) for chunk in chunks]
+    every_gradients, dstate = _step_gradients(
+        chunks, refs, head, A_log, dt_bias, dstate, packed_chunks, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        activations=activations, recurrence=recurrence,
+    )
+    for chunk, (dq, dk, dv, dg, dbeta, dA_log, ddt_bias) in zip(chunks, every_gradients):
         for name, value in (("dq", dq), ("dk", dk), ("dv", dv), ("dg", dg), ("dbeta", dbeta)):
             if value is None:
                 continue

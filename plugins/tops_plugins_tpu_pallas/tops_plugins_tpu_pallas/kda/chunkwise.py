@@ -372,6 +372,7 @@ def prepared_queries_keys(q, k, *, scale: float, use_qk_l2norm: bool) -> tuple[j
     return q * scale, k
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Factors:
     """What a chunk's way through the state (``through_state``) takes from the chunk's own rows: none of it depends on
@@ -411,17 +412,6 @@ def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
     o = o + matmul(factors.aqk, delta, operands)
     state_out = state_out + matmul(k * factors.to_end, delta, operands, COLUMNS_BY_COLUMNS)
     return o, state_out, delta
-
-
-def chunk_core(q, k, v, g, beta, state, entering, *, operands, lower_bound: float | None, resets: jax.Array | None,
-               recurrence: Recurrence):
-    """``through_state`` of one chunk with its own factors (``recurrence``'s): ``(o, S_out, writes)`` from
-    ``prepared_queries_keys``' ``q`` and ``k``, ``resets`` as ``chunk_factors`` takes them. The backward's VJP
-    (``kda.backward``), a chunk at a time: interleaved over a step's chunks, the VJP's residuals of every chunk would be
-    held at once (Mosaic needs 33 MB of VMEM at eight chunks of K = V = 128 for it, against 6 one at a time) for 8% fewer
-    cycles on a v6e (measured before ``exact_inverses`` had its closed-form VJP)."""
-    (factors,) = recurrence.factors([(q, k, g, beta, resets)], operands=operands, lower_bound=lower_bound)
-    return recurrence.through_state(q, k, v, beta, state, entering, factors, operands)
 
 
 def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence: Recurrence, lower_bound: float | None = None):

@@ -24,8 +24,8 @@ KDA's own inputs, read in place:
   ``use_beta_sigmoid``, its ``beta_activation``).
 
 Its backward (``kda/backward.py``) runs this kernel again for the state entering every chunk (``checkpoints`` in
-place of ``o``), then the VJPs of a chunk's pieces (``activated_gate_and_strength``, ``chunkwise.chunk_core``) chunk by
-chunk in reverse.
+place of ``o``), then the VJPs of a step's pieces (``activated_gate_and_strength``, the recurrence's ``factors`` and
+``through_state``) in reverse.
 """
 
 from __future__ import annotations
