@@ -488,3 +488,36 @@ def test_split_operands_keep_about_16_bits_in_two_bf16_passes():
         dots = [e for e in equations(jaxpr) if e.primitive.name == "dot_general"]
         assert len(dots) == passes
         assert all(x.aval.dtype == jnp.bfloat16 for dot in dots for x in dot.invars)
+
+
+@pytest.mark.parametrize("op", [pytest.param("simple_gla", marks=pytest.mark.slow), "kda"])  # the same index maps (blocks.py)
+def test_kernels_run_with_jax_enable_x64(op):
+    # Every kernel's index maps divide grid indices (int32); with jax_enable_x64 a Python int divisor became int64 and
+    # lax.div refused the pair, so every tpu_pallas training kernel failed to trace. One op per family of kernels.
+    rng = np.random.default_rng(0)
+    B, T, H, K, V = 1, 70, 2, 32, 32
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape) * 0.3, jnp.float32)
+
+    inputs = {"q": normal(B, T, H, K), "k": normal(B, T, H, K), "v": normal(B, T, 2 * H, V)}
+    if op == "kda":
+        inputs |= {"g": -jnp.abs(normal(B, T, 2 * H, K)), "beta": jax.nn.sigmoid(normal(B, T, 2 * H))}
+    else:
+        inputs |= {"v": normal(B, T, H, V), "g": -jnp.abs(normal(B, T, H))}
+    contract = tops_core.op(op)
+
+    def value_and_gradients(inputs):
+        def loss(inputs):
+            o, final_state = contract.forward(**inputs, output_final_state=True, implementation="tpu_pallas.fused")
+            return jnp.sum(o * o) + jnp.sum(final_state * final_state)
+
+        with tops_core.use(interpret=True, strict=True):
+            return jax.value_and_grad(loss)(inputs)
+
+    want = value_and_gradients(inputs)
+    with jax.enable_x64(True):
+        got = value_and_gradients(inputs)
+    for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert got_leaf.dtype == want_leaf.dtype
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-6)

@@ -28,8 +28,11 @@ def grid(geometry: Geometry) -> tuple[int, int, int, int]:
 
 def _quotient(index, divisor: int):
     """``index // divisor`` of a grid index (>= 0): NumPy's on the traffic model's points, else ``lax.div``, the same
-    for indices >= 0 without floor division's sign fix-up (which Mosaic lowers only for a known chip)."""
-    return index // divisor if isinstance(index, np.ndarray) else lax.div(index, divisor)
+    for indices >= 0 without floor division's sign fix-up (which Mosaic lowers only for a known chip). The divisor takes
+    the index's dtype: with ``jax_enable_x64`` a Python int would be int64 beside the grid's int32."""
+    if isinstance(index, np.ndarray):
+        return index // divisor
+    return lax.div(index, lax.convert_element_type(divisor, index.dtype))
 
 
 def _all_columns(b, h, tile, t, *_):
