@@ -34,6 +34,9 @@ from tops_plugins_tpu_pallas.plan import Relayout
 LANES = 128
 """Width of a TPU vector register: a head dimension that is not a multiple of it is padded to one."""
 
+SUBLANES = 8
+"""Rows of a float32 vector register: slices and concatenations of rows at multiples of it move no data between registers."""
+
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple

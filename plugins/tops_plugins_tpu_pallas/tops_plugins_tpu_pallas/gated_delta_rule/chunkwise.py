@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tops_plugins_tpu_pallas.grid import Work
-from tops_plugins_tpu_pallas.kda.chunkwise import Factors, exact_inverses, level_pairs_mask, level_sizes, through_state
+from tops_plugins_tpu_pallas.kda.chunkwise import Factors, exact_inverses, inverse_work, level_pairs_mask, level_sizes, through_state
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, row_and_column_iotas
 from tops_plugins_tpu_pallas.recurrence import Recurrence
@@ -53,10 +53,9 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | Non
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     cumulative = 2 * C * C * LANES
     pairs = 2 * (2 * C) * K * C
-    inverse = (len(level_sizes(C)) - 1) * 2 * (2 * C * C * C)
     outputs = 2 * (2 * C) * K * Vb + 2 * C * C * Vb + 2 * C * C * Vb + 2 * C * K * Vb
     exps = C * C + 2 * C + 1 + (2 * C if use_qk_l2norm else 0)
-    return Work(flops=cumulative + pairs + inverse + outputs, transcendentals=exps)
+    return inverse_work(C) + Work(flops=cumulative + pairs + outputs, transcendentals=exps)
 
 
 def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:

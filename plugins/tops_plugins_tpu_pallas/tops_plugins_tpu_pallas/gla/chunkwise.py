@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tops_plugins_tpu_pallas.grid import Work
-from tops_plugins_tpu_pallas.kda.chunkwise import Decays, Factors, chunk_body_vmem, interleaved_pairs, level_sizes, run_sum_parts
+from tops_plugins_tpu_pallas.kda.chunkwise import Decays, Factors, chunk_body_vmem, interleaved_pairs, level_rows, level_sizes, run_sum_parts
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul
 from tops_plugins_tpu_pallas.recurrence import Recurrence
@@ -60,7 +60,7 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool = False, lower_bound: flo
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     levels = len(level_sizes(C))
     run_sums = 2 * (2 + levels) * C * C * K
-    pairs = levels * 2 * C * K * C
+    pairs = sum(2 * level_rows(C, s) * K * C for s in level_sizes(C))
     outputs = 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb
     return Work(flops=run_sums + pairs + outputs, transcendentals=(2 + levels) * C * K)
 

@@ -73,7 +73,7 @@ from tops_core.ops.kda import L2NORM_EPSILON
 from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, bf16_parts, matmul, mxu_operand_dtype, row_and_column_iotas
-from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas.layout import SUBLANES, Geometry
 from tops_plugins_tpu_pallas.recurrence import Recurrence
 
 _F32 = jnp.float32
@@ -271,14 +271,48 @@ def level_pairs_mask(chunk_size: int, size: int) -> jax.Array:
     return (_block(i, 2 * size) == _block(j, 2 * size)) & _in_later_half(i, size) & ~_in_later_half(j, size)
 
 
-def _doubled(inverse: jax.Array | None, level_pairs: jax.Array, operands) -> jax.Array:
+def level_rows(chunk_size: int, size: int) -> int:
+    """The rows of a chunk that level ``size``'s products stream (``interleaved_pairs``, ``exact_inverses``): the later
+    halves alone where they are whole vector registers, else every row."""
+    return chunk_size // 2 if size % SUBLANES == 0 else chunk_size
+
+
+def inverse_work(chunk_size: int) -> Work:
+    """``exact_inverses`` of one chunk: two products at every level but the first (``_doubled``)."""
+    return Work(flops=sum(2 * 2 * level_rows(chunk_size, s) * chunk_size * chunk_size for s in level_sizes(chunk_size)[1:]))
+
+
+def _later_rows(x: jax.Array, size: int) -> jax.Array:
+    """The rows in the later half of each block of ``2 * size`` (``size`` a multiple of ``SUBLANES``), stacked in order."""
+    return jnp.concatenate([x[start + size : start + 2 * size] for start in range(0, x.shape[0], 2 * size)], axis=0)
+
+
+def _with_earlier_rows(earlier: jax.Array | None, later: jax.Array, size: int) -> jax.Array:
+    """The inverse of ``_later_rows``: each block of ``2 * size`` rows is ``earlier``'s earlier half (None: zeros), then
+    ``later``'s next ``size`` rows."""
+    blocks = []
+    for n in range(later.shape[0] // size):
+        start = 2 * n * size
+        blocks.append(jnp.zeros((size, later.shape[1]), later.dtype) if earlier is None else earlier[start : start + size])
+        blocks.append(later[n * size : (n + 1) * size])
+    return jnp.concatenate(blocks, axis=0)
+
+
+def _doubled(inverse: jax.Array | None, level_pairs: jax.Array, size: int, operands) -> jax.Array:
     """``D_2s = D_s - D_s P_s D_s`` from ``D_s`` (None: ``D_1 = I``, whose products are ``P_1`` itself, so the finest
-    level costs no matmul) and ``P_s`` (``level_pairs``)."""
+    level costs no matmul) and ``P_s`` (``level_pairs``, level ``size``).
+
+    Only the later half of each ``2s``-block's rows of ``P_s`` is not zero, and so of ``D_s P_s D_s`` (``D_s`` is
+    block-diagonal): where those rows are whole vector registers (``size`` a multiple of ``SUBLANES``), both products
+    stream them alone, ``C / 2`` rows where the full product streams ``C``, the same sums."""
     if inverse is None:
-        C = level_pairs.shape[0]
-        i, j = row_and_column_iotas(C)
+        i, j = row_and_column_iotas(level_pairs.shape[0])
         return (i == j).astype(_F32) - level_pairs
-    return inverse - matmul(inverse, matmul(level_pairs, inverse, operands), operands)
+    if level_rows(level_pairs.shape[0], size) == level_pairs.shape[0]:
+        return inverse - matmul(inverse, matmul(level_pairs, inverse, operands), operands)
+    pairs_by_inverse = _with_earlier_rows(None, matmul(_later_rows(level_pairs, size), inverse, operands), size)
+    later_inverse = _later_rows(inverse, size)
+    return _with_earlier_rows(inverse, later_inverse - matmul(later_inverse, pairs_by_inverse, operands), size)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -291,8 +325,9 @@ def exact_inverses(every_levels, operands) -> tuple[jax.Array, ...]:
     The cotangent is ``dN = -D^T dD D^T`` on each level's pairs: two products, where the recursion's own VJP takes
     four per level, a chain twice as long as the forward's."""
     inverses = [None] * len(every_levels)
+    sizes = level_sizes(every_levels[0][0].shape[0])
     for level in range(len(every_levels[0])):
-        inverses = [_doubled(d, levels[level], operands) for d, levels in zip(inverses, every_levels)]
+        inverses = [_doubled(d, levels[level], sizes[level], operands) for d, levels in zip(inverses, every_levels)]
     return tuple(inverses)
 
 
@@ -348,16 +383,25 @@ def interleaved_pairs(chunks, operands, delta_rule: bool = True) -> list[Pairs]:
     for level, s in enumerate(coarse_level_sizes(C, fine_size)):
         later = _in_later_half(rows, s)
         same_block = _block(i, 2 * s) == _block(j, 2 * s)
+        # Only later-half rows pair at this level: where they are whole vector registers, they stream alone (C / 2 rows
+        # of each operand, not C of which half are zeros) and are put back in place after the product.
+        by_rows = level_rows(C, s) < C
         for n, (q, k, beta, decays, _) in enumerate(chunks):
             decayed_keys = k * decays.levels[level]
-            later_queries = jnp.where(later, q * decays.levels[level], 0.0)
+            decayed_queries = q * decays.levels[level]
             earlier_keys = jnp.where(later, 0.0, decayed_keys)
-            left = [jnp.where(later, decayed_keys, 0.0), later_queries] if delta_rule else [later_queries]
+            if by_rows:
+                left = [_later_rows(decayed_keys, s), _later_rows(decayed_queries, s)]
+            else:
+                left = [jnp.where(later, decayed_keys, 0.0), jnp.where(later, decayed_queries, 0.0)]
+            left = left if delta_rule else left[1:]
             products = matmul(jnp.concatenate(left, axis=0), earlier_keys, operands, ROWS_BY_ROWS)
-            aqk[n] = aqk[n] + jnp.where(same_block, products[-C:], 0.0)
+            rows_of = (lambda x: _with_earlier_rows(None, x, s)) if by_rows else (lambda x: x)
+            half = products.shape[0] // len(left)
+            aqk[n] = aqk[n] + jnp.where(same_block, rows_of(products[-half:]), 0.0)
             if delta_rule:
                 # Later rows against earlier columns inside one 2s-block: the level's pairs, zero elsewhere.
-                every_levels[n].append(beta * jnp.where(same_block, products[:C], 0.0))
+                every_levels[n].append(beta * jnp.where(same_block, rows_of(products[:half]), 0.0))
     if not delta_rule:
         return [Pairs(aqk=a, inverse=None) for a in aqk]
     inverses = exact_inverses(tuple(tuple(levels) for levels in every_levels), operands)
@@ -457,12 +501,12 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | Non
     coarse = len(coarse_level_sizes(C, fine))
     sections = 2 + coarse + (1 if fine else 0)  # the fine section e: in the one matmul, or its own when packed
     run_sums = 2 * sections * C * C * K
-    per_level = 2 * (2 * C) * K * C  # a level's (or the sub-chunk's) products
-    inverse = (len(level_sizes(C)) - 1) * 2 * (2 * C * C * C)  # D_2s = D_s - D_s P_s D_s at every level but the first
-    pairs_ = (coarse + (1 if fine else 0)) * per_level + inverse + (2 * C * C * C if fine and packed else 0)
+    levels = sum(2 * (2 * level_rows(C, s)) * K * C for s in coarse_level_sizes(C, fine))  # keys' and queries' rows
+    sub_chunk = 2 * (2 * C) * K * C if fine else 0
+    pairs_ = levels + sub_chunk + (2 * C * C * C if fine and packed else 0)
     outputs = 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb
     exps = (sections + (1 if fine else 0)) * C * K + (2 * C if use_qk_l2norm else 0)
-    return Work(flops=run_sums + pairs_ + outputs, transcendentals=exps)
+    return inverse_work(C) + Work(flops=run_sums + pairs_ + outputs, transcendentals=exps)
 
 
 def step_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
