@@ -27,8 +27,9 @@ class Recurrence:
     packed chunk's ``(C, 1)`` sequence starts); a pure function of its arrays, so its VJP is the backward's.
     ``through_state(q, k, v, beta, state, entering, factors, operands)``: ``(o, state leaving, writes)``, the writes being
     what each row adds to the state (``delta`` of the delta rule, ``v`` itself without it).
-    ``chunk_work(geometry, use_qk_l2norm, lower_bound, packed)`` and ``chunk_body_vmem`` / ``step_body_vmem(geometry,
-    lower_bound)``: what a chunk computes and holds, for the launch plans.
+    ``chunk_work(geometry, use_qk_l2norm, lower_bound, packed)``, ``chunk_body_vmem(geometry, lower_bound)`` and
+    ``kept_vmem(geometry, lower_bound)``: what a chunk computes, holds while it works, and keeps (bytes) from its factors
+    to its turn at the state, for the launch plans.
     """
 
     op: str
@@ -38,7 +39,12 @@ class Recurrence:
     through_state: Callable
     chunk_work: Callable
     chunk_body_vmem: Callable
-    step_body_vmem: Callable
+    kept_vmem: Callable
+
+    def step_body_vmem(self, geometry, lower_bound: float | None = None) -> int:
+        """An upper estimate of the values one grid step of ``chunk_steps`` holds at once (bytes): what each of its chunks
+        keeps, plus one chunk's working values."""
+        return geometry.chunks_per_step * self.kept_vmem(geometry, lower_bound) + self.chunk_body_vmem(geometry, lower_bound)
 
     def per_key_log_decays(self, g: jax.Array, key_dim: int) -> jax.Array:
         """``g`` as kda's per-sequence terms (``kda.sequences``) take it: ``(C, K)`` (a gate per head given to every key),

@@ -68,16 +68,15 @@ def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int
     return 4 * (2 * C * LANES + (2 + levels + 4) * C * C + 4 * C * K + 2 * K * Vb + 4 * C * Vb)
 
 
-def step_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
-    """An upper estimate of the values one grid step of ``chunk_steps`` holds at once (bytes): what each of its chunks
-    keeps until its turn at the state (float32 ``q``, ``k``, ``v``, ``Aqk``, the inverse, the decays and their columns),
-    plus one chunk's working values (``chunk_body_vmem``)."""
+def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
+    """An upper estimate of what each chunk of a grid step keeps until its turn at the state (bytes): float32 ``q``, ``k``,
+    ``v``, ``Aqk``, the inverse, the decays and their columns."""
+    del lower_bound
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
-    kept = 4 * (2 * C * K + C * Vb + 3 * C * C + 3 * C * LANES)
-    return geometry.chunks_per_step * kept + chunk_body_vmem(geometry, lower_bound)
+    return 4 * (2 * C * K + C * Vb + 3 * C * C + 3 * C * LANES)
 
 
 GATED_DELTA_RULE = Recurrence(
     op="gated_delta_rule", gate_per_key=False, delta_rule=True, factors=chunk_factors, through_state=through_state,
-    chunk_work=chunk_work, chunk_body_vmem=chunk_body_vmem, step_body_vmem=step_body_vmem,
+    chunk_work=chunk_work, chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem,
 )

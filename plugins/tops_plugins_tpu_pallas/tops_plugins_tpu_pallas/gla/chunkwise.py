@@ -65,16 +65,16 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool = False, lower_bound: flo
     return Work(flops=run_sums + pairs + outputs, transcendentals=(2 + levels) * C * K)
 
 
-def step_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
-    """An upper estimate of the values one grid step holds at once (bytes): what each chunk keeps from its decays to its
-    turn at the state (float32 ``q``, ``k``, ``v``, the three decays it needs there and ``Aqk``), plus one chunk's working
-    values (kda's ``chunk_body_vmem``, which holds more: its ``Akk`` and inverse besides)."""
+def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
+    """An upper estimate of what each chunk of a grid step keeps from its decays to its turn at the state (bytes): float32
+    ``q``, ``k``, ``v``, the three decays it needs there and ``Aqk``. (Its working values are kda's ``chunk_body_vmem``,
+    which holds more: its ``Akk`` and inverse besides.)"""
+    del lower_bound
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
-    kept = 4 * (5 * C * K + C * Vb + C * C)
-    return geometry.chunks_per_step * kept + chunk_body_vmem(geometry, lower_bound)
+    return 4 * (5 * C * K + C * Vb + C * C)
 
 
 GLA = Recurrence(
     op="gla", gate_per_key=True, delta_rule=False, factors=chunk_factors, through_state=through_state, chunk_work=chunk_work,
-    chunk_body_vmem=chunk_body_vmem, step_body_vmem=step_body_vmem,
+    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem,
 )

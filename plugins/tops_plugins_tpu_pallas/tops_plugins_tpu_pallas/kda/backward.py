@@ -66,7 +66,7 @@ forward and transposes each product twice (both operands' cotangents). Declared 
 
 VJP_VMEM_FACTOR = 3
 """The gradients kernel's body values, in units of the forward's: one chunk's working values (``chunk_body_vmem``), and
-what each other chunk of the step keeps (``step_body_vmem``'s share per chunk), its factors being the VJP's residuals,
+what each other chunk of the step keeps (``kept_vmem``), its factors being the VJP's residuals,
 held with their cotangents through the step's chain."""
 
 
@@ -138,8 +138,7 @@ def plans(
     bound, packed = activations.decay_lower_bound, num_seqs is not None
     chunk = recurrence.chunk_work(geometry, use_qk_l2norm, bound, packed) + fused.activation_work(activations, geometry)
     work = chunk * (VJP_WORK_FACTOR * grid.chunks_of_the_grid(geometry))
-    one_chunk = dataclasses.replace(geometry, num_steps=1)
-    kept = recurrence.step_body_vmem(one_chunk, bound) - recurrence.chunk_body_vmem(one_chunk, bound)
+    kept = recurrence.kept_vmem(geometry, bound)
     body = VJP_VMEM_FACTOR * (recurrence.chunk_body_vmem(geometry, bound) + (geometry.chunks_per_step - 1) * kept)
     if packed:  # each sequence's terms recomputed and differentiated; the loops carry three (C, K) sums
         states = sequence_work(geometry, initial_state_dtype is not None, output_final_state)

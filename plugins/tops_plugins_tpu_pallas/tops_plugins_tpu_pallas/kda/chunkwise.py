@@ -509,15 +509,14 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | Non
     return inverse_work(C) + Work(flops=run_sums + pairs_ + outputs, transcendentals=exps)
 
 
-def step_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
-    """An upper estimate of the values one grid step of ``chunk_steps`` holds at once (bytes): what each of its chunks
-    keeps from its decays to its turn at the state (float32 ``q``, ``k``, ``g``, ``v``, ``Aqk``, the inverse and every
-    decay: ``chunk_steps`` computes all chunks' pairs first), plus one chunk's working values (``chunk_body_vmem``)."""
+def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
+    """An upper estimate of what each chunk of a grid step keeps from its decays to its turn at the state (bytes):
+    float32 ``q``, ``k``, ``g``, ``v``, ``Aqk``, the inverse and every decay (``chunk_steps`` computes all chunks' pairs
+    first)."""
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     fine = fine_block_size(C, lower_bound)
     decays = 2 + len(coarse_level_sizes(C, fine)) + (2 if fine else 0)
-    kept = 4 * ((decays + 3) * C * K + C * Vb + 2 * C * C)
-    return geometry.chunks_per_step * kept + chunk_body_vmem(geometry, lower_bound)
+    return 4 * ((decays + 3) * C * K + C * Vb + 2 * C * C)
 
 
 def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
@@ -539,5 +538,5 @@ def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int
 
 KDA = Recurrence(
     op="kda", gate_per_key=True, delta_rule=True, factors=chunk_factors, through_state=through_state, chunk_work=chunk_work,
-    chunk_body_vmem=chunk_body_vmem, step_body_vmem=step_body_vmem,
+    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem,
 )
