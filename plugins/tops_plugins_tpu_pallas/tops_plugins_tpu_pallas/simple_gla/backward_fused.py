@@ -154,6 +154,6 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
         plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
     )
     arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
-    checkpoints = run(checkpoints_plan, gradients.checkpoints_kernel, arrays, every_chunk=False)
+    checkpoints = run(checkpoints_plan, gradients.checkpoints_kernel, gradients.checkpoints_operands(arrays, g, geometry), every_chunk=False)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

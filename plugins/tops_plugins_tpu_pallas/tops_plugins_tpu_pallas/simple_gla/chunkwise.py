@@ -201,6 +201,7 @@ class ChunkGates:
     @classmethod
     def along_lanes(
         cls, decay: jax.Array, g: jax.Array, valid_rows: jax.Array | None, chunk_size: int, resets_dtype=jnp.float32,
+        attention: bool = True,
     ) -> ChunkGates:
         """A chunk's gates from its ``g`` as a ``(1, C)`` row (``g`` laid out ``[B, H, T]``), ``key`` left to ``key_row``.
 
@@ -210,11 +211,18 @@ class ChunkGates:
         (``exp(b)``, ``B`` and ``R``).
         ``valid_rows`` as there; ``g`` must be 0 past it. ``resets_dtype``: what ``R``'s column is held in for the
         decays' masks, whose lane broadcasts bfloat16 halves (exact: ``R`` is a count of at most 256 tokens).
+        ``attention=False`` (a kernel that only advances the state): no ``C x C`` decays; ``exp(b_C - b_j)`` is
+        exponentiated on the row and becomes ``key``'s column in the same transpose.
         """
         cumulative, resets_row = cumulative_sum_along_lanes(g)
         row = decay * _positions(chunk_size, 1, valid_rows) + cumulative
         sublanes = lax.broadcasted_iota(jnp.int32, (8, chunk_size), 0)
         query_row = masked_exp(row, resets_row == 0)
+        if not attention:
+            total, total_resets = row[:, -1:], resets_row[:, -1:]
+            key_row = masked_exp(total - row, unreset(resets_row, total_resets))
+            columns = jnp.where(sublanes == 0, query_row, key_row).T
+            return cls(decays=None, query=columns[:, 0:1], key=columns[:, 1:2], chunk=query_row[:, -1:])
         columns = jnp.where(sublanes == 0, query_row, jnp.where(sublanes == 1, row, resets_row)).T
         query = columns[:, 0:1]
         log = LogDecays(column=columns[:, 1:2], row=row, resets_column=columns[:, 2:3].astype(resets_dtype), resets_row=resets_row)
@@ -364,12 +372,13 @@ def chunk_gates(
 ) -> ChunkGates:
     """``chunk``'s gates: ``constant`` (the step's, without ``g``) for a whole chunk; with ``along_lanes`` (``g``
     laid out ``[B, H, T]``), ``ChunkGates.along_lanes`` of the head's row (``resets_dtype`` as there); else
-    exponentiated from ``log`` (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``."""
+    exponentiated from ``log`` (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``'s."""
     if constant is not None and chunk.valid_rows is None:
         return constant
     if along_lanes:
         return ChunkGates.along_lanes(
             constant_decay(refs, head), chunk.head_row(refs["g"], head), chunk.valid_rows, chunk.rows.size, resets_dtype,
+            attention,
         )
     return ChunkGates.of(log_decays(chunk, refs, head) if log is None else log, attention)
 

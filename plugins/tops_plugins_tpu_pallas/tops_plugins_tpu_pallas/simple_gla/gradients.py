@@ -40,6 +40,7 @@ from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, SPLIT_
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     ChunkGates, advance_state, advance_state_work, chunk_gates, constant_gates, gate_computations, gates_work,
 )
+from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
 
@@ -103,14 +104,31 @@ def caller_gradients(results: dict[str, jax.Array], q, k, v, g, g_gamma, initial
 # -- the forward states the backward needs --------------------------------------------------------
 
 
+def checkpoints_gates_along_lanes(geometry: Geometry, gated: bool) -> bool:
+    """Whether the checkpoints walk reads ``g`` laid out ``[B, H, T]`` and computes each chunk's gates along lanes, as the
+    fused forward does (``fused.gates_along_lanes``; ``checkpoints_operands``). Modelled, B=2 T=4096 H=8 K=V=128 bf16 with
+    ``g``, the walk (no ``C x C`` decays) went from ``(C, 1)`` columns to rows: v5e 102.7 -> 60.9 us, v6e 64.9 -> 50.1 us."""
+    return gates_along_lanes(gated, geometry.chunk_size)
+
+
+def checkpoints_operands(arrays: dict[str, jax.Array], g: jax.Array | None, geometry: Geometry) -> dict[str, jax.Array]:
+    """``arrays`` (``operands``) as the checkpoints walk takes them: ``g`` transposed to ``[B, H, T]`` where it runs along lanes."""
+    if not checkpoints_gates_along_lanes(geometry, g is not None):
+        return arrays
+    return {**arrays, "g": jnp.swapaxes(g, 1, 2)}
+
+
 def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dtype, every_chunk: bool) -> LaunchPlan:
     """A forward walk writing the state entering every time step (every chunk with ``every_chunk``)."""
     start = (blocks.state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
     gated = gate_dtype is not None
+    gates = ()
+    if gated:
+        gates = ((blocks.gate_rows if checkpoints_gates_along_lanes(geometry, gated) else blocks.gates)(geometry, gate_dtype),)
     work = advance_state_work(geometry) * (geometry.batch * geometry.heads * geometry.num_chunks)
     work = work + gates_work(geometry, gated, attention=False) * gate_computations(geometry, gated)
     return grid.grid_plan(
-        "simple_gla_backward_checkpoints", geometry, (blocks.decay(geometry),), (*token_inputs(geometry, dtype, gate_dtype, ("k", "v")), *start),
+        "simple_gla_backward_checkpoints", geometry, (blocks.decay(geometry),), (*token_inputs(geometry, dtype, None, ("k", "v")), *gates, *start),
         (grid.state_checkpoints(geometry, every_chunk),), work, 4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
     )
 
@@ -126,7 +144,8 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
         refs["checkpoints"][0] = state
     chunks = step_chunks(geometry, step)
     # Every chunk's gates before the state's chain through them: chunk by chunk, each chunk's gates waited on the chain.
-    every_gates = [chunk_gates(chunk, refs, head, constant, attention=False) for chunk in chunks]
+    along_lanes = checkpoints_gates_along_lanes(geometry, "g" in refs)
+    every_gates = [chunk_gates(chunk, refs, head, constant, attention=False, along_lanes=along_lanes) for chunk in chunks]
     for chunk, gates in zip(chunks, every_gates):
         if every_chunk:
             refs["checkpoints"][chunk.index] = state
