@@ -75,7 +75,8 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     checkpoints = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=False)
     steps = functools.partial(grid.reversed_in_time, geometry=geometry)
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
-    inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"))]
+    along_lanes = gradients.backward_gates_along_lanes(geometry, gate_dtype is not None)
+    inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"), along_lanes)]
     inputs.append(steps(grid.state_checkpoints(geometry, every_chunk=False)))
     if output_final_state:
         inputs.append(blocks.state("dht", geometry, _F32))
@@ -117,7 +118,8 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     # Three passes over the segment's chunks: their states, then the dS chain, then everything else. Neither chain
     # waits on the rest of a chunk's work, and the gradients of different chunks no longer depend on each other:
     # chunk by chunk, the scheduler had run one chunk's products after the other's (v6e with g: 326 -> 202 us).
-    every_gates = [chunk_gates(chunk, refs, head, constant) for chunk in chunks]
+    along_lanes = gradients.backward_gates_along_lanes(geometry, "g" in refs)
+    every_gates = [chunk_gates(chunk, refs, head, constant, along_lanes=along_lanes, key_column=True) for chunk in chunks]
     state = refs["checkpoints"][0]
     refs["states"][0] = state
     for chunk in chunks[:-1]:
@@ -153,7 +155,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
         plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
     )
-    arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
-    checkpoints = run(checkpoints_plan, gradients.checkpoints_kernel, gradients.checkpoints_operands(arrays, g, geometry), every_chunk=False)
+    arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
+    checkpoints = run(checkpoints_plan, gradients.checkpoints_kernel, arrays, every_chunk=False)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

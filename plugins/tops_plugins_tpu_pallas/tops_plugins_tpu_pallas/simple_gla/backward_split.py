@@ -136,7 +136,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
         plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
     )
     arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
-    states = run(states_plan, gradients.checkpoints_kernel, gradients.checkpoints_operands(arrays, g, geometry), every_chunk=True)
+    states = run(states_plan, gradients.checkpoints_kernel, gradients.with_gate_rows(arrays, g, geometry), every_chunk=True)
     pass1 = run(state_gradients_plan, _state_gradients_kernel, arrays, scale=scale)
     pass2 = run(query_key_plan, _query_key_gradients_kernel, {**arrays, **states, "dstates": pass1["dstates"]}, scale=scale)
     return gradients.caller_gradients({**pass1, **pass2}, q, k, v, g, g_gamma, initial_state, geometry)

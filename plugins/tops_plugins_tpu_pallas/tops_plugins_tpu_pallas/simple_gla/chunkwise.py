@@ -201,9 +201,10 @@ class ChunkGates:
     @classmethod
     def along_lanes(
         cls, decay: jax.Array, g: jax.Array, valid_rows: jax.Array | None, chunk_size: int, resets_dtype=jnp.float32,
-        attention: bool = True,
+        attention: bool = True, key_column: bool = False,
     ) -> ChunkGates:
-        """A chunk's gates from its ``g`` as a ``(1, C)`` row (``g`` laid out ``[B, H, T]``), ``key`` left to ``key_row``.
+        """A chunk's gates from its ``g`` as a ``(1, C)`` row (``g`` laid out ``[B, H, T]``), ``key`` left to ``key_row``
+        unless ``key_column``.
 
         ``LogDecays.compute`` and ``of`` work on ``(C, 1)`` columns, which take one vector register per
         8 rows for every operation; here the cumulative sums and ``exp(b)`` run on the row (2 registers
@@ -211,23 +212,26 @@ class ChunkGates:
         (``exp(b)``, ``B`` and ``R``).
         ``valid_rows`` as there; ``g`` must be 0 past it. ``resets_dtype``: what ``R``'s column is held in for the
         decays' masks, whose lane broadcasts bfloat16 halves (exact: ``R`` is a count of at most 256 tokens).
-        ``attention=False`` (a kernel that only advances the state): no ``C x C`` decays; ``exp(b_C - b_j)`` is
-        exponentiated on the row and becomes ``key``'s column in the same transpose.
+        ``attention=False`` (a kernel that only advances the state): no ``C x C`` decays. There, and with
+        ``key_column`` (the backward, whose gradient terms take ``exp(b_C - b_j)`` per row), it is exponentiated on the
+        row and becomes ``key``'s column in the same transpose.
         """
         cumulative, resets_row = cumulative_sum_along_lanes(g)
         row = decay * _positions(chunk_size, 1, valid_rows) + cumulative
         sublanes = lax.broadcasted_iota(jnp.int32, (8, chunk_size), 0)
         query_row = masked_exp(row, resets_row == 0)
-        if not attention:
+        stacked = jnp.where(sublanes == 1, row, resets_row)
+        if key_column or not attention:
             total, total_resets = row[:, -1:], resets_row[:, -1:]
-            key_row = masked_exp(total - row, unreset(resets_row, total_resets))
-            columns = jnp.where(sublanes == 0, query_row, key_row).T
-            return cls(decays=None, query=columns[:, 0:1], key=columns[:, 1:2], chunk=query_row[:, -1:])
-        columns = jnp.where(sublanes == 0, query_row, jnp.where(sublanes == 1, row, resets_row)).T
+            stacked = jnp.where(sublanes == 3, masked_exp(total - row, unreset(resets_row, total_resets)), stacked)
+        columns = jnp.where(sublanes == 0, query_row, stacked).T
         query = columns[:, 0:1]
-        log = LogDecays(column=columns[:, 1:2], row=row, resets_column=columns[:, 2:3].astype(resets_dtype), resets_row=resets_row)
+        key = columns[:, 3:4] if key_column or not attention else None
         # exp(b_C) is the last query decay: one value of one lane, no lanes of two columns to bring together.
-        return cls(decays=causal_decays(log), query=query, key=None, chunk=query[-1:, :])
+        if not attention:
+            return cls(decays=None, query=query, key=key, chunk=query[-1:, :])
+        log = LogDecays(column=columns[:, 1:2], row=row, resets_column=columns[:, 2:3].astype(resets_dtype), resets_row=resets_row)
+        return cls(decays=causal_decays(log), query=query, key=key, chunk=query[-1:, :])
 
     @property
     def key_row(self) -> jax.Array:
@@ -368,17 +372,17 @@ def constant_gates(refs: dict, head: jax.Array, geometry: Geometry, attention: b
 
 def chunk_gates(
     chunk: Chunk, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None, attention: bool = True,
-    along_lanes: bool = False, resets_dtype=jnp.float32,
+    along_lanes: bool = False, resets_dtype=jnp.float32, key_column: bool = False,
 ) -> ChunkGates:
     """``chunk``'s gates: ``constant`` (the step's, without ``g``) for a whole chunk; with ``along_lanes`` (``g``
-    laid out ``[B, H, T]``), ``ChunkGates.along_lanes`` of the head's row (``resets_dtype`` as there); else
+    laid out ``[B, H, T]``), ``ChunkGates.along_lanes`` of the head's row (``resets_dtype`` and ``key_column`` as there); else
     exponentiated from ``log`` (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``'s."""
     if constant is not None and chunk.valid_rows is None:
         return constant
     if along_lanes:
         return ChunkGates.along_lanes(
             constant_decay(refs, head), chunk.head_row(refs["g"], head), chunk.valid_rows, chunk.rows.size, resets_dtype,
-            attention,
+            attention, key_column,
         )
     return ChunkGates.of(log_decays(chunk, refs, head) if log is None else log, attention)
 

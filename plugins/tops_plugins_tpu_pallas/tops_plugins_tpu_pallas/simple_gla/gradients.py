@@ -55,11 +55,14 @@ def decay_gradients(geometry: Geometry) -> Blocked:
     return blocks.token_rows("da", geometry)
 
 
-def token_inputs(geometry: Geometry, dtype, gate_dtype, names: tuple[str, ...]) -> tuple[Blocked, ...]:
-    """The blocked token arrays ``names`` (of q, k, v, do) and ``g`` when given, in that order."""
+def token_inputs(geometry: Geometry, dtype, gate_dtype, names: tuple[str, ...], gate_rows: bool = False) -> tuple[Blocked, ...]:
+    """The blocked token arrays ``names`` (of q, k, v, do) and ``g`` when given, in that order; ``gate_rows``: ``g``
+    laid out ``[B, H, T]`` (``backward_gates_along_lanes``)."""
     layouts = {"q": blocks.key_rows, "k": blocks.key_rows, "v": blocks.value_rows, "do": blocks.value_rows}
     inputs = tuple(layouts[name](name, geometry, dtype) for name in names)
-    return inputs + ((blocks.gates(geometry, gate_dtype),) if gate_dtype is not None else ())
+    if gate_dtype is None:
+        return inputs
+    return (*inputs, (blocks.gate_rows if gate_rows else blocks.gates)(geometry, gate_dtype))
 
 
 def plan_inputs(q, g, g_gamma, initial_state, dht) -> dict:
@@ -104,16 +107,17 @@ def caller_gradients(results: dict[str, jax.Array], q, k, v, g, g_gamma, initial
 # -- the forward states the backward needs --------------------------------------------------------
 
 
-def checkpoints_gates_along_lanes(geometry: Geometry, gated: bool) -> bool:
-    """Whether the checkpoints walk reads ``g`` laid out ``[B, H, T]`` and computes each chunk's gates along lanes, as the
-    fused forward does (``fused.gates_along_lanes``; ``checkpoints_operands``). Modelled, B=2 T=4096 H=8 K=V=128 bf16 with
-    ``g``, the walk (no ``C x C`` decays) went from ``(C, 1)`` columns to rows: v5e 102.7 -> 60.9 us, v6e 64.9 -> 50.1 us."""
+def backward_gates_along_lanes(geometry: Geometry, gated: bool) -> bool:
+    """Whether a backward kernel (the checkpoints walk; the fused backward's gradients) reads ``g`` laid out ``[B, H, T]``
+    and computes each chunk's gates along lanes, as the fused forward does (``fused.gates_along_lanes``;
+    ``with_gate_rows``). Modelled, B=2 T=4096 H=8 K=V=128 bf16 with ``g``, from ``(C, 1)`` columns to rows: the walk (no
+    ``C x C`` decays) v5e 102.7 -> 60.9 us, v6e 64.9 -> 50.1 us."""
     return gates_along_lanes(gated, geometry.chunk_size)
 
 
-def checkpoints_operands(arrays: dict[str, jax.Array], g: jax.Array | None, geometry: Geometry) -> dict[str, jax.Array]:
-    """``arrays`` (``operands``) as the checkpoints walk takes them: ``g`` transposed to ``[B, H, T]`` where it runs along lanes."""
-    if not checkpoints_gates_along_lanes(geometry, g is not None):
+def with_gate_rows(arrays: dict[str, jax.Array], g: jax.Array | None, geometry: Geometry) -> dict[str, jax.Array]:
+    """``arrays`` (``operands``) with ``g`` transposed to ``[B, H, T]`` where the backward's gates run along lanes."""
+    if not backward_gates_along_lanes(geometry, g is not None):
         return arrays
     return {**arrays, "g": jnp.swapaxes(g, 1, 2)}
 
@@ -122,13 +126,11 @@ def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dty
     """A forward walk writing the state entering every time step (every chunk with ``every_chunk``)."""
     start = (blocks.state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
     gated = gate_dtype is not None
-    gates = ()
-    if gated:
-        gates = ((blocks.gate_rows if checkpoints_gates_along_lanes(geometry, gated) else blocks.gates)(geometry, gate_dtype),)
+    inputs = token_inputs(geometry, dtype, gate_dtype, ("k", "v"), backward_gates_along_lanes(geometry, gated))
     work = advance_state_work(geometry) * (geometry.batch * geometry.heads * geometry.num_chunks)
     work = work + gates_work(geometry, gated, attention=False) * gate_computations(geometry, gated)
     return grid.grid_plan(
-        "simple_gla_backward_checkpoints", geometry, (blocks.decay(geometry),), (*token_inputs(geometry, dtype, None, ("k", "v")), *gates, *start),
+        "simple_gla_backward_checkpoints", geometry, (blocks.decay(geometry),), (*inputs, *start),
         (grid.state_checkpoints(geometry, every_chunk),), work, 4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
     )
 
@@ -144,7 +146,7 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
         refs["checkpoints"][0] = state
     chunks = step_chunks(geometry, step)
     # Every chunk's gates before the state's chain through them: chunk by chunk, each chunk's gates waited on the chain.
-    along_lanes = checkpoints_gates_along_lanes(geometry, "g" in refs)
+    along_lanes = backward_gates_along_lanes(geometry, "g" in refs)
     every_gates = [chunk_gates(chunk, refs, head, constant, attention=False, along_lanes=along_lanes) for chunk in chunks]
     for chunk, gates in zip(chunks, every_gates):
         if every_chunk:
