@@ -33,6 +33,7 @@ from tops_plugins_tpu_pallas.grid import step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     advance_state, advance_state_work, chunk_gates, constant_gates,
 )
+from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes
 from tops_plugins_tpu_pallas.plan import LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
@@ -75,7 +76,7 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     checkpoints = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=False)
     steps = functools.partial(grid.reversed_in_time, geometry=geometry)
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
-    along_lanes = gradients.backward_gates_along_lanes(geometry, gate_dtype is not None)
+    along_lanes = gates_along_lanes(gate_dtype is not None, geometry.chunk_size)
     inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"), along_lanes)]
     inputs.append(steps(grid.state_checkpoints(geometry, every_chunk=False)))
     if output_final_state:
@@ -118,7 +119,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     # Three passes over the segment's chunks: their states, then the dS chain, then everything else. Neither chain
     # waits on the rest of a chunk's work, and the gradients of different chunks no longer depend on each other:
     # chunk by chunk, the scheduler had run one chunk's products after the other's (v6e with g: 326 -> 202 us).
-    along_lanes = gradients.backward_gates_along_lanes(geometry, "g" in refs)
+    along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
     every_gates = [chunk_gates(chunk, refs, head, constant, along_lanes=along_lanes, key_column=True) for chunk in chunks]
     state = refs["checkpoints"][0]
     refs["states"][0] = state

@@ -221,12 +221,13 @@ class ChunkGates:
         sublanes = lax.broadcasted_iota(jnp.int32, (8, chunk_size), 0)
         query_row = masked_exp(row, resets_row == 0)
         stacked = jnp.where(sublanes == 1, row, resets_row)
-        if key_column or not attention:
+        key_column = key_column or not attention
+        if key_column:
             total, total_resets = row[:, -1:], resets_row[:, -1:]
             stacked = jnp.where(sublanes == 3, masked_exp(total - row, unreset(resets_row, total_resets)), stacked)
         columns = jnp.where(sublanes == 0, query_row, stacked).T
         query = columns[:, 0:1]
-        key = columns[:, 3:4] if key_column or not attention else None
+        key = columns[:, 3:4] if key_column else None
         # exp(b_C) is the last query decay: one value of one lane, no lanes of two columns to bring together.
         if not attention:
             return cls(decays=None, query=query, key=key, chunk=query[-1:, :])

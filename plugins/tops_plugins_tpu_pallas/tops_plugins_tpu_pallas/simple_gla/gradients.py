@@ -57,7 +57,7 @@ def decay_gradients(geometry: Geometry) -> Blocked:
 
 def token_inputs(geometry: Geometry, dtype, gate_dtype, names: tuple[str, ...], gate_rows: bool = False) -> tuple[Blocked, ...]:
     """The blocked token arrays ``names`` (of q, k, v, do) and ``g`` when given, in that order; ``gate_rows``: ``g``
-    laid out ``[B, H, T]`` (``backward_gates_along_lanes``)."""
+    laid out ``[B, H, T]`` (``with_gate_rows``)."""
     layouts = {"q": blocks.key_rows, "k": blocks.key_rows, "v": blocks.value_rows, "do": blocks.value_rows}
     inputs = tuple(layouts[name](name, geometry, dtype) for name in names)
     if gate_dtype is None:
@@ -107,17 +107,12 @@ def caller_gradients(results: dict[str, jax.Array], q, k, v, g, g_gamma, initial
 # -- the forward states the backward needs --------------------------------------------------------
 
 
-def backward_gates_along_lanes(geometry: Geometry, gated: bool) -> bool:
-    """Whether a backward kernel (the checkpoints walk; the fused backward's gradients) reads ``g`` laid out ``[B, H, T]``
-    and computes each chunk's gates along lanes, as the fused forward does (``fused.gates_along_lanes``;
-    ``with_gate_rows``). Modelled, B=2 T=4096 H=8 K=V=128 bf16 with ``g``, from ``(C, 1)`` columns to rows: the walk (no
-    ``C x C`` decays) v5e 102.7 -> 60.9 us, v6e 64.9 -> 50.1 us."""
-    return gates_along_lanes(gated, geometry.chunk_size)
-
-
 def with_gate_rows(arrays: dict[str, jax.Array], g: jax.Array | None, geometry: Geometry) -> dict[str, jax.Array]:
-    """``arrays`` (``operands``) with ``g`` transposed to ``[B, H, T]`` where the backward's gates run along lanes."""
-    if not backward_gates_along_lanes(geometry, g is not None):
+    """``arrays`` (``operands``) with ``g`` transposed to ``[B, H, T]`` where the backward's kernels (the checkpoints walk,
+    the fused backward's gradients) take their gates along lanes by the fused forward's rule (``gates_along_lanes``).
+    Modelled, B=2 T=4096 H=8 K=V=128 bf16 with ``g``, from ``(C, 1)`` columns to rows: the walk (no ``C x C`` decays)
+    v5e 102.7 -> 60.9 us, v6e 64.9 -> 50.1 us."""
+    if not gates_along_lanes(g is not None, geometry.chunk_size):
         return arrays
     return {**arrays, "g": jnp.swapaxes(g, 1, 2)}
 
@@ -126,7 +121,7 @@ def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dty
     """A forward walk writing the state entering every time step (every chunk with ``every_chunk``)."""
     start = (blocks.state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
     gated = gate_dtype is not None
-    inputs = token_inputs(geometry, dtype, gate_dtype, ("k", "v"), backward_gates_along_lanes(geometry, gated))
+    inputs = token_inputs(geometry, dtype, gate_dtype, ("k", "v"), gates_along_lanes(gated, geometry.chunk_size))
     work = advance_state_work(geometry) * (geometry.batch * geometry.heads * geometry.num_chunks)
     work = work + gates_work(geometry, gated, attention=False) * gate_computations(geometry, gated)
     return grid.grid_plan(
@@ -146,7 +141,7 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
         refs["checkpoints"][0] = state
     chunks = step_chunks(geometry, step)
     # Every chunk's gates before the state's chain through them: chunk by chunk, each chunk's gates waited on the chain.
-    along_lanes = backward_gates_along_lanes(geometry, "g" in refs)
+    along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
     every_gates = [chunk_gates(chunk, refs, head, constant, attention=False, along_lanes=along_lanes) for chunk in chunks]
     for chunk, gates in zip(chunks, every_gates):
         if every_chunk:
