@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from tops_core.implementation import Implementation
 from tops_core.ops import op
 from tops_core.ops.base import platform_of
 from tops_core.ops.validation import LayoutWarning
+from tops_core.registry import default_registry
 from tops_core.conformance import data
 from tops_core.conformance.cases import Case
 from tops_core.conformance.compare import Measurement, measure, tolerance
@@ -41,10 +43,10 @@ def runnable_here(impl: Implementation) -> str | None:
 
 
 @contextlib.contextmanager
-def _scope(impl: Implementation, case: Case) -> Iterator[None]:
+def _scope(interpret: bool, case: Case) -> Iterator[None]:
     """Strict dispatch (no silent fallback), interpret mode for TPU kernels off TPU, x64 for float64 cases."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(tops_core.use(strict=True, interpret=interpreted_here(impl) or None))
+        stack.enter_context(tops_core.use(strict=True, interpret=interpret or None))
         if case.dtype == "float64":
             stack.enter_context(jax.enable_x64(True))
         yield
@@ -81,11 +83,20 @@ def compare(case: Case, got: tuple[tuple, Any], want: tuple[tuple, Any]) -> list
     return measurements
 
 
+@functools.lru_cache(maxsize=64)
+def _reference_results(case: Case, reference: str, backward: bool) -> tuple[tuple, Any]:
+    """The reference's answer to a case, computed once per process: the grid gives every implementation of an op
+    the same cases (the same data, by name), so a worker that checks several of them asks for the same answers."""
+    with _scope(interpreted_here(default_registry().get(case.op, reference)), case):
+        return evaluate(case, reference, backward)
+
+
 def run_case(impl: Implementation, case: Case, reference: str = REFERENCE) -> list[Measurement]:
     """Forward and (where declared) every gradient of ``impl`` against ``reference``; raises ConformanceError."""
     backward = impl.backward is not None
-    with _scope(impl, case):
-        measurements = compare(case, evaluate(case, _force(impl, case), backward), evaluate(case, reference, backward))
+    want = _reference_results(dataclasses.replace(case, config=(), slow=False), reference, backward)
+    with _scope(interpreted_here(impl), case):
+        measurements = compare(case, evaluate(case, _force(impl, case), backward), want)
     failures = [m for m in measurements if not m.passed]
     if failures:
         lines = [f"{impl.name} disagrees with {reference} on case {case.name} ({case.dtype}):"]
@@ -101,7 +112,7 @@ def check_rejected(impl: Implementation, case: Case) -> str:
     if not reasons:
         raise ConformanceError(f"{impl.name} accepts case {case.name}, which lies outside its declared capabilities")
     contract = op(case.op)
-    with _scope(impl, case), warnings.catch_warnings():
+    with _scope(interpreted_here(impl), case), warnings.catch_warnings():
         warnings.simplefilter("ignore", LayoutWarning)
         inputs = data.forward_inputs(case)
         try:

@@ -54,6 +54,7 @@ def test_matches_reference(case, make_kda_inputs, kda_reference, assert_matches)
     assert_matches("final_state", final_state, final_ref, dtype)
 
 
+@pytest.mark.slow  # the gradients' test below covers the forward too: its cotangents are 2 o and 2 final_state
 def test_num_steps_do_not_change_a_bit(make_kda_inputs):
     # 4 chunks of 64, the last ragged: one, two or four chunks per grid step (unrolled, the state
     # carried as a value between them) run the same chunk body.
