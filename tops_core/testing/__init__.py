@@ -12,7 +12,8 @@ registered implementation; ini: ``tops_impls``) and ``--tops-reference NAME``.
 For every selected implementation the suite runs the case grid its capabilities declare
 (``tops_core.conformance.cases``), forward and every declared gradient, against the reference with
 the tolerances of docs/ops.md, and checks that each case outside the declarations is rejected by the
-matcher. The worst measured errors are summarised at the end of the run.
+matcher. The reference answers each case once per process, whichever implementations ask. The worst measured
+errors are summarised at the end of the run.
 """
 
 from __future__ import annotations
