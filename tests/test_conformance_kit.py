@@ -4,6 +4,7 @@ import dataclasses
 import pathlib
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -80,6 +81,23 @@ def test_the_kit_passes_a_correct_implementation_and_reports_its_errors(with_ref
     measurements = run_case(correct, case_named(correct, "base"))
     assert [m.name for m in measurements] == ["o", "final_state", "dq", "dk", "dv", "dg", "dg_gamma", "dinitial_state"]
     assert all(m.passed and m.error < 1e-5 for m in measurements)
+
+
+def test_the_reference_answers_a_case_once_for_every_implementation_checked(registry):
+    answered = []
+
+    def counted(*args, **kwargs):
+        jax.debug.callback(lambda: answered.append(1))  # runs each time the compiled reference runs, not once per trace
+        return fakes.scan_forward(*args, **kwargs)
+
+    fakes.register("oracle", forward=counted)
+    first, second = fakes.register("first", backward=None), fakes.register("second", backward=None)
+    for impl in (first, second):
+        run_case(impl, case_named(impl, "base"), reference="fake.oracle")
+    assert len(answered) == 1
+    # Registered anew, the reference is another implementation, which is asked again.
+    run_case(fakes.register("third", backward=None), case_named(first, "base"), reference="fake.oracle")
+    assert len(answered) == 2
 
 
 def test_grid_follows_the_declarations(registry):

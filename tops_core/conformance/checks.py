@@ -84,17 +84,18 @@ def compare(case: Case, got: tuple[tuple, Any], want: tuple[tuple, Any]) -> list
 
 
 @functools.lru_cache(maxsize=64)
-def _reference_results(case: Case, reference: str, backward: bool) -> tuple[tuple, Any]:
+def _reference_results(case: Case, reference: Implementation, backward: bool) -> tuple[tuple, Any]:
     """The reference's answer to a case, computed once per process: the grid gives every implementation of an op
-    the same cases (the same data, by name), so a worker that checks several of them asks for the same answers."""
-    with _scope(interpreted_here(default_registry().get(case.op, reference)), case):
-        return evaluate(case, reference, backward)
+    the same cases (the same data, by name), so a worker that checks several of them asks for the same answers.
+    Keyed by the registered implementation itself, so a registry that changes it is asked again."""
+    with _scope(interpreted_here(reference), case):
+        return evaluate(case, reference.name, backward)
 
 
 def run_case(impl: Implementation, case: Case, reference: str = REFERENCE) -> list[Measurement]:
     """Forward and (where declared) every gradient of ``impl`` against ``reference``; raises ConformanceError."""
     backward = impl.backward is not None
-    want = _reference_results(dataclasses.replace(case, config=(), slow=False), reference, backward)
+    want = _reference_results(dataclasses.replace(case, config=(), slow=False), default_registry().get(case.op, reference), backward)
     with _scope(interpreted_here(impl), case):
         measurements = compare(case, evaluate(case, _force(impl, case), backward), want)
     failures = [m for m in measurements if not m.passed]
