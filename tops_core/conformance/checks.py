@@ -87,7 +87,8 @@ def compare(case: Case, got: tuple[tuple, Any], want: tuple[tuple, Any]) -> list
 def _reference_results(case: Case, reference: Implementation, backward: bool) -> tuple[tuple, Any]:
     """The reference's answer to a case, computed once per process: the grid gives every implementation of an op
     the same cases (the same data, by name), so a worker that checks several of them asks for the same answers.
-    Keyed by the registered implementation itself, so a registry that changes it is asked again."""
+    Keyed by the registered implementation itself, so a registry that changes it is asked again, and by the case without
+    its ``config`` (the checked implementation's settings, which the reference does not take)."""
     with _scope(interpreted_here(reference), case):
         return evaluate(case, reference.name, backward)
 

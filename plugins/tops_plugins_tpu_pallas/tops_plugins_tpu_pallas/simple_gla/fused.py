@@ -201,6 +201,14 @@ def gates_along_lanes(gated: bool, chunk_size: int) -> bool:
     return gated and chunk_size >= LANES
 
 
+def gates_as_rows(g, chunk_size: int) -> dict:
+    """``{"g": g}`` transposed to ``[B, H, T]`` where the kernels take their gates along lanes (``gates_along_lanes``), in
+    place of the layout's ``(rows, H)`` operand; else nothing."""
+    if not gates_along_lanes(g is not None, chunk_size):
+        return {}
+    return {"g": jnp.swapaxes(g, 1, 2)}
+
+
 def resets_dtype(chip: str | None):
     """What the fused forward holds each chunk's reset counts in for its decay masks (``ChunkGates.along_lanes``): bfloat16
     on a 256-wide MXU's chip (v6e), float32 elsewhere.
@@ -261,9 +269,8 @@ def _forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, c
     config = resolved(config, q.shape[-1], chip)
     first = attention_first(config, q.dtype, q.shape[-1], chip)
     kernel = functools.partial(_kernel, attention_first=first, operands=operands_of(config, q.dtype), resets_dtype=resets_dtype(chip))
-    along_lanes = g is not None and gates_along_lanes(True, config.chunk_size)
     return grid.run(
         kernel, plans, q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, config=config, operands={"g": jnp.swapaxes(g, 1, 2)} if along_lanes else None,
+        output_final_state=output_final_state, config=config, operands=gates_as_rows(g, config.chunk_size),
         ssm_state_indices=ssm_state_indices,
     )
