@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tops_core
 
-from tops_plugins_tpu_pallas import KDA_FUSED_CONFIG, KDA_VARLEN, traffic
+from tops_plugins_tpu_pallas import GATED_DELTA_RULE_VARLEN, KDA_FUSED_CONFIG, KDA_VARLEN, traffic
 from tops_plugins_tpu_pallas.kda import fused as kda_fused
 from tops_plugins_tpu_pallas.kda import varlen as kda_varlen
 
@@ -165,14 +165,33 @@ def test_a_packed_call_on_tpu_runs_varlen_forward_and_backward():
     states = _packed_spec(frozenset({"cu_seqlens", "initial_state", "output_final_state"}))
     assert kda.decide(states, "forward").implementation.name == "tpu_pallas.varlen"
     assert kda.decide(states, "backward").implementation.name == "tpu_pallas.varlen"
-    # Where the chip's compiler rejects the packed gradients kernel, the backward alone falls to xla.chunk's, saying why.
-    for chip in ("v5e", "v5p"):
-        assert kda.decide(_packed_spec(chip=chip), "forward").implementation.name == "tpu_pallas.varlen"
-        assert kda.decide(_packed_spec(chip=chip), "backward").implementation.name == "xla.chunk"
-        assert any("fails an internal check" in reason for reason in KDA_VARLEN.reasons(_packed_spec(chip=chip), "backward"))
-    for chip in ("v4", "v6e"):
-        assert kda.decide(_packed_spec(chip=chip), "backward").implementation.name == "tpu_pallas.varlen"
+    # Every chip's compiler takes the packed gradients kernel (test_pallas_compile.py compiles it for each).
+    for chip in ("v4", "v5e", "v5p", "v6e"):
+        for spec in (_packed_spec(chip=chip), _packed_spec(frozenset({"cu_seqlens", "initial_state", "output_final_state"}), chip=chip)):
+            assert kda.decide(spec, "backward").implementation.name == "tpu_pallas.varlen"
     assert any("requires cu_seqlens" in reason for reason in KDA_VARLEN.capabilities.reasons(_packed_spec(frozenset(), batch=2)))
+
+
+def test_gated_delta_rule_packed_backward_falls_to_xla_chunk_only_where_the_compiler_rejects_it():
+    """v5e's and v5p's compiler stops on gated_delta_rule's packed gradients kernel in bfloat16 with initial states
+    (GATED_DELTA_RULE_PACKED_BACKWARD_UNCOMPILABLE): that backward alone goes to xla.chunk, saying why; every other
+    packed call keeps the Pallas backward."""
+    gated_delta_rule = tops_core.op("gated_delta_rule")
+    states = frozenset({"cu_seqlens", "initial_state", "output_final_state"})
+
+    def spec(features, **changes):
+        return _packed_spec(features, op="gated_delta_rule", **changes)
+
+    for chip in ("v5e", "v5p"):
+        rejected = spec(states, chip=chip)
+        assert gated_delta_rule.decide(rejected, "forward").implementation.name == "tpu_pallas.varlen"
+        assert gated_delta_rule.decide(rejected, "backward").implementation.name == "xla.chunk"
+        reasons = GATED_DELTA_RULE_VARLEN.reasons(rejected, "backward")
+        assert any("fails an internal check" in reason and "initial states" in reason for reason in reasons)
+        for kept in (spec(states, chip=chip, dtype="float32"), spec(frozenset({"cu_seqlens", "output_final_state"}), chip=chip)):
+            assert gated_delta_rule.decide(kept, "backward").implementation.name == "tpu_pallas.varlen"
+    for chip in ("v4", "v6e"):
+        assert gated_delta_rule.decide(spec(states, chip=chip), "backward").implementation.name == "tpu_pallas.varlen"
 
 
 def test_the_public_op_lowers_to_the_packed_kernel_for_tpu():
