@@ -69,6 +69,16 @@ def _relative_error(got, want):
     return np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
 
 
+def test_sequence_starts_in_every_bit_of_a_chunks_words_reset_the_state():
+    """A chunk's resets come from ``start_bits`` (``fused.packed_operands``: a bit per row, 32 rows per word): starts on
+    rows 0, 31, 32 and 63 of chunk 0 (each word's first and last bit, 31 the sign's), on rows 0 and 33 of chunk 1 and
+    9 of the ragged chunk 2, one-token sequences among them. The kit's packings start no sequence past row 31."""
+    packing = (31, 1, 31, 1, 33, 40, 1)
+    inputs = _inputs(sum(packing), jnp.float32, H=1)
+    o = _packed(inputs, _cu(packing))
+    assert _relative_error(o, _separately(inputs, packing)) < 1e-6
+
+
 @pytest.mark.slow  # the default run checks packing against the reference (the kit) and per sequence at the bound (below)
 def test_packed_equals_the_fused_kernel_on_each_sequence():
     inputs = _inputs(sum(PACKING), jnp.float32)
@@ -135,8 +145,8 @@ def test_one_trace_serves_every_packing_of_the_same_sizes():
 
 @pytest.mark.parametrize("num_seqs", [1, 16, 256])
 def test_packed_moves_the_unpacked_kernels_bytes(num_seqs):
-    # The same blocks as the fused kernel at B = 1 and the same T; the boundaries add N + 1 + 2 * chunks
-    # int32 in SMEM. Within 1.05x at T = 8192 whatever N (issue 29); in fact within 1.0002x.
+    # The same blocks as the fused kernel at B = 1 and the same T; the boundaries and the start bits add
+    # N + 1 + (2 + C / 32) * chunks int32 in SMEM. Within 1.05x at T = 8192 whatever N (issue 29); in fact within 1.0002x.
     T, H, K, V = 8192, 16, 128, 128
     geometry = kda_fused.geometry_of(1, T, H, K, V, KDA_FUSED_CONFIG)
     (unpacked,) = kda_fused.fitted_plans(geometry, jnp.bfloat16)

@@ -179,7 +179,7 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
         inputs, inputs_vjp = jax.vjp(chunk_inputs, q, k, g, beta, A_log, dt_bias)
         prepared.append(inputs)
         inputs_vjps.append(inputs_vjp)
-    resets = [None] * len(chunks) if packed is None else [sequences.resets() for sequences in packed]
+    resets = [None] * len(chunks) if packed is None else [sequences.resets for sequences in packed]
 
     def step_factors(prepared):
         chunk_rows = [(q, k, g, beta, chunk_resets) for (q, k, g, beta), chunk_resets in zip(prepared, resets)]
@@ -304,7 +304,7 @@ def gradients(
     if dht is not None:
         arrays["dht"] = padded_state(dht.astype(_F32), geometry)
     if cu_seqlens is not None:
-        arrays.update(fused.packed_boundaries(cu_seqlens, T, config.chunk_size))
+        arrays.update(fused.packed_operands(cu_seqlens, T, config.chunk_size))
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence)
     checkpoints = run(checkpoints_plan, fused.kernel, arrays, **static)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, **static)

@@ -477,7 +477,7 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     prepared = []
     for q, k, v, g, beta, packed in chunks:
         q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
-        prepared.append((q, k, g, beta, None if packed is None else packed.resets()))
+        prepared.append((q, k, g, beta, None if packed is None else packed.resets))
     every_factors = recurrence.factors(prepared, operands=operands, lower_bound=lower_bound)
     outputs, entering_states = [], []
     for (q, k, g, beta, _), (_, _, v, _, _, packed), own in zip(prepared, chunks, every_factors):

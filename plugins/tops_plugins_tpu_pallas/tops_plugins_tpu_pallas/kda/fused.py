@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations
 
@@ -50,7 +51,7 @@ from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Rel
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
 from tops_plugins_tpu_pallas.recurrence import Recurrence
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
-from tops_plugins_tpu_pallas.simple_gla.varlen import boundaries, boundary_operands
+from tops_plugins_tpu_pallas.simple_gla.varlen import boundaries, boundary_operands, sequence_starts
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 
@@ -111,8 +112,9 @@ def plans(
 
     ``g`` (per key, laid out as ``k``, or per head) and, with the delta rule, ``beta`` are always inputs; a dtype of None
     (a ``CallSpec``, which carries neither) plans them as float32, the larger. ``num_seqs``: a packed call (``kda/varlen.py``) of that many
-    sequences, whose boundaries the kernel reads from SMEM (``varlen.boundaries``: ``N + 1 + 2 * chunks``
-    int32); without states its blocks, work and VMEM are the unpacked kernel's at ``B = 1``, and its
+    sequences, whose boundaries and first tokens the kernel reads from SMEM (``varlen.boundaries`` and
+    ``packed_operands``' ``start_bits``: ``N + 1 + (2 + C / 32) * chunks`` int32); without states its blocks, work and
+    VMEM are the unpacked kernel's at ``B = 1``, and its
     per-sequence states sit in HBM, moved through VMEM buffers, their work counted per sequence. With
     ``pool_rows``, packed or not, the states are rows of a pool of that many rows, moved so and updated in place
     (``grid.state_rows``).
@@ -120,6 +122,7 @@ def plans(
     scalars = [Scalars("A_log", (geometry.heads,), jnp.float32)] if with_A_log else []
     if num_seqs is not None:
         scalars.extend(boundaries(geometry, num_seqs))
+        scalars.append(Scalars("start_bits", (geometry.num_chunks * geometry.chunk_size // 32,), jnp.int32))
     sequences = num_seqs or geometry.batch
     if pool_rows is not None:
         scalars.append(state_rows(sequences))
@@ -267,14 +270,24 @@ def gate_operands(g, beta, A_log, dt_bias, geometry: Geometry) -> dict:
     return operands
 
 
-def packed_boundaries(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> dict[str, jax.Array]:
-    """A packed call's SMEM scalars (``simple_gla.varlen.boundary_operands``), each chunk's sequences clipped to ``[0, N)``:
-    a no-op for valid boundaries; invalid traced ones (the op's outputs are NaN then) still read SMEM in bounds."""
+def packed_operands(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> dict[str, jax.Array]:
+    """A packed call's SMEM scalars: ``simple_gla.varlen.boundary_operands``, each chunk's sequences clipped to ``[0, N)``
+    (a no-op for valid boundaries; invalid traced ones, for which the op's outputs are NaN, still read SMEM in bounds),
+    and ``start_bits``: the tokens that are a sequence's first, a bit each, ``C / 32`` int32 words per chunk (bit ``r % 32``
+    of word ``r // 32`` for the chunk's row ``r``; ``sequences.PackedChunk.of`` reads them).
+
+    Made in the kernel, each chunk's resets took a loop over its sequences, and a loop is a wall the scheduler moves no
+    work across (README "Packed sequences: tpu_pallas.varlen for kda")."""
     num_seqs = cu_seqlens.shape[0] - 1
-    boundary = boundary_operands(cu_seqlens.astype(jnp.int32), seq_len, chunk_size)
+    cu_seqlens = cu_seqlens.astype(jnp.int32)
+    operands = boundary_operands(cu_seqlens, seq_len, chunk_size)
     for name in ("first_sequence", "last_sequence"):
-        boundary[name] = jnp.clip(boundary[name], 0, num_seqs - 1)
-    return boundary
+        operands[name] = jnp.clip(operands[name], 0, num_seqs - 1)
+    padded = -(-seq_len // chunk_size) * chunk_size
+    starts = jnp.pad(sequence_starts(cu_seqlens, seq_len), (0, padded - seq_len)).reshape(-1, 32).astype(jnp.uint32)
+    words = jnp.sum(starts << jnp.arange(32, dtype=jnp.uint32), axis=1, dtype=jnp.uint32)  # distinct bits: the sum is their or
+    operands["start_bits"] = lax.bitcast_convert_type(words, jnp.int32)
+    return operands
 
 
 def run(
@@ -287,7 +300,7 @@ def run(
     num_seqs = None
     if cu_seqlens is not None:
         num_seqs = cu_seqlens.shape[0] - 1
-        operands.update(packed_boundaries(cu_seqlens, q.shape[1], config.chunk_size))
+        operands.update(packed_operands(cu_seqlens, q.shape[1], config.chunk_size))
     return grid.run(
         functools.partial(kernel, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence),
         functools.partial(

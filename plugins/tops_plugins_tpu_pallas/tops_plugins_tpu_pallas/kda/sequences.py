@@ -34,11 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.kda.chunkwise import column_sums, run_sums
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, row_and_column_iotas
-from tops_plugins_tpu_pallas.grid import SequenceStates
+from tops_plugins_tpu_pallas.grid import SequenceStates, Work
 
 _F32 = jnp.float32
 
@@ -78,7 +77,7 @@ def _writes(start, end, k, g, delta, operands) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class PackedChunk:
     """Chunk ``number`` of a packed call: its first token and the sequences it overlaps, read from SMEM
-    (``simple_gla.varlen.boundaries``), and the per-sequence states of the grid point (``states``)."""
+    (``simple_gla.varlen.boundaries``), its ``resets``, and the per-sequence states of the grid point (``states``)."""
 
     cu_seqlens: jax.Array  # the SMEM ref
     first_token: jax.Array
@@ -86,12 +85,20 @@ class PackedChunk:
     last_sequence: jax.Array
     chunk_size: int
     states: SequenceStates
+    resets: jax.Array  # (C, 1) bool: the rows that are a sequence's first token
 
     @classmethod
     def of(cls, refs: dict, number: jax.Array, chunk_size: int, states: SequenceStates) -> PackedChunk:
+        """Chunk ``number`` of the packed ``T``, its resets from the bits of ``start_bits`` in SMEM (``fused.packed_operands``):
+        a shift of the row's word by the row, compared, exact and without a loop over the chunk's sequences."""
+        rows = lax.broadcasted_iota(jnp.int32, (chunk_size, 1), 0)
+        words_per_chunk = chunk_size // 32
+        word = refs["start_bits"][number * words_per_chunk]
+        for index in range(1, words_per_chunk):
+            word = jnp.where(rows >= 32 * index, refs["start_bits"][number * words_per_chunk + index], word)
         return cls(
             refs["cu_seqlens"], number * chunk_size, refs["first_sequence"][number], refs["last_sequence"][number],
-            chunk_size, states,
+            chunk_size, states, (lax.shift_right_logical(word, rows % 32) & 1) > 0,
         )
 
     def _rows_of(self, sequence: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -117,19 +124,6 @@ class PackedChunk:
     def _final_gradient(self, sequence: jax.Array, ends_here: jax.Array) -> jax.Array:
         """``dht[sequence]`` (copied only ``ends_here``), zeros elsewhere."""
         return jnp.where(ends_here, self.states.load("dht", "final_gradient", sequence, ends_here), 0.0)
-
-    def resets(self) -> jax.Array:
-        """``(C, 1)`` bool: the rows that are a sequence's first token.
-
-        The chunk's first sequence starts on row 0 or before the chunk (then on no row), the others inside it.
-        An empty sequence between them starts where the next one does, so it marks nothing of its own.
-        """
-        rows = lax.broadcasted_iota(jnp.int32, (self.chunk_size, 1), 0)
-
-        def mark(n, starts):  # int32: Mosaic carries no bool vectors through a loop
-            return jnp.where(rows == self.cu_seqlens[n] - self.first_token, 1, starts)
-
-        return lax.fori_loop(self.first_sequence, self.last_sequence + 1, mark, jnp.zeros((self.chunk_size, 1), jnp.int32)) > 0
 
     def entering(self, q: jax.Array, k: jax.Array, g: jax.Array, operands) -> tuple[jax.Array, ...] | None:
         """The initial states' terms ``(keys, queries, leaving)`` for ``chunkwise.through_state`` (``q``, ``k`` as the chunk math

@@ -237,14 +237,19 @@ def without_states(initial_state, output_final_state, ssm_state_indices=None) ->
     return initial_state is None and not output_final_state and ssm_state_indices is None
 
 
+def sequence_starts(cu_seqlens: jax.Array, seq_len: int) -> jax.Array:
+    """bool ``[T]``: the tokens that are a sequence's first (an empty sequence starts where the next one does, so it marks
+    nothing of its own)."""
+    tokens = jnp.arange(seq_len, dtype=jnp.int32)
+    return cu_seqlens[jnp.clip(_holding(cu_seqlens, tokens), 0, cu_seqlens.shape[0] - 1)] == tokens
+
+
 def reset_gates(g, cu_seqlens: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
     """``g`` (zeros when None) as float32 ``[1, T, H]`` (``shape``) with ``-inf`` on every sequence's first token:
     ``exp(-inf) = 0`` resets the state before that token writes, as a packed sequence starts from zeros."""
     _, T, H = shape
-    tokens = jnp.arange(T, dtype=jnp.int32)
-    starts = cu_seqlens[jnp.clip(_holding(cu_seqlens, tokens), 0, cu_seqlens.shape[0] - 1)] == tokens
     gates = jnp.zeros((1, T, H), jnp.float32) if g is None else g.astype(jnp.float32)
-    return jnp.where(starts[None, :, None], -jnp.inf, gates)
+    return jnp.where(sequence_starts(cu_seqlens, T)[None, :, None], -jnp.inf, gates)
 
 
 def unpacked_config(config: VarlenConfig) -> fused.FusedConfig:
