@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tops_plugins_xla.chunk_layout import dense_layout, packed_layout, sequence_starts, token_sequence
+from tops_core.packing import sequence_of, sequence_starts
+from tops_plugins_xla.chunk_layout import dense_layout, packed_layout
 
 BOUNDARIES = [
     [0, 300],
@@ -90,9 +91,9 @@ def test_packed_layout_is_never_one_sequence_per_row():
 
 
 @pytest.mark.parametrize("cu", BOUNDARIES)
-def test_sequence_starts_and_token_sequence_under_jit(cu):
+def test_sequence_starts_and_sequence_of_under_jit(cu):
     T = cu[-1]
-    starts, sequence = jax.jit(lambda cu_seqlens: (sequence_starts(cu_seqlens, T), token_sequence(cu_seqlens, T)))(
+    starts, sequence = jax.jit(lambda cu_seqlens: (sequence_starts(cu_seqlens, T), sequence_of(cu_seqlens, jnp.arange(T, dtype=jnp.int32))))(
         jnp.asarray(cu, jnp.int32))
     want_sequence = np.concatenate([np.full(end - start, n) for n, (start, end) in enumerate(zip(cu[:-1], cu[1:]))])
     np.testing.assert_array_equal(sequence, want_sequence)

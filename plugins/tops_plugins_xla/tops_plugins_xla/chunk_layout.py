@@ -7,7 +7,7 @@ holds tokens of two sequences; a sequence of length 0 still owns one (empty) chu
 sequence has a first and a last chunk and needs no special case. ``num_chunks = T // C + N``
 bounds the total, so shapes stay static while ``cu_seqlens`` may be a traced value under ``jit``;
 chunks past the last sequence are empty. kda's sweeps run in it; simple_gla runs packed tokens in
-the dense layout, cutting the state at ``sequence_starts``, and groups tokens by sequence in a
+the dense layout, cutting the state at ``tops_core.packing.sequence_starts``, and groups tokens by sequence in a
 ``packed_layout`` of short pieces.
 
 Padded slots hold zeros and must not decay the state (``token_mask`` tells them apart).
@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from tops_core.packing import sequence_of
 
 Array = jax.Array
 
@@ -92,20 +93,6 @@ def dense_layout(num_tokens: int, chunk_size: int) -> ChunkLayout:
     )
 
 
-def sequence_starts(cu_seqlens: Array, num_tokens: int) -> Array:
-    """``[num_tokens]`` bool: True at the first token of every non-empty packed sequence."""
-    # Empty sequences share their start with the next one; those at the end start at num_tokens.
-    starts = jnp.zeros(num_tokens + 1, bool).at[cu_seqlens[:-1]].set(True)
-    return starts[:num_tokens]
-
-
-def token_sequence(cu_seqlens: Array, num_tokens: int) -> Array:
-    """``[num_tokens]`` int32: the packed sequence each token belongs to."""
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    # side="right" skips the empty sequences that share a boundary with the token's own.
-    return jnp.searchsorted(cu_seqlens.astype(jnp.int32), tokens, side="right").astype(jnp.int32) - 1
-
-
 def packed_layout(cu_seqlens: Array, num_tokens: int, chunk_size: int) -> ChunkLayout:
     """Packed sequences (``B == 1``) at ``cu_seqlens`` (``[N + 1]``, may be traced): each starts a chunk."""
     num_sequences = cu_seqlens.shape[0] - 1
@@ -121,7 +108,7 @@ def packed_layout(cu_seqlens: Array, num_tokens: int, chunk_size: int) -> ChunkL
     # Chunks past the last sequence's last chunk land on the last sequence, as padding.
     chunk_sequence = jnp.searchsorted(first_chunk, chunks, side="right").astype(jnp.int32) - 1
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    sequence = token_sequence(cu, num_tokens)
+    sequence = sequence_of(cu, jnp.arange(num_tokens, dtype=jnp.int32))
     token_slot = first_chunk[sequence] * chunk_size + tokens - starts[sequence]
     # Scattered, slot_token is computed once: as an expression of the slot, XLA fused it into the
     # gathers that read it and recomputed it for every element gathered (K of them per slot),

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations
+from tops_core.packing import sequence_starts
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
@@ -51,7 +52,7 @@ from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Rel
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
 from tops_plugins_tpu_pallas.recurrence import Recurrence
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
-from tops_plugins_tpu_pallas.simple_gla.varlen import boundaries, boundary_operands, sequence_starts
+from tops_plugins_tpu_pallas.simple_gla.varlen import boundaries, boundary_operands
 
 __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from tops_core.packing import sequence_of, sequence_starts
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.exponents import masked_exp
@@ -218,30 +219,17 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs["state"][...] = state
 
 
-def _holding(cu_seqlens: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The sequence holding each token (int32): the last ``n`` with ``cu[n] <= t`` (an empty sequence at ``t`` is
-    followed by the one holding ``t``)."""
-    return jnp.searchsorted(cu_seqlens, tokens, side="right").astype(jnp.int32) - 1
-
-
 def sequences_of_chunks(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> tuple[jax.Array, jax.Array]:
     """The first and last sequence each chunk overlaps (int32 ``[chunks]`` each); empty sequences never are either."""
     starts = jnp.arange(0, seq_len, chunk_size, dtype=jnp.int32)
     last_tokens = jnp.minimum(starts + chunk_size, seq_len) - 1
-    return _holding(cu_seqlens, starts), _holding(cu_seqlens, last_tokens)
+    return sequence_of(cu_seqlens, starts), sequence_of(cu_seqlens, last_tokens)
 
 
 def without_states(initial_state, output_final_state, ssm_state_indices=None) -> bool:
     """Whether a packed call has no per-sequence state to read or write: then it is the unpacked call with the state
     reset where each sequence starts (``reset_gates``), which the fused kernels take exactly and faster."""
     return initial_state is None and not output_final_state and ssm_state_indices is None
-
-
-def sequence_starts(cu_seqlens: jax.Array, seq_len: int) -> jax.Array:
-    """bool ``[T]``: the tokens that are a sequence's first (an empty sequence starts where the next one does, so it marks
-    nothing of its own)."""
-    tokens = jnp.arange(seq_len, dtype=jnp.int32)
-    return cu_seqlens[jnp.clip(_holding(cu_seqlens, tokens), 0, cu_seqlens.shape[0] - 1)] == tokens
 
 
 def reset_gates(g, cu_seqlens: jax.Array, shape: tuple[int, int, int]) -> jax.Array:

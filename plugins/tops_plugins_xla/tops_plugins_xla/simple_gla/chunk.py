@@ -45,7 +45,8 @@ import jax.numpy as jnp
 
 from tops_core import SimpleGLAGrads
 from tops_core.ops.base import state_dtype
-from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout, sequence_starts
+from tops_core.packing import sequence_starts
+from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
 from tops_plugins_xla.simple_gla.packed import PackedStates, packed_states
 from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
 

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tops_plugins_xla.chunk_layout import packed_layout, sequence_starts, token_sequence
+from tops_core.packing import sequence_of, sequence_starts
+from tops_plugins_xla.chunk_layout import packed_layout
 from tops_plugins_xla.sweep import einsum
 
 Array = jax.Array
@@ -250,7 +251,7 @@ def packed_states(log_decay: Array, cu_seqlens: Array) -> PackedStates:
     whole = jnp.where(lengths[:, None] > 0, last, 1)
     return PackedStates(
         pieces=Pieces.of(cu, T, piece_size(T, N)), starts=starts, ends=ends,
-        sequence=token_sequence(cu, T),
+        sequence=sequence_of(cu, jnp.arange(T, dtype=jnp.int32)),
         from_start=from_start[..., None], to_end=to_end[..., None], whole=whole[..., None, None],
     )
 
