@@ -108,7 +108,7 @@ def packed_layout(cu_seqlens: Array, num_tokens: int, chunk_size: int) -> ChunkL
     # Chunks past the last sequence's last chunk land on the last sequence, as padding.
     chunk_sequence = jnp.searchsorted(first_chunk, chunks, side="right").astype(jnp.int32) - 1
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    sequence = sequence_of(cu, jnp.arange(num_tokens, dtype=jnp.int32))
+    sequence = sequence_of(cu, tokens)
     token_slot = first_chunk[sequence] * chunk_size + tokens - starts[sequence]
     # Scattered, slot_token is computed once: as an expression of the slot, XLA fused it into the
     # gathers that read it and recomputed it for every element gathered (K of them per slot),

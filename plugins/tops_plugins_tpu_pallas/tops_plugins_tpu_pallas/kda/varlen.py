@@ -3,10 +3,11 @@
 The fused kernel (``kda/fused.py``) itself, over the packed ``T`` as one sequence, with the state reset at
 every sequence's first token: that row's log decay is ``RESET_LOG_DECAY`` for every key (``exp`` of it is
 0, so ``S' = 0`` before the token's delta-rule write), which the chunk math already takes exactly
-(``kda/chunkwise.py``, "Resets"). The row mask is built inside the kernel from the boundaries in SMEM
-(scalar prefetch, traced: one compile for every packing of the same ``T`` and ``N``): ``cu_seqlens`` and,
-per chunk, the first and last sequence it overlaps (``simple_gla.varlen.boundary_operands``, computed
-before the launch); no modified ``g`` is ever written to HBM. Boundaries may fall anywhere, on the chunk
+(``kda/chunkwise.py``, "Resets"). The row mask is built inside the kernel from scalars in SMEM (scalar
+prefetch, traced: one compile for every packing of the same ``T`` and ``N``), computed before the launch
+(``fused.packed_operands``): ``cu_seqlens``, per chunk the first and last sequence it overlaps
+(``simple_gla.varlen.boundary_operands``), and a bit per token that starts a sequence (``start_bits``, read by
+``sequences.PackedChunk.of``); no modified ``g`` is ever written to HBM. Boundaries may fall anywhere, on the chunk
 grid or off it; empty sequences cover no token and one-token sequences are a reset on their row.
 
 Per-sequence states (``initial_state`` and the final states ``[N, HV, K, V]``) stay in HBM, each moved by one DMA
