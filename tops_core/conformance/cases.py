@@ -22,9 +22,11 @@ OUT_OF_RANGE_DIMS = (64, 100, 128, 256, 32, 96, 512)
 GATES = {"simple_gla": ("g", "g_gamma"), "kda": (), "gla": (), "gated_delta_rule": ()}
 # Boundaries inside a chunk and on one (64), at token 0, empty sequences first, inside and last, one-token
 # sequences, a sequence over several chunks; cases that change T resize the last sequence. The first
-# packing holds every one of these and runs by default; the others, each a few of them, with -m slow.
+# packing holds every one of these and runs by default; the others, each a few of them, with -m slow. The
+# last starts sequences on rows 31, 32, 63, 64 and 97 of the first chunks (every 32-row word of a chunk's rows,
+# where a kernel may keep one bit per row).
 # An implementation that requires cu_seqlens takes the second as its base case's packing.
-PACKINGS = ((0, 1, 70, 0, 57, 130, 3, 0), (0, 1, 70, 57), (130, 0, 3), (64, 200, 1, 0))
+PACKINGS = ((0, 1, 70, 0, 57, 130, 3, 0), (0, 1, 70, 57), (130, 0, 3), (64, 200, 1, 0), (31, 1, 31, 1, 33, 40, 1))
 BASE_PACKING = PACKINGS[1]
 SCALE = 0.37
 """The base case's ``scale``: not ``K ** -0.5`` for any head dim of the grid, so an implementation that
