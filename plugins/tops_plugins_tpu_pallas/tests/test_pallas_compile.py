@@ -24,7 +24,6 @@ import pytest
 pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu (the test extra installs it)")
 
 from tops_core.tpu import compile_only  # noqa: E402
-from tops_plugins_tpu_pallas import GATED_DELTA_RULE_PACKED_BACKWARD_UNCOMPILABLE  # noqa: E402
 
 FACTORS = {
     "kernel": ("fused", "chunk"),
@@ -600,18 +599,19 @@ def test_kda_packed_gradient_compiles_the_forward_and_its_own_backward(worker, c
 
 
 _KDA_ONLY = ("groups", "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval")
+_SHORT_PACKED = dict(generation="v4", T=65, K=64, V=128, dtype="bfloat16", use_qk_l2norm=True, num_seqs=5, initial_state=True,
+                     final_state=True)
 # gla and gated_delta_rule packed (traced cu_seqlens, B = 1): kda's packed calls and a short one on v4, each op, forward
-# and gradient (gated_delta_rule's backward is xla.chunk's where GATED_DELTA_RULE_PACKED_BACKWARD_UNCOMPILABLE says: bf16
-# with initial states on v5e and v5p, the v5p call here); the short one by default, the rest with -m slow.
+# and gradient, and gated_delta_rule's short one on v5e (its backward in bf16 with initial states on v5e and v5p, the v5p
+# call here too, runs chunks of 64: gated_delta_rule.fused.backward_config); the short ones by default, the rest with -m slow.
 OTHER_PACKED = [
     pytest.param(
         {**{name: value for name, value in call.items() if name not in _KDA_ONLY}, "op": op, "kernel": "varlen", "B": 1, "H": 3,
          **OTHER_OPS[op]},
-        id=_other_label(op, call), marks=pytest.mark.slow if call["generation"] != "v4" or call["T"] > 100 else (),
+        id=_other_label(op, call), marks=() if call["T"] < 100 and call["num_seqs"] == 5 else pytest.mark.slow,
     )
     for op in OTHER_OPS for call in (
-        *KDA_VARLEN_CALLS, dict(generation="v4", T=65, K=64, V=128, dtype="bfloat16", use_qk_l2norm=True, num_seqs=5,
-                                initial_state=True, final_state=True),
+        *KDA_VARLEN_CALLS, _SHORT_PACKED, *([{**_SHORT_PACKED, "generation": "v5e"}] if op == "gated_delta_rule" else ()),
     )
 ]
 
@@ -623,10 +623,6 @@ def test_gla_and_gated_delta_rule_packed_calls_compile_with_traced_cu_seqlens(wo
     if not gradient:
         assert facts["kernels"] == 1
         assert facts["implementations"] == ["tpu_pallas.varlen.forward"]
-    elif call["op"] == "gated_delta_rule" and call["generation"] in GATED_DELTA_RULE_PACKED_BACKWARD_UNCOMPILABLE and (
-        call["dtype"] == "bfloat16" and call["initial_state"]
-    ):
-        assert facts["implementations"] == ["tpu_pallas.varlen.forward", "xla.chunk.backward"]
     else:
         assert facts["kernels"] == 1 + 2
         assert facts["implementations"] == ["tpu_pallas.varlen.backward", "tpu_pallas.varlen.forward"]

@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 import tops_core
 
-from tops_plugins_tpu_pallas import GATED_DELTA_RULE_VARLEN, KDA_FUSED_CONFIG, KDA_VARLEN, traffic
+from tops_core.conformance import checks
+from tops_core.conformance.cases import grid
+
+from tops_plugins_tpu_pallas import KDA_FUSED_CONFIG, KDA_VARLEN, launch, traffic
+from tops_plugins_tpu_pallas.gated_delta_rule.fused import GatedDeltaRuleFusedConfig, backward_config
+from tops_plugins_tpu_pallas.kda import backward as kda_backward
 from tops_plugins_tpu_pallas.kda import fused as kda_fused
 from tops_plugins_tpu_pallas.kda import varlen as kda_varlen
 
@@ -182,26 +187,44 @@ def test_a_packed_call_on_tpu_runs_varlen_forward_and_backward():
     assert any("requires cu_seqlens" in reason for reason in KDA_VARLEN.capabilities.reasons(_packed_spec(frozenset(), batch=2)))
 
 
-def test_gated_delta_rule_packed_backward_falls_to_xla_chunk_only_where_the_compiler_rejects_it():
-    """v5e's and v5p's compiler stops on gated_delta_rule's packed gradients kernel in bfloat16 with initial states
-    (GATED_DELTA_RULE_PACKED_BACKWARD_UNCOMPILABLE): that backward alone goes to xla.chunk, saying why; every other
-    packed call keeps the Pallas backward."""
+def test_gated_delta_rule_packed_calls_run_the_pallas_backward_on_every_chip():
     gated_delta_rule = tops_core.op("gated_delta_rule")
-    states = frozenset({"cu_seqlens", "initial_state", "output_final_state"})
+    for features in (frozenset({"cu_seqlens", "initial_state", "output_final_state"}), frozenset({"cu_seqlens"})):
+        for chip in ("v4", "v5e", "v5p", "v6e"):
+            for dtype in ("bfloat16", "float32"):
+                spec = _packed_spec(features, op="gated_delta_rule", chip=chip, dtype=dtype)
+                assert gated_delta_rule.decide(spec, "backward").implementation.name == "tpu_pallas.varlen", (features, chip, dtype)
 
-    def spec(features, **changes):
-        return _packed_spec(features, op="gated_delta_rule", **changes)
 
-    for chip in ("v5e", "v5p"):
-        rejected = spec(states, chip=chip)
-        assert gated_delta_rule.decide(rejected, "forward").implementation.name == "tpu_pallas.varlen"
-        assert gated_delta_rule.decide(rejected, "backward").implementation.name == "xla.chunk"
-        reasons = GATED_DELTA_RULE_VARLEN.reasons(rejected, "backward")
-        assert any("fails an internal check" in reason and "initial states" in reason for reason in reasons)
-        for kept in (spec(states, chip=chip, dtype="float32"), spec(frozenset({"cu_seqlens", "output_final_state"}), chip=chip)):
-            assert gated_delta_rule.decide(kept, "backward").implementation.name == "tpu_pallas.varlen"
-    for chip in ("v4", "v6e"):
-        assert gated_delta_rule.decide(spec(states, chip=chip), "backward").implementation.name == "tpu_pallas.varlen"
+def test_gated_delta_rule_packed_backward_takes_chunks_of_64_only_where_128_does_not_compile():
+    """v5e's and v5p's compiler rejects the packed gradients kernel at chunks of 128 in bfloat16 with initial states
+    (test_pallas_compile.py compiles the rest); every other call keeps the config's chunks."""
+    config = GatedDeltaRuleFusedConfig()
+
+    def chunk(chip, dtype=jnp.bfloat16, packed_with_initial_states=True):
+        return backward_config(config, dtype, packed_with_initial_states=packed_with_initial_states, chip=chip).chunk_size
+
+    assert chunk("v5e") == chunk("v5p") == 64
+    assert chunk("v5e", jnp.float32) == chunk("v5p", packed_with_initial_states=False) == 128
+    assert chunk("v4") == chunk("v6e") == chunk(None) == 128
+
+
+def test_lowered_for_v5e_the_packed_bf16_backward_with_initial_states_runs_chunks_of_64_and_matches_the_reference(monkeypatch):
+    """The rule above as the backward applies it (a v5e target in the interpreter): the kit's packed bfloat16 case,
+    forward at 128 and backward at 64, every gradient against the float64 reference."""
+    monkeypatch.setattr(launch.Target, "lowered_for", classmethod(lambda cls: cls.of("v5e")))
+    chunk_sizes, gradients = [], kda_backward.gradients
+
+    def recorded(*args, config, **options):
+        chunk_sizes.append(config.chunk_size)
+        return gradients(*args, config=config, **options)
+
+    monkeypatch.setattr(kda_backward, "gradients", recorded)
+    varlen = tops_core.default_registry().get("gated_delta_rule", "tpu_pallas.varlen")
+    case = next(case for case in grid(varlen).supported if case.name == "bfloat16")
+    assert {"initial_state", "cu_seqlens"} <= case.features
+    checks.run_case(varlen, case)
+    assert chunk_sizes == [64]
 
 
 def test_the_public_op_lowers_to_the_packed_kernel_for_tpu():

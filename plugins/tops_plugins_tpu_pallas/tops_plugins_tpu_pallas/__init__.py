@@ -113,7 +113,7 @@ def _varlen_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
     return 200, f"packed input, N = {spec.num_seqs} sequences: the one Pallas kernel that takes cu_seqlens"
 
 
-def _capabilities(predicate, features: set[str], *, packed: bool = False, ndims=(), backward_predicate=None) -> tops_core.Capabilities:
+def _capabilities(predicate, features: set[str], *, packed: bool = False, ndims=()) -> tops_core.Capabilities:
     """Every kernel here: TPU (and the interpreter), bf16 and float32, ``features``; a packed one requires cu_seqlens."""
     return tops_core.Capabilities(
         platforms={"tpu"},
@@ -123,7 +123,6 @@ def _capabilities(predicate, features: set[str], *, packed: bool = False, ndims=
         requires={"cu_seqlens"} if packed else set(),
         ndims=ndims,
         predicate=predicate,
-        backward_predicate=backward_predicate,
     )
 
 
@@ -245,22 +244,6 @@ KDA_FUSED = tops_core.Implementation(
 )
 
 
-GATED_DELTA_RULE_PACKED_BACKWARD_UNCOMPILABLE = frozenset({"v5e", "v5p"})
-"""Chips whose compiler (libtpu 0.0.52) stops on gated_delta_rule's packed gradients kernel in bfloat16 with initial
-states: an internal check of its MXU pass (``RET_CHECK ... mxu_lmr_transform.cc ... XposeSequenceAssignment::kLmrWontHelp``).
-By bisection, either of the initial states' terms in the loop over a chunk's sequences (``kda.sequences``: their values or
-their VJP) is enough, whatever their products' operand dtype; float32 and calls without ``initial_state`` compile, and
-so do kda's and gla's packed gradients kernels (README "Packed sequences: tpu_pallas.varlen for kda"). On these chips such a call's
-backward is xla.chunk's."""
-
-
-def _packed_gated_delta_rule_backward_compiles(spec: tops_core.CallSpec) -> str | None:
-    """the packed gradients kernel must compile for the chip (GATED_DELTA_RULE_PACKED_BACKWARD_UNCOMPILABLE)"""
-    if spec.chip in GATED_DELTA_RULE_PACKED_BACKWARD_UNCOMPILABLE and spec.dtype == "bfloat16" and "initial_state" in spec.features:
-        return f"{spec.chip}'s compiler (libtpu 0.0.52) fails an internal check on the packed gradients kernel in bfloat16 with initial states"
-    return None
-
-
 KDA_VARLEN = tops_core.Implementation(
     op="kda",
     name="varlen",
@@ -286,11 +269,11 @@ KDA_VARLEN = tops_core.Implementation(
 
 
 def _delta_rule_family(
-    op: str, kernels, features: set[str], label: str, config=KDA_FUSED_CONFIG, packed_backward_predicate=None,
+    op: str, kernels, features: set[str], label: str, config=KDA_FUSED_CONFIG,
 ) -> tuple[tops_core.Implementation, ...]:
     """``tpu_pallas.fused`` and, packed, ``tpu_pallas.varlen`` for an op on kda's machinery (``kernels``: its module with
     ``forward``, ``packed_forward``, ``backward``, ``plans`` and ``backward_plans``), kda's priorities and ``config``
-    (a ``KdaFusedConfig``); ``packed_backward_predicate``: the packed backward's own capability check, if any."""
+    (a ``KdaFusedConfig``)."""
     unpacked = tops_core.Implementation(
         op=op,
         name="fused",
@@ -318,7 +301,7 @@ def _delta_rule_family(
                 config, (kernels.geometry_of, functools.partial(kernels.plans, num_seqs=1)),
                 (kernels.geometry_of, functools.partial(kernels.backward_plans, num_seqs=1)),
             ),
-            features, packed=True, backward_predicate=packed_backward_predicate,
+            features, packed=True,
         ),
         priority=_varlen_priority,
         config=config,
@@ -338,7 +321,7 @@ GLA_FUSED, GLA_VARLEN = _delta_rule_family(
 GATED_DELTA_RULE_FUSED, GATED_DELTA_RULE_VARLEN = _delta_rule_family(
     "gated_delta_rule", gated_delta_rule.fused, {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"},
     "the pair products of its gate per head dense and kda's exact per-chunk inverse",
-    gated_delta_rule.fused.GatedDeltaRuleFusedConfig(), _packed_gated_delta_rule_backward_compiles,
+    gated_delta_rule.fused.GatedDeltaRuleFusedConfig(),
 )
 
 

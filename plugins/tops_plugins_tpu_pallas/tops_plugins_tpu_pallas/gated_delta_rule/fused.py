@@ -7,7 +7,8 @@ in VMEM along the sequential time axis, each step's chunks unrolled through ``kd
 are, every head's column of a step's rows (``blocks.per_head``), the kernel taking its own. Packed, a sequence's first
 row is a reset (``g = -inf`` there, which ``ChunkGates`` takes exactly) and its states move by DMA where it starts and
 ends (``kda.sequences``, the gate given to every key). The backward is kda's two walks: the state entering every chunk,
-then each chunk's VJP in reverse with ``dS`` in VMEM; ``dg`` and ``dbeta`` leave as a row per chunk.
+then each chunk's VJP in reverse with ``dS`` in VMEM; ``dg`` and ``dbeta`` leave as a row per chunk. It recomputes the
+states itself, so it may walk chunks of its own size (``backward_config``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax.numpy as jnp
 from tops_core import GatedDeltaRuleGrads
+
+from tops_plugins_tpu_pallas import launch
 
 from tops_plugins_tpu_pallas.gated_delta_rule.chunkwise import GATED_DELTA_RULE
 from tops_plugins_tpu_pallas.grid import geometry_of, pool_states
@@ -24,7 +28,8 @@ from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.plan import LaunchPlan
 
 __all__ = [
-    "GatedDeltaRuleFusedConfig", "backward", "backward_plans", "forward", "geometry_of", "packed_forward", "plans",
+    "GatedDeltaRuleFusedConfig", "backward", "backward_config", "backward_plans", "forward", "geometry_of", "packed_forward",
+    "plans",
 ]
 
 
@@ -75,8 +80,26 @@ def packed_forward(q, k, v, g, beta, *, scale, initial_state, output_final_state
     )
 
 
+PACKED_BACKWARD_AT_CHUNK_64 = frozenset({"v5e", "v5p"})
+"""Chips whose compiler (libtpu 0.0.52) stops on the packed gradients kernel at chunks of 128 in bfloat16 with initial
+states: an internal check of its MXU pass (``RET_CHECK ... mxu_lmr_transform.cc ... XposeSequenceAssignment::kLmrWontHelp``),
+on every shape tried. By bisection, any MXU product in the loop over a chunk's starting sequences (``kda.sequences``) is
+enough at chunk 128, whatever its operands' dtype; float32, calls without ``initial_state``, and chunks of 64 compile."""
+
+
+def backward_config(config: GatedDeltaRuleFusedConfig, dtype, *, packed_with_initial_states: bool, chip: str | None):
+    """The config the backward runs at: ``config``, but chunks of 64 for a packed bfloat16 call with initial states on a
+    chip of ``PACKED_BACKWARD_AT_CHUNK_64``, whose compiler rejects the gradients kernel at 128. The backward recomputes
+    its states from the inputs, so its chunks need not be the forward's."""
+    if chip in PACKED_BACKWARD_AT_CHUNK_64 and packed_with_initial_states and jnp.dtype(dtype) == jnp.bfloat16:
+        return dataclasses.replace(config, chunk_size=min(config.chunk_size, 64))
+    return config
+
+
 def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config) -> GatedDeltaRuleGrads:
-    """The ``Backward`` protocol of ``tops_core.ops.gated_delta_rule``, unpacked or packed."""
+    """The ``Backward`` protocol of ``tops_core.ops.gated_delta_rule``, unpacked or packed, at ``backward_config``."""
+    packed_with_initial_states = cu_seqlens is not None and initial_state is not None
+    config = backward_config(config, q.dtype, packed_with_initial_states=packed_with_initial_states, chip=launch.Target.lowered_for().chip)
     grads = kda_backward.gradients(
         q, k, v, g, beta, do, scale=scale, initial_state=initial_state, dht=dht, cu_seqlens=cu_seqlens,
         use_qk_l2norm=use_qk_l2norm, config=config, recurrence=GATED_DELTA_RULE,
