@@ -187,13 +187,17 @@ def test_a_packed_call_on_tpu_runs_varlen_forward_and_backward():
     assert any("requires cu_seqlens" in reason for reason in KDA_VARLEN.capabilities.reasons(_packed_spec(frozenset(), batch=2)))
 
 
-def test_gated_delta_rule_packed_calls_run_the_pallas_backward_on_every_chip():
+def test_gated_delta_rule_packed_calls_run_the_pallas_backward_on_every_chip_and_explain_its_chunks():
     gated_delta_rule = tops_core.op("gated_delta_rule")
     for features in (frozenset({"cu_seqlens", "initial_state", "output_final_state"}), frozenset({"cu_seqlens"})):
         for chip in ("v4", "v5e", "v5p", "v6e"):
             for dtype in ("bfloat16", "float32"):
                 spec = _packed_spec(features, op="gated_delta_rule", chip=chip, dtype=dtype)
-                assert gated_delta_rule.decide(spec, "backward").implementation.name == "tpu_pallas.varlen", (features, chip, dtype)
+                decision = gated_delta_rule.decide(spec, "backward")
+                assert decision.implementation.name == "tpu_pallas.varlen", (features, chip, dtype)
+                own_chunks = chip in ("v5e", "v5p") and dtype == "bfloat16" and "initial_state" in features
+                chunks = "chunk_size=64 (the backward's own" if own_chunks else "chunk_size=128"
+                assert f"for this call: {chunks}" in decision.explain(), decision.explain()
 
 
 def test_gated_delta_rule_packed_backward_takes_chunks_of_64_only_where_128_does_not_compile():

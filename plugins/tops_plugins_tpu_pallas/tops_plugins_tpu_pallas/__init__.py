@@ -269,11 +269,11 @@ KDA_VARLEN = tops_core.Implementation(
 
 
 def _delta_rule_family(
-    op: str, kernels, features: set[str], label: str, config=KDA_FUSED_CONFIG,
+    op: str, kernels, features: set[str], label: str, config=KDA_FUSED_CONFIG, packed_explain_config=None,
 ) -> tuple[tops_core.Implementation, ...]:
     """``tpu_pallas.fused`` and, packed, ``tpu_pallas.varlen`` for an op on kda's machinery (``kernels``: its module with
     ``forward``, ``packed_forward``, ``backward``, ``plans`` and ``backward_plans``), kda's priorities and ``config``
-    (a ``KdaFusedConfig``)."""
+    (a ``KdaFusedConfig``); ``packed_explain_config``: the packed one's ``explain_config``, if any."""
     unpacked = tops_core.Implementation(
         op=op,
         name="fused",
@@ -305,6 +305,7 @@ def _delta_rule_family(
         ),
         priority=_varlen_priority,
         config=config,
+        explain_config=packed_explain_config,
         serves_pools=True,
         description=(
             "fused's pallas_call over packed sequences: cu_seqlens in SMEM, the state reset on each sequence's first token, "
@@ -318,10 +319,24 @@ def _delta_rule_family(
 GLA_FUSED, GLA_VARLEN = _delta_rule_family(
     "gla", gla.fused, {"initial_state", "output_final_state"}, "kda's per-key decays and query pairs without the delta rule",
 )
+def _explain_packed_gated_delta_rule_config(config, spec: tops_core.CallSpec, direction: str) -> str:
+    """``explain``'s line on the chunks a packed gated_delta_rule call walks: the backward's own on some chips
+    (``gated_delta_rule.fused.backward_config``)."""
+    if direction == "backward":
+        states = "initial_state" in spec.features
+        walked = gated_delta_rule.fused.backward_config(config, spec.dtype, packed_with_initial_states=states, chip=spec.chip)
+        if walked.chunk_size != config.chunk_size:
+            return (
+                f"chunk_size={walked.chunk_size} (the backward's own: {spec.chip}'s compiler, libtpu 0.0.52, rejects the packed "
+                f"bfloat16 gradients kernel with initial states at {config.chunk_size})"
+            )
+    return f"chunk_size={config.chunk_size}"
+
+
 GATED_DELTA_RULE_FUSED, GATED_DELTA_RULE_VARLEN = _delta_rule_family(
     "gated_delta_rule", gated_delta_rule.fused, {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"},
     "the pair products of its gate per head dense and kda's exact per-chunk inverse",
-    gated_delta_rule.fused.GatedDeltaRuleFusedConfig(),
+    gated_delta_rule.fused.GatedDeltaRuleFusedConfig(), _explain_packed_gated_delta_rule_config,
 )
 
 
