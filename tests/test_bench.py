@@ -410,19 +410,16 @@ def test_cli_bench_budget_must_be_a_positive_number_of_seconds(installed, capsys
 
 
 def test_the_tpu_model_matches_implementations_on_the_chip_it_models():
-    # A capability may turn on the chip: gated_delta_rule's bf16 packed backward with initial states is xla.chunk's on v5e,
-    # so the model must not ask the Pallas backward for it (it did, for kda's then, found no Pallas kernel in the program
-    # and failed).
+    # A capability may turn on the chip: kda's float32 backward at K = V = 512 fits v5e's VMEM but not v4's 16 MiB, so the
+    # model must not ask the Pallas backward for it on a v4 (it once asked a backward the chip's capability rejected,
+    # found no Pallas kernel in the program and failed).
     pytest.importorskip("tops_plugins_tpu_pallas")
     from tops_core.registry import default_registry
     from tops_core.tpu import model as tpu_model
 
-    features = ["cu_seqlens", "use_qk_l2norm", "initial_state"]
-    case = bench.workload("gated_delta_rule", (1, 256, 2, 64, 64), "bfloat16", features, num_seqs=3)
-    varlen = next(
-        impl for impl in default_registry().all_implementations() if impl.op == "gated_delta_rule" and impl.name == "tpu_pallas.varlen"
-    )
-    assert tpu_model.tpu_spec(case, "v5e").chip == "v5e"
-    assert varlen.reasons(tpu_model.tpu_spec(case, "v5e"), "backward")
-    assert not varlen.reasons(tpu_model.tpu_spec(case, "v6e"), "backward")
+    case = bench.workload("kda", (1, 1024, 2, 512, 512), "float32", ["use_qk_l2norm"])
+    fused = next(impl for impl in default_registry().all_implementations() if impl.op == "kda" and impl.name == "tpu_pallas.fused")
+    assert tpu_model.tpu_spec(case, "v4").chip == "v4"
+    assert fused.reasons(tpu_model.tpu_spec(case, "v4"), "backward")
+    assert not fused.reasons(tpu_model.tpu_spec(case, "v5e"), "backward")
 
