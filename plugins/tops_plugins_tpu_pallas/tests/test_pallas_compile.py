@@ -250,7 +250,10 @@ def test_layout_around_the_kernels_on_v6e(worker, kernel):
 
 
 def test_bench_models_both_kernels_on_tpu(worker):
-    text = worker.ask({"bench": {"shape": [2, 1024, 4, 128, 128], "dtype": "bfloat16", "features": ["g_gamma"], "generation": "v5e"}})["text"]
+    # fused and xla.chunk (which has no kernel to model); chunk's kernels model the same way, 8 s more.
+    request = {"shape": [2, 1024, 4, 128, 128], "dtype": "bfloat16", "features": ["g_gamma"], "generation": "v5e",
+               "names": ["tpu_pallas.fused", "xla.chunk"]}
+    text = worker.ask({"bench": request})["text"]
     lines = text.splitlines()
     assert lines[0].startswith("Modelled on TPU v5e (a model, nothing ran; compiled for a compile-only device)")
     kernel, op, backward = [line for line in lines if line.startswith("tpu_pallas.fused")]  # kernel, op and backward tables
@@ -264,7 +267,7 @@ def test_bench_models_both_kernels_on_tpu(worker):
     # The two backward kernels' bytes per token add up to the backward's traffic (2436 B/token at these sizes).
     assert sum(int(line.split()[2]) for line in lines[fused + 1:fused + 3]) == 2436
     assert "Backward (an implementation's own)" in text and "1792 B/token" in text
-    assert any(line.startswith("tpu_pallas.chunk") for line in lines)
+    assert not any(line.startswith("tpu_pallas.chunk") for line in lines)
     assert "xla.chunk: not modelled" in text
 
 
