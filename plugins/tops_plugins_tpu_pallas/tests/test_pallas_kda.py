@@ -20,6 +20,8 @@ from tops_core.ops.kda import Activations, beta_activation, gate
 from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
 
 from tops_plugins_tpu_pallas import traffic
+from tops_plugins_tpu_pallas.gated_delta_rule.fused import GatedDeltaRuleFusedConfig
+from tops_plugins_tpu_pallas.grid import steps_of
 from tops_plugins_tpu_pallas.kda import chunkwise
 from tops_plugins_tpu_pallas.kda import fused as kda_fused
 
@@ -188,6 +190,15 @@ def test_config_names_the_bad_field():
         kda_fused.KdaFusedConfig(chunk_size=32)
     with pytest.raises(TypeError, match="full_values"):
         kda_fused.KdaFusedConfig(full_values=1)
+
+
+def test_lowered_for_a_tpu_the_forward_walks_16_chunks_per_step_and_the_backward_its_own():
+    # kda's and gla's backward keep 8 (at 16 Mosaic's spills passed v5p's VMEM); gated_delta_rule's walks 16 both ways.
+    kda_config, gated_config = kda_fused.KdaFusedConfig(interpret=False), GatedDeltaRuleFusedConfig(interpret=False)
+    assert [steps_of(kda_config), steps_of(kda_config, backward=True)] == [16, 8]
+    assert [steps_of(gated_config), steps_of(gated_config, backward=True)] == [16, 16]
+    assert steps_of(kda_fused.KdaFusedConfig(interpret=True), backward=True) == 1
+    assert steps_of(kda_fused.KdaFusedConfig(num_steps=4, interpret=False), backward=True) == 4
 
 
 def test_vmem_fitting_walks_fewer_chunks_per_step_for_a_large_key_dim():

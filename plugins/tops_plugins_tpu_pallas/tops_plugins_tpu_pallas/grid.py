@@ -24,24 +24,27 @@ from tops_plugins_tpu_pallas.plan import Blocked, InHbm, LaunchPlan, Relayout, S
 _F32 = jnp.float32
 
 
-def geometry_of(B: int, T: int, H: int, K: int, V: int, config, groups: int = 1) -> Geometry:
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config, groups: int = 1, backward: bool = False) -> Geometry:
     """The grid's geometry for a call of ``H`` (value) heads, ``groups`` of them per query/key head;
     ``config``: any config with ``chunk_size``, ``num_steps`` (``steps_of``) and ``full_values``."""
-    return Geometry(B, T, H, K, V, config.chunk_size, steps_of(config), config.full_values, groups)
+    return Geometry(B, T, H, K, V, config.chunk_size, steps_of(config, backward), config.full_values, groups)
 
 
-def steps_of(config) -> int:
-    """``config.num_steps``, or where a config leaves it None, its ``TPU_NUM_STEPS`` where the call is lowered for a TPU
-    and 1 in Pallas' interpreter. Unrolled chunks save a TPU the per-step overhead; the interpreter they only give a
-    larger program to compile (one kit case of kda's packed gradients: 19 s at 8 chunks per step, 8 s at 1). The
-    results are the same bits either way (``test_num_steps_do_not_change_a_bit``). A call traced on a host without a
-    TPU for a TPU it does not name (``target_chip`` None, ``interpret=None``) counts as interpreted: 1 chunk per step."""
+def steps_of(config, backward: bool = False) -> int:
+    """``config.num_steps``, or where a config leaves it None, its ``TPU_NUM_STEPS`` (``backward``: its
+    ``TPU_BACKWARD_NUM_STEPS``) where the call is lowered for a TPU and 1 in Pallas' interpreter. Unrolled chunks save a
+    TPU the per-step overhead; the interpreter they only give a larger program to compile (one kit case of kda's packed
+    gradients: 19 s at 8 chunks per step, 8 s at 1). The results are the same bits either way
+    (``test_num_steps_do_not_change_a_bit``). A call traced on a host without a TPU for a TPU it does not name
+    (``target_chip`` None, ``interpret=None``) counts as interpreted: 1 chunk per step."""
     if config.num_steps is not None:
         return config.num_steps
     interpreted = config.interpret is not False if config.interpret is not None else (
         target_chip() is None and jax.default_backend() != "tpu"
     )
-    return 1 if interpreted else config.TPU_NUM_STEPS
+    if interpreted:
+        return 1
+    return config.TPU_BACKWARD_NUM_STEPS if backward else config.TPU_NUM_STEPS
 
 
 def fitted_plans(build_plans, geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, ...]:

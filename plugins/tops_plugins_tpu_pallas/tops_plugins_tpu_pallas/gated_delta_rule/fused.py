@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from tops_core import GatedDeltaRuleGrads
 
 from tops_plugins_tpu_pallas import launch
-
 from tops_plugins_tpu_pallas.gated_delta_rule.chunkwise import GATED_DELTA_RULE
 from tops_plugins_tpu_pallas.grid import geometry_of, pool_states
 from tops_plugins_tpu_pallas.kda import backward as kda_backward, fused as kda_fused, varlen as kda_varlen
@@ -35,7 +34,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaRuleFusedConfig(kda_fused.KdaFusedConfig):
-    """kda's config with this op's defaults: chunks of 128 and, lowered for a TPU, 16 of them per grid step.
+    """kda's config with this op's defaults: chunks of 128 and, lowered for a TPU, 16 of them per grid step (kda's forward's),
+    its backward's too.
 
     kda's chunk grows per token with ``C`` (its per-key levels); this op's pair products are one dense product whatever
     ``C``, so a longer chunk halves the links of the chain through the state per token for one more inverse level. A
@@ -44,7 +44,7 @@ class GatedDeltaRuleFusedConfig(kda_fused.KdaFusedConfig):
     (128, 8), 245 at (64, 16), 208 at (128, 16), 214 at (128, 32); on v5e 379 us at (64, 8), 343 at (128, 16).
     """
 
-    TPU_NUM_STEPS: ClassVar[int] = 16
+    TPU_BACKWARD_NUM_STEPS: ClassVar[int] = 16
 
     chunk_size: int = 128
 
