@@ -319,6 +319,8 @@ def _delta_rule_family(
 GLA_FUSED, GLA_VARLEN = _delta_rule_family(
     "gla", gla.fused, {"initial_state", "output_final_state"}, "kda's per-key decays and query pairs without the delta rule",
 )
+
+
 def _explain_packed_gated_delta_rule_config(config, spec: tops_core.CallSpec, direction: str) -> str:
     """``explain``'s line on the chunks a packed gated_delta_rule call walks: the backward's own on some chips
     (``gated_delta_rule.fused.backward_config``)."""

@@ -34,8 +34,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaRuleFusedConfig(kda_fused.KdaFusedConfig):
-    """kda's config with this op's defaults: chunks of 128 and, lowered for a TPU, 16 of them per grid step (kda's forward's),
-    its backward's too.
+    """kda's config with this op's defaults: chunks of 128 and, lowered for a TPU, 16 of them per grid step in the backward
+    too (kda's backward walks 8).
 
     kda's chunk grows per token with ``C`` (its per-key levels); this op's pair products are one dense product whatever
     ``C``, so a longer chunk halves the links of the chain through the state per token for one more inverse level. A
@@ -99,7 +99,8 @@ def backward_config(config: GatedDeltaRuleFusedConfig, dtype, *, packed_with_ini
 def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config) -> GatedDeltaRuleGrads:
     """The ``Backward`` protocol of ``tops_core.ops.gated_delta_rule``, unpacked or packed, at ``backward_config``."""
     packed_with_initial_states = cu_seqlens is not None and initial_state is not None
-    config = backward_config(config, q.dtype, packed_with_initial_states=packed_with_initial_states, chip=launch.Target.lowered_for().chip)
+    chip = launch.Target.lowered_for().chip
+    config = backward_config(config, q.dtype, packed_with_initial_states=packed_with_initial_states, chip=chip)
     grads = kda_backward.gradients(
         q, k, v, g, beta, do, scale=scale, initial_state=initial_state, dht=dht, cu_seqlens=cu_seqlens,
         use_qk_l2norm=use_qk_l2norm, config=config, recurrence=GATED_DELTA_RULE,

@@ -70,8 +70,9 @@ class KdaFusedConfig:
     the bench's default shape, kda's forward kernel 329 -> 304 us on v6e and 508 -> 480 us on v5e against eight (four:
     370 and 531; 32: 296 and 485), gla's forward 189 -> 180 and 292 -> 283 us. The backward (``TPU_BACKWARD_NUM_STEPS``)
     keeps eight: at sixteen Mosaic spills past v5p's 64 MiB of VMEM (kda's gradients kernel, float32, K=64 V=200: 67.4
-    MiB, 49.9 of them spill slots) for 1.15 -> 1.10 ms (v6e) and 1.74 -> 1.71 ms (v5e) at the bench's shape. ``full_values``: one grid point per (batch, head) holding all of ``V`` (the decays, pairs and
-    inverse computed once, not per 128-lane value tile). ``interpret``: as ``FusedConfig``'s.
+    MiB, 49.9 of them spill slots) for 1.15 -> 1.10 ms (v6e) and 1.74 -> 1.71 ms (v5e) at the bench's shape.
+    ``full_values``: one grid point per (batch, head) holding all of ``V`` (the decays, pairs and inverse computed once,
+    not per 128-lane value tile). ``interpret``: as ``FusedConfig``'s.
     """
 
     TPU_NUM_STEPS: ClassVar[int] = 16
