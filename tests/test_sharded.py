@@ -56,6 +56,9 @@ CASES = [
     # The ops added through declarations alone: their dims say how each array splits.
     dict(BASE, op="gla", name="gla-batch-heads-shard", mode="shard", mesh=[2, 2], split={"batch": 0, "heads": 1}, B=2, T=32,
          features=["initial_state", "output_final_state"], backward=True),
+    # gla's state decays per key: its sequence splits as simple_gla's, each device's map carrying a decay per key.
+    dict(BASE, op="gla", name="gla-sequence-4-packed", mode="shard", mesh=[4], split={"sequence": 0}, T=64,
+         seqlens=[16, 5, 0, 30, 13], features=["initial_state", "output_final_state"]),
     dict(BASE, op="gated_delta_rule", name="gated_delta_rule-grouped-heads-packed", mode="shard", mesh=[2], split={"heads": 0},
          T=40, seqlens=[7, 0, 33], H=2, HV=4, features=["initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"]),
 ]
@@ -221,13 +224,18 @@ def test_tpu_batch_and_heads_run_the_pallas_kernel_on_every_chip(worker, libtpu)
     assert answer["collectives"] == [["all-reduce", "f32[2]", 8]]  # dg_gamma of the chip's 2 heads
 
 
-def test_tpu_sequence_exchanges_states_the_same_whatever_T(worker, libtpu):
+# gla with -m slow (13 s): its chips exchange a decay per key, f32[B, H, K], beside each state.
+@pytest.mark.parametrize("op", ["simple_gla", pytest.param("gla", marks=pytest.mark.slow)])
+def test_tpu_sequence_exchanges_states_the_same_whatever_T(worker, libtpu, op):
     case = dict(TPU, name="tpu-sequence", mode="shard", mesh=[4], split={"sequence": 0})
+    if op == "gla":
+        case |= dict(op="gla", features=["output_final_state"])
     short, long = (worker.ask("tpu", dict(case, T=T)) for T in (256, 1024))
     assert short["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
     assert sorted(short["collectives"]) == sorted(long["collectives"])
     state = 4 * case["B"] * case["H"] * case["K"] * case["V"]
-    assert {size for opcode, _, size in short["collectives"] if opcode == "collective-permute"} == {state, 4 * case["B"] * case["H"]}
+    decays = 4 * case["B"] * case["H"] * (case["K"] if op == "gla" else 1)
+    assert {size for opcode, _, size in short["collectives"] if opcode == "collective-permute"} == {state, decays}
 
 
 def test_tpu_explicit_mesh_axes_split_without_being_asked(worker, libtpu):
@@ -248,18 +256,22 @@ def test_tpu_sharded_inputs_without_a_split_say_how_to_split(worker, libtpu, exp
 
 PACKINGS = [None, [5, 0, 20, 8, 0, 31], [16, 16, 0, 16, 1, 15], [64], [0, 64, 0], [1] * 8 + [56], [3, 60, 1]]
 VARIANTS = [ALL, ["g"], ["g_gamma", "output_final_state"], ["initial_state"]]
+GLA_PACKINGS = [None, [5, 0, 20, 8, 0, 31], [1] * 8 + [56]]
+GLA_VARIANTS = [["initial_state", "output_final_state"], []]  # gla's g is always given
+GLA_ALL = GLA_VARIANTS[0]
 
 
 def sweep() -> list[dict]:
     cases = []
     for devices in (2, 4, 8):
-        for packing in PACKINGS:
-            for features in VARIANTS:
-                name = f"P{devices}-{'rows' if packing is None else '-'.join(map(str, packing))}-{'+'.join(features)}"
-                cases.append(dict(
-                    name=name, mode="shard", mesh=[devices], split={"sequence": 0}, dtype="float64", B=2, T=64, H=2, K=8, V=8,
-                    features=features, seqlens=packing,
-                ))
+        for op, packings, variants in (("simple_gla", PACKINGS, VARIANTS), ("gla", GLA_PACKINGS, GLA_VARIANTS)):
+            for packing in packings:
+                for features in variants:
+                    name = f"{op}-P{devices}-{'rows' if packing is None else '-'.join(map(str, packing))}-{'+'.join(features) or 'g'}"
+                    cases.append(dict(
+                        op=op, name=name, mode="shard", mesh=[devices], split={"sequence": 0}, dtype="float64", B=2, T=64, H=2, K=8,
+                        V=8, features=features, seqlens=packing,
+                    ))
     return cases
 
 
@@ -277,6 +289,6 @@ def test_float64_sequence_split_is_exact(worker64, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in sweep() if c["mesh"] == [8] and c["features"] == ALL], ids=lambda case: case["name"])
+@pytest.mark.parametrize("case", [c for c in sweep() if c["mesh"] == [8] and c["features"] in (ALL, GLA_ALL)], ids=lambda case: case["name"])
 def test_float64_sequence_split_against_the_reference(worker64, case):
     assert_within_tolerance(case, worker64.ask("compare", dict(case, against="ref.recurrent", strong_decay=True)))

@@ -106,14 +106,19 @@ class SequenceShards:
         return jax.lax.ppermute(x, self.axes, pairs)
 
 
-def exclusive_affine_scan(decay: jax.Array, state: jax.Array, shards: SequenceShards, reverse: bool = False) -> jax.Array:
-    """The state each device receives when every device maps an incoming state ``x`` to ``decay * x + state``.
+def decay_of_state(decay: jax.Array) -> jax.Array:
+    """A ``[B, H]`` decay (one per head) or ``[B, H, K]`` (one per key) shaped to scale the rows of ``[B, H, K, V]`` states."""
+    return decay.reshape(decay.shape + (1,) * (4 - decay.ndim))
 
-    ``decay`` is ``[B, H]`` and ``state`` ``[B, H, K, V]``; the result on device ``p`` is the maps
-    of devices ``0 .. p-1`` applied in order to zero (``reverse``: those of ``p+1 .. P-1``, last
-    first). A log-depth scan (Hillis and Steele) over ``ppermute``: one shift, then
+
+def exclusive_affine_scan(decay: jax.Array, state: jax.Array, shards: SequenceShards, reverse: bool = False) -> jax.Array:
+    """The state each device receives when every device maps an incoming state ``x`` to ``diag(decay) x + state``.
+
+    ``decay`` is ``[B, H]`` (one per head) or ``[B, H, K]`` (one per key) and ``state`` ``[B, H, K, V]``; the result
+    on device ``p`` is the maps of devices ``0 .. p-1`` applied in order to zero (``reverse``: those of
+    ``p+1 .. P-1``, last first). A log-depth scan (Hillis and Steele) over ``ppermute``: one shift, then
     ``ceil(log2(P - 1))`` doubling rounds over the ``P - 1`` shifted maps, each sending one
-    ``[B, H, K, V]`` state (and its ``[B, H]`` decay) per device.
+    ``[B, H, K, V]`` state (and its decay) per device.
     """
     step = -1 if reverse else 1
     first = 0 if not reverse else shards.size - 1
@@ -123,7 +128,7 @@ def exclusive_affine_scan(decay: jax.Array, state: jax.Array, shards: SequenceSh
     while distance < shards.size - 1:
         earlier_decay, earlier_state = shards.shift(decay, step * distance), shards.shift(state, step * distance)
         has_earlier = shards.index >= distance if not reverse else shards.index < shards.size - distance
-        state = state + jnp.where(has_earlier, decay[..., None, None] * earlier_state, 0.0)
+        state = state + jnp.where(has_earlier, decay_of_state(decay) * earlier_state, 0.0)
         decay = jnp.where(has_earlier, decay * earlier_decay, decay)
         distance *= 2
     return state

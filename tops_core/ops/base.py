@@ -534,8 +534,14 @@ class OpContract:
         block it is in, else the split ``q``'s type carries over explicit mesh axes."""
         return parallel.current() or Split.from_types(prepared.arrays["q"], self._dims("q", 4, prepared))
 
+    sequence_parallel: ClassVar[Any] = None
+    """The module that splits this op's sequence over devices (``forward`` and ``backward`` of one device's block, as
+    ``tops_core.ops.diagonal_sequence`` has them); ``None``: its batch or heads may be split, not its sequence."""
+
     def sequence_unsplittable(self, prepared: Prepared) -> str | None:
         """Why this call's sequence cannot be split over devices (``None``: it can, with ``split_sequence``)."""
+        if self.sequence_parallel is not None:
+            return None
         return f"{self.name} has no sequence-parallel algorithm; shard the batch or the heads instead"
 
     def split_sequence(
@@ -544,7 +550,11 @@ class OpContract:
     ) -> Any:
         """One device's results when the sequence is split over ``sequence``; ``run(arrays, cotangents, **options)``
         runs the op on a block. Results that do not have a time axis are this device's share of a sum."""
-        raise NotImplementedError(self.sequence_unsplittable(prepared))
+        if self.sequence_parallel is None:
+            raise NotImplementedError(self.sequence_unsplittable(prepared))
+        if direction == "forward":
+            return self.sequence_parallel.forward(arrays, prepared.option("output_final_state"), sequence, run)
+        return self.sequence_parallel.backward(arrays, *cotangents, prepared.option("scale"), sequence, run)
 
     def _check_outputs(self, impl: str, prepared: Prepared, outputs: Any) -> None:
         if not (isinstance(outputs, tuple) and len(outputs) == 2):

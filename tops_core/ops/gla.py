@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import jax
 
-from tops_core.ops import validation
+from tops_core.ops import diagonal_sequence, validation
 from tops_core.ops.base import Explanation, OpContract, Prepared, state_dtype
 from tops_core.ops.simple_gla import SimpleGLA
 from tops_core.policy import ForceRequest
@@ -58,6 +58,7 @@ class GLA(OpContract, signature=GLA_SIGNATURE):
     differentiable = ("q", "k", "v", "g", "initial_state")
     grads_type = GLAGrads
     dims = {"q": "b t h k", "k": "b t h k", "v": "b t h v", "g": "b t h k", "initial_state": "n h k v", "cu_seqlens": "c"}
+    sequence_parallel = diagonal_sequence
 
     def forward(
         self, q: Array, k: Array, v: Array, g: Array, scale: float | None = None, initial_state: Array | None = None,

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from tops_core.ops import simple_gla_sequence, validation
+from tops_core.ops import diagonal_sequence, validation
 from tops_core.ops.base import Explanation, OpContract, Prepared, nan_where, state_dtype
 from tops_core.policy import ForceRequest
 from tops_core.signatures import SIMPLE_GLA
@@ -98,6 +98,7 @@ class SimpleGLA(OpContract, signature=SIMPLE_GLA):
         "q": "b t h k", "k": "b t h k", "v": "b t h v", "g": "b t h", "g_gamma": "h",
         "initial_state": "n h k v", "cu_seqlens": "c",
     }
+    sequence_parallel = diagonal_sequence
 
     def forward(
         self,
@@ -186,14 +187,6 @@ class SimpleGLA(OpContract, signature=SIMPLE_GLA):
         options = (("scale", validation.scale(scale, K)), ("output_final_state", output_final_state))
         ndims = {"g_gamma": g_gamma.ndim} if g_gamma is not None else {}
         return self.make_prepared(arrays, options, N, ndims, interpret)
-
-    def sequence_unsplittable(self, prepared: Prepared) -> str | None:
-        return None
-
-    def split_sequence(self, direction, prepared, arrays, cotangents, sequence, run):
-        if direction == "forward":
-            return simple_gla_sequence.forward(arrays, prepared.option("output_final_state"), sequence, run)
-        return simple_gla_sequence.backward(arrays, *cotangents, prepared.option("scale"), sequence, run)
 
     def poisoned(self, arrays, bad):
         """``g`` where given (``[B, T, H]``, a 128th of ``v`` at K = 128): a NaN decay makes the state NaN."""

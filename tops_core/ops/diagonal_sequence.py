@@ -1,10 +1,11 @@
-"""simple_gla with its sequence split over devices: every device runs its block; devices exchange states only.
+"""A sequence split over devices, for the ops whose state decays diagonally: simple_gla (one decay per head and
+token, ``g + g_gamma``) and gla (one per key, ``g``). Every device runs its block; devices exchange states only.
 
 Device ``p`` of ``P`` holds tokens ``[p L, (p + 1) L)`` of every batch row (with ``cu_seqlens``,
 of the one packed row). The state update is affine in the state, so what a device does to a state
-carried in is a map ``S -> Gamma_p S + S_p``: ``Gamma_p`` the total decay of its tokens when one
-sequence covers the whole block and continues from the device before (else 0: the carried state
-stops at a sequence boundary), ``S_p`` the state its last sequence segment reaches from its own
+carried in is a map ``S -> diag(Gamma_p) S + S_p``: ``Gamma_p`` the total decay of its tokens (per head, or per
+head and key) when one sequence covers the whole block and continues from the device before (else 0: the carried
+state stops at a sequence boundary), ``S_p`` the state its last sequence segment reaches from its own
 start (zero, or that sequence's ``initial_state`` when it starts here). Composing the maps of the
 devices before ``p`` (``exclusive_affine_scan``, ``ceil(log2 P) + 1`` exchanges of one
 ``[B, H, K, V]`` state) gives the state ``S_in(p)`` carried into ``p``. The ordinary op then runs
@@ -13,13 +14,13 @@ boundaries clipped to the block: its outputs are exact, and so is the final stat
 sequence that ends in the block (the device holding a sequence's last token owns its final state).
 
 The backward is the same in reverse. The cotangent of the carried state, ``dS_in(p)``, is
-``U_p + Gamma_p dS_in(p + 1)`` while the sequence continues out of the block, with
-``U_p = sum over the first segment of scale exp(A_t) q_t^T do_t`` (plus the decayed ``dht`` when
+``U_p + diag(Gamma_p) dS_in(p + 1)`` while the sequence continues out of the block, with
+``U_p = sum over the first segment of scale (exp(A_t) q_t)^T do_t`` (plus the decayed ``dht`` when
 that sequence ends in the block), ``A_t`` the cumulative log decay from the block's start. A
 reverse scan gives every device the cotangent of the state it passes on; one ordinary backward on
 the block, with ``S_in(p)`` as initial state and that cotangent as the ``dht`` of the sequence
 continuing out, then gives exact ``dq, dk, dv, dg`` for the block, ``dinitial_state`` for the
-sequences starting in it, and the block's share of ``dg_gamma``.
+sequences starting in it, and the block's share of ``dg_gamma`` (simple_gla).
 
 The extra work per device is two ``[L, K] x [L, V]`` products (the state of the last segment, and
 ``U_p`` in the backward), computed here in ``jax.numpy``; only differences of cumulative decays
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from tops_core.ops.base import state_dtype
-from tops_core.partitioning import SequenceShards, exclusive_affine_scan
+from tops_core.partitioning import SequenceShards, decay_of_state, exclusive_affine_scan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,27 +104,34 @@ class _Block:
 
 
 def _log_decays(arrays: dict[str, Any], dtype: Any) -> jax.Array:
-    """``a = g + g_gamma`` as ``[B, L, H]`` in the accumulation dtype (zero where neither is given)."""
-    B, L, H, _ = arrays["q"].shape
-    a = jnp.zeros((B, L, H), dtype)
-    if arrays["g"] is not None:
-        a = a + arrays["g"].astype(dtype)
-    if arrays["g_gamma"] is not None:
-        a = a + arrays["g_gamma"].astype(dtype)
+    """The log decay of every token in the accumulation dtype: simple_gla's ``g + g_gamma`` ``[B, L, H]`` (zero where
+    neither is given), or gla's ``g`` ``[B, L, H, K]``."""
+    B, L, H, K = arrays["q"].shape
+    g, g_gamma = arrays["g"], arrays.get("g_gamma")
+    a = jnp.zeros((B, L, H) + ((K,) if g is not None and g.ndim == 4 else ()), dtype)
+    if g is not None:
+        a = a + g.astype(dtype)
+    if g_gamma is not None:
+        a = a + g_gamma.astype(dtype)
     return a
 
 
+def _per_row(mask: jax.Array, like: jax.Array) -> jax.Array:
+    """A ``[B]`` (or ``[B, L]``) ``mask`` shaped to broadcast against ``like``, whose leading dimensions it indexes."""
+    return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
+
+
 def _weighted_outer(x: jax.Array, weights: jax.Array, y: jax.Array, dtype: Any) -> jax.Array:
-    """``sum over t of weights_t x_t^T y_t`` per row and head, ``[B, H, K, V]``, accumulated in ``dtype``."""
+    """``sum over t of (weights_t x_t)^T y_t`` per row and head, ``[B, H, K, V]``, accumulated in ``dtype``; ``weights``
+    ``[B, L, H]`` or, one per key, ``[B, L, H, K]``."""
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 and jnp.dtype(x.dtype).itemsize >= 4 else None
-    return jnp.einsum(
-        "blhk,blhv->bhkv", x.astype(dtype) * weights[..., None], y.astype(dtype), precision=precision, preferred_element_type=dtype
-    )
+    weights = weights if weights.ndim == x.ndim else weights[..., None]
+    return jnp.einsum("blhk,blhv->bhkv", x.astype(dtype) * weights, y.astype(dtype), precision=precision, preferred_element_type=dtype)
 
 
 def _at(x: jax.Array, index: jax.Array) -> jax.Array:
-    """``x[b, index[b], h]`` for ``x`` ``[B, L, H]``."""
-    return jnp.take_along_axis(x, index[:, None, None], axis=1)[:, 0]
+    """``x[b, index[b]]`` for ``x`` ``[B, L, ...]``."""
+    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
 def _carried_in(arrays: dict[str, Any], block: _Block, decays: jax.Array, shards: SequenceShards) -> jax.Array:
@@ -131,16 +139,16 @@ def _carried_in(arrays: dict[str, Any], block: _Block, decays: jax.Array, shards
     dtype = decays.dtype
     suffix = jnp.cumsum(decays[:, ::-1], axis=1)[:, ::-1]  # sum of a_u for u >= t
     after = jnp.concatenate([suffix[:, 1:], jnp.zeros_like(suffix[:, :1])], axis=1)  # u > t
-    in_last = jnp.arange(block.length)[None, :, None] >= block.last_start[:, None, None]
+    in_last = _per_row(jnp.arange(block.length)[None, :] >= block.last_start[:, None], decays)
     weights = jnp.where(in_last, jnp.exp(jnp.where(in_last, after, 0.0)), 0.0)
     state = _weighted_outer(arrays["k"], weights, arrays["v"], dtype)
     segment_decay = jnp.exp(_at(suffix, block.last_start))
     initial_state = arrays["initial_state"]
     if initial_state is not None:  # the last segment's sequence starts here, from its initial state
-        starts = jnp.where(block.covered[:, None], 0.0, segment_decay)
-        state = state + starts[..., None, None] * initial_state[block.last_seq].astype(dtype)
-    carried = exclusive_affine_scan(jnp.where(block.covered[:, None], segment_decay, 0.0), state, shards)
-    return jnp.where(block.crosses_in[:, None, None, None], carried, 0.0)
+        starts = jnp.where(_per_row(block.covered, segment_decay), 0.0, segment_decay)
+        state = state + decay_of_state(starts) * initial_state[block.last_seq].astype(dtype)
+    carried = exclusive_affine_scan(jnp.where(_per_row(block.covered, segment_decay), segment_decay, 0.0), state, shards)
+    return jnp.where(_per_row(block.crosses_in, carried), carried, 0.0)
 
 
 def _block_initial_states(arrays: dict[str, Any], block: _Block, carried: jax.Array, num_seqs: int) -> jax.Array:
@@ -167,7 +175,7 @@ def forward(arrays: dict[str, Any], output_final_state: bool, shards: SequenceSh
 
 
 def backward(arrays: dict[str, Any], do: jax.Array, dht: jax.Array | None, scale: float, shards: SequenceShards, run: Any) -> Any:
-    """This device's ``dq, dk, dv, dg`` and its shares of ``dg_gamma`` and ``dinitial_state``."""
+    """This device's ``dq, dk, dv, dg`` and its shares of ``dg_gamma`` (simple_gla) and ``dinitial_state``."""
     B, L, H, K = arrays["q"].shape
     V = arrays["v"].shape[-1]
     num_seqs = _num_seqs(arrays)
@@ -177,16 +185,17 @@ def backward(arrays: dict[str, Any], do: jax.Array, dht: jax.Array | None, scale
     carried = _carried_in(arrays, block, decays, shards)
 
     prefix = jnp.cumsum(decays, axis=1)  # A_t from the block's start, t inclusive
-    in_first = jnp.arange(L)[None, :, None] < block.first_end[:, None, None]
+    in_first = _per_row(jnp.arange(L)[None, :] < block.first_end[:, None], decays)
     weights = jnp.where(in_first, jnp.exp(jnp.where(in_first, prefix, 0.0)), 0.0)
     into_state = scale * _weighted_outer(arrays["q"], weights, do, dtype)  # U_p
     first_decay = jnp.exp(_at(prefix, jnp.maximum(block.first_end - 1, 0)))
     if dht is not None:  # the first segment's sequence ends in the block: its dht flows back through the segment
         ends = (block.first_end < L) | ~block.crosses_out
-        into_state = into_state + jnp.where(ends[:, None], first_decay, 0.0)[..., None, None] * dht[block.first_seq].astype(dtype)
-    through = jnp.where((block.covered & block.crosses_out)[:, None], first_decay, 0.0)
+        ending_decay = jnp.where(_per_row(ends, first_decay), first_decay, 0.0)
+        into_state = into_state + decay_of_state(ending_decay) * dht[block.first_seq].astype(dtype)
+    through = jnp.where(_per_row(block.covered & block.crosses_out, first_decay), first_decay, 0.0)
     passed_on = exclusive_affine_scan(through, into_state, shards, reverse=True)
-    passed_on = jnp.where(block.crosses_out[:, None, None, None], passed_on, 0.0)
+    passed_on = jnp.where(_per_row(block.crosses_out, passed_on), passed_on, 0.0)
 
     block_dht = block.to_sequences(passed_on, block.last_seq, num_seqs)
     if dht is not None:
