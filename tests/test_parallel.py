@@ -76,8 +76,10 @@ def test_a_split_call_under_vmap(registry, mesh):
     np.testing.assert_allclose(jax.jit(jax.vmap(output))(stacked), jax.vmap(lambda q: sg.forward(q, k, v, g_gamma=g_gamma)[0])(stacked), rtol=1e-6)
 
 
-def test_kda_refuses_to_split_the_sequence_and_says_why(mesh):
+def test_an_op_without_a_sequence_parallel_algorithm_refuses_to_split_the_sequence_and_says_why(mesh, monkeypatch):
+    # Every op here has one; an op added through the registry need not (OpContract.sequence_parallel).
     kda = tops_core.op("kda")
+    monkeypatch.setattr(type(kda), "sequence_parallel", None)
     x = jnp.ones((1, 8, 2, 4))
     with pytest.raises(ValueError, match="cannot split the sequence over mesh axis 'seq': kda has no sequence-parallel algorithm; shard the batch or the heads"):
         with parallel.shard(mesh, sequence="seq"):

@@ -10,8 +10,9 @@ show what crosses devices: ``dg_gamma`` alone for batch and heads, states (never
 sequence, the same whatever ``T``. The same calls compile for a 4-chip TPU (compile-only, libtpu),
 the Pallas kernel running on every chip's block.
 
-``-m slow`` runs the float64 sweep: every packing and gate combination over 2, 4 and 8 devices,
-against one device to 1e-10 / 1e-9 and against the float64 reference.
+``-m slow`` runs the float64 sweep: every packing and gate combination of simple_gla over 2, 4 and 8 devices (the
+other ops' sequences: three packings, with and without states), against one device to 1e-10 / 1e-9 and against the
+float64 reference.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ CASES = [
     dict(BASE, name="sequence-2-packed", mode="shard", mesh=[2], split={"sequence": 0}, T=64, seqlens=[5, 0, 20, 8, 0, 31]),
     # 16 tokens per device: sequences start and end exactly on device boundaries, and are empty there.
     dict(BASE, name="sequence-4-packed-on-boundaries", mode="shard", mesh=[4], split={"sequence": 0}, T=64,
-         seqlens=[16, 16, 0, 16, 1, 15, 0], backward=True),
+         seqlens=[16, 16, 0, 16, 1, 15, 0]),
     dict(BASE, name="sequence-8-packed-auto", mode="auto", mesh=[8], split={"sequence": 0}, T=64, seqlens=[3, 60, 1]),
     dict(BASE, name="sequence-8-rows-strong-scalar-gamma", mode="shard", mesh=[8], split={"sequence": 0}, B=2, T=64,
          strong_decay=True, scalar_gamma=True),
@@ -59,6 +60,13 @@ CASES = [
     # gla's state decays per key: its sequence splits as simple_gla's, each device's map carrying a decay per key.
     dict(BASE, op="gla", name="gla-sequence-4-packed", mode="shard", mesh=[4], split={"sequence": 0}, T=64,
          seqlens=[16, 5, 0, 30, 13], features=["initial_state", "output_final_state"]),
+    # The delta rule's sequence: each device's map carries a K x K matrix (tops_core/ops/delta_sequence.py).
+    dict(BASE, op="gated_delta_rule", name="gated_delta_rule-sequence-4-packed-grouped", mode="shard", mesh=[4],
+         split={"sequence": 0}, T=64, seqlens=[16, 5, 0, 30, 13], H=2, HV=4,
+         features=["initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"]),
+    dict(BASE, op="kda", name="kda-sequence-4-rows-gated", mode="shard", mesh=[4], split={"sequence": 0}, B=2, T=64, H=2,
+         features=["initial_state", "output_final_state", "use_qk_l2norm", "use_gate", "A_log", "dt_bias", "lower_bound",
+                   "use_beta_sigmoid"]),
     dict(BASE, op="gated_delta_rule", name="gated_delta_rule-grouped-heads-packed", mode="shard", mesh=[2], split={"heads": 0},
          T=40, seqlens=[7, 0, 33], H=2, HV=4, features=["initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"]),
 ]
@@ -124,9 +132,10 @@ def assert_within_tolerance(case: dict, answer: dict) -> None:
 # Splits beyond kda's grouped and gated one and simple_gla's (the ops added through declarations split by their dims as
 # kda's do), and packed sequence splits beyond the one over 4 devices, forward and backward, with sequences on the
 # devices' boundaries (sequence-2-packed's exchange still compiles by default, in the test of what crosses devices).
+# kda's sequence (23 s) shares delta_sequence with gated_delta_rule's, which runs by default.
 SLOW = {
     "kda-batch-heads-shard", "kda-batch-heads-auto", "kda-heads-packed", "gla-batch-heads-shard", "gated_delta_rule-grouped-heads-packed",
-    "sequence-8-packed-auto", "sequence-2-packed",
+    "sequence-8-packed-auto", "sequence-2-packed", "kda-sequence-4-rows-gated",
 }
 
 
@@ -182,12 +191,6 @@ def test_a_sequence_that_does_not_divide_evenly_is_refused_with_the_reason(worke
     assert "cannot split the sequence over mesh axis 'axis0': T=66 is not divisible by its 4 devices" in error
 
 
-def test_kda_refuses_a_split_sequence_with_the_reason(worker):
-    case = dict(KDA_GROUPED, name="kda-sequence", mesh=[4], split={"sequence": 0})
-    error = worker.ask("compare", case, failing=True)["error"]
-    assert "cannot split the sequence over mesh axis 'axis0': kda has no sequence-parallel algorithm; shard the batch or the heads" in error
-
-
 def test_a_call_inside_set_mesh_with_unsharded_inputs_runs_whole(worker):
     # The partitioner then hands custom_partitioning's callback an empty mesh, which has no platform.
     case = dict(BASE, name="set-mesh-unplaced", mode="auto", set_mesh=True, explicit=True, unplaced=True, mesh=[4], split={"batch": 0},
@@ -224,17 +227,18 @@ def test_tpu_batch_and_heads_run_the_pallas_kernel_on_every_chip(worker, libtpu)
     assert answer["collectives"] == [["all-reduce", "f32[2]", 8]]  # dg_gamma of the chip's 2 heads
 
 
-# gla with -m slow (13 s): its chips exchange a decay per key, f32[B, H, K], beside each state.
-@pytest.mark.parametrize("op", ["simple_gla", pytest.param("gla", marks=pytest.mark.slow)])
+# The other ops with -m slow (13 to 22 s each): gla's chips exchange a decay per key, f32[B, H, K], beside each state;
+# the delta rule's a K x K matrix.
+@pytest.mark.parametrize("op", ["simple_gla", *(pytest.param(op, marks=pytest.mark.slow) for op in ("gla", "kda", "gated_delta_rule"))])
 def test_tpu_sequence_exchanges_states_the_same_whatever_T(worker, libtpu, op):
-    case = dict(TPU, name="tpu-sequence", mode="shard", mesh=[4], split={"sequence": 0})
-    if op == "gla":
-        case |= dict(op="gla", features=["output_final_state"])
+    case = dict(TPU, op=op, name="tpu-sequence", mode="shard", mesh=[4], split={"sequence": 0})
+    if op != "simple_gla":
+        case["features"] = ["output_final_state"]
     short, long = (worker.ask("tpu", dict(case, T=T)) for T in (256, 1024))
     assert short["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
     assert sorted(short["collectives"]) == sorted(long["collectives"])
     state = 4 * case["B"] * case["H"] * case["K"] * case["V"]
-    decays = 4 * case["B"] * case["H"] * (case["K"] if op == "gla" else 1)
+    decays = 4 * case["B"] * case["H"] * {"simple_gla": 1, "gla": case["K"]}.get(op, case["K"] * case["K"])
     assert {size for opcode, _, size in short["collectives"] if opcode == "collective-permute"} == {state, decays}
 
 
@@ -256,15 +260,17 @@ def test_tpu_sharded_inputs_without_a_split_say_how_to_split(worker, libtpu, exp
 
 PACKINGS = [None, [5, 0, 20, 8, 0, 31], [16, 16, 0, 16, 1, 15], [64], [0, 64, 0], [1] * 8 + [56], [3, 60, 1]]
 VARIANTS = [ALL, ["g"], ["g_gamma", "output_final_state"], ["initial_state"]]
-GLA_PACKINGS = [None, [5, 0, 20, 8, 0, 31], [1] * 8 + [56]]
-GLA_VARIANTS = [["initial_state", "output_final_state"], []]  # gla's g is always given
-GLA_ALL = GLA_VARIANTS[0]
+# The other ops (their gates always given): fewer packings and options, the same devices.
+OTHER_PACKINGS = [None, [5, 0, 20, 8, 0, 31], [1] * 8 + [56]]
+OTHER_VARIANTS = [["initial_state", "output_final_state"], []]
+OTHER_ALL = OTHER_VARIANTS[0]
 
 
 def sweep() -> list[dict]:
     cases = []
     for devices in (2, 4, 8):
-        for op, packings, variants in (("simple_gla", PACKINGS, VARIANTS), ("gla", GLA_PACKINGS, GLA_VARIANTS)):
+        others = [(op, OTHER_PACKINGS, OTHER_VARIANTS) for op in ("gla", "kda", "gated_delta_rule")]
+        for op, packings, variants in [("simple_gla", PACKINGS, VARIANTS), *others]:
             for packing in packings:
                 for features in variants:
                     name = f"{op}-P{devices}-{'rows' if packing is None else '-'.join(map(str, packing))}-{'+'.join(features) or 'g'}"
@@ -289,6 +295,6 @@ def test_float64_sequence_split_is_exact(worker64, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in sweep() if c["mesh"] == [8] and c["features"] in (ALL, GLA_ALL)], ids=lambda case: case["name"])
+@pytest.mark.parametrize("case", [c for c in sweep() if c["mesh"] == [8] and c["features"] in (ALL, OTHER_ALL)], ids=lambda case: case["name"])
 def test_float64_sequence_split_against_the_reference(worker64, case):
     assert_within_tolerance(case, worker64.ask("compare", dict(case, against="ref.recurrent", strong_decay=True)))

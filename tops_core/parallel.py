@@ -10,8 +10,8 @@ the per-token inputs are split along ``B`` over ``batch``, along ``T`` over ``se
 ``H`` over ``heads``; the outputs come back split the same way, and whatever has no such axis
 (final states, ``dg_gamma``, ``dinitial_state``) comes back whole on every device. Each device's
 block is decided by the dispatcher for its own shapes. A split sequence exchanges only ``K x V``
-states between devices (``tops_core.ops.diagonal_sequence``: simple_gla and gla, whose states decay
-diagonally; kda and gated_delta_rule refuse it); its ``T`` must divide evenly.
+states and their maps between devices (``tops_core.ops.diagonal_sequence`` for simple_gla and gla, whose states
+decay diagonally, ``tops_core.ops.delta_sequence`` for kda and gated_delta_rule); its ``T`` must divide evenly.
 
 Use it inside the function you ``jax.jit``: the split is fixed when the call is traced. Without
 it, a call under ``jax.jit`` whose inputs are sharded is split as the compiler finds them sharded,

@@ -111,25 +111,34 @@ def decay_of_state(decay: jax.Array) -> jax.Array:
     return decay.reshape(decay.shape + (1,) * (4 - decay.ndim))
 
 
-def exclusive_affine_scan(decay: jax.Array, state: jax.Array, shards: SequenceShards, reverse: bool = False) -> jax.Array:
-    """The state each device receives when every device maps an incoming state ``x`` to ``diag(decay) x + state``.
+def _apply(decay: jax.Array, state: jax.Array) -> jax.Array:
+    """``decay`` applied to ``state`` (another map's decay, or a ``[B, H, K, V]`` state): a ``[B, H, K, K]`` matrix
+    multiplies it, a diagonal (``[B, H]`` or ``[B, H, K]``) scales its rows."""
+    if decay.ndim == 4:
+        return jnp.einsum("bhij,bhj...->bhi...", decay, state, precision=jax.lax.Precision.HIGHEST)
+    return decay_of_state(decay) * state if state.ndim == 4 else decay * state
 
-    ``decay`` is ``[B, H]`` (one per head) or ``[B, H, K]`` (one per key) and ``state`` ``[B, H, K, V]``; the result
-    on device ``p`` is the maps of devices ``0 .. p-1`` applied in order to zero (``reverse``: those of
-    ``p+1 .. P-1``, last first). A log-depth scan (Hillis and Steele) over ``ppermute``: one shift, then
-    ``ceil(log2(P - 1))`` doubling rounds over the ``P - 1`` shifted maps, each sending one
-    ``[B, H, K, V]`` state (and its decay) per device.
+
+def exclusive_affine_scan(decay: jax.Array, state: jax.Array, shards: SequenceShards, reverse: bool = False) -> jax.Array:
+    """The state each device receives when every device maps an incoming state ``x`` to ``decay x + state``.
+
+    ``state`` is ``[B, H, K, V]``; ``decay`` is diagonal, ``[B, H]`` (one per head) or ``[B, H, K]`` (one per key), or a
+    ``[B, H, K, K]`` matrix (the delta rule's). The result on device ``p`` is the maps of devices ``0 .. p-1`` applied
+    in order to zero (``reverse``: those of ``p+1 .. P-1``, last first). A log-depth scan (Hillis and Steele) over
+    ``ppermute``: one shift, then ``ceil(log2(P - 1))`` doubling rounds over the ``P - 1`` shifted maps, each sending
+    one ``[B, H, K, V]`` state (and its decay) per device.
     """
     step = -1 if reverse else 1
     first = 0 if not reverse else shards.size - 1
+    identity = jnp.eye(decay.shape[-1], dtype=decay.dtype) if decay.ndim == 4 else 1.0
     decay, state = shards.shift(decay, step), shards.shift(state, step)
-    decay = jnp.where(shards.index == first, 1.0, decay)  # nothing before the first device: the identity map
+    decay = jnp.where(shards.index == first, identity, decay)  # nothing before the first device: the identity map
     distance = 1
     while distance < shards.size - 1:
         earlier_decay, earlier_state = shards.shift(decay, step * distance), shards.shift(state, step * distance)
         has_earlier = shards.index >= distance if not reverse else shards.index < shards.size - distance
-        state = state + jnp.where(has_earlier, decay_of_state(decay) * earlier_state, 0.0)
-        decay = jnp.where(has_earlier, decay * earlier_decay, decay)
+        state = state + jnp.where(has_earlier, _apply(decay, earlier_state), 0.0)
+        decay = jnp.where(has_earlier, _apply(decay, earlier_decay), decay)
         distance *= 2
     return state
 

@@ -476,9 +476,9 @@ class OpContract:
         def local(platform: str | None, sequence: SequenceShards | None, *flat: Any) -> Any:
             arrays, cotangents = unflatten(flat)
 
-            def run(arrays: dict[str, Any], cotangents: tuple[Any, ...] = cotangents, **options: Any) -> Any:
+            def run(arrays: dict[str, Any], cotangents: tuple[Any, ...] = cotangents, *, forward: bool = False, **options: Any) -> Any:
                 block = self._block(prepared, arrays, platform, options)
-                return self._staged(direction, policy, block, cotangents)
+                return self._staged("forward" if forward else direction, policy, block, () if forward else cotangents)
 
             if sequence is None:
                 return run(arrays)
@@ -549,12 +549,13 @@ class OpContract:
         sequence: SequenceShards, run: Any,
     ) -> Any:
         """One device's results when the sequence is split over ``sequence``; ``run(arrays, cotangents, **options)``
-        runs the op on a block. Results that do not have a time axis are this device's share of a sum."""
+        runs the op on a block (``forward=True``: its forward, in the backward too). Results that do not have a time
+        axis are this device's share of a sum."""
         if self.sequence_parallel is None:
             raise NotImplementedError(self.sequence_unsplittable(prepared))
         if direction == "forward":
-            return self.sequence_parallel.forward(arrays, prepared.option("output_final_state"), sequence, run)
-        return self.sequence_parallel.backward(arrays, *cotangents, prepared.option("scale"), sequence, run)
+            return self.sequence_parallel.forward(arrays, prepared, sequence, run)
+        return self.sequence_parallel.backward(arrays, cotangents, prepared, sequence, run)
 
     def _check_outputs(self, impl: str, prepared: Prepared, outputs: Any) -> None:
         if not (isinstance(outputs, tuple) and len(outputs) == 2):

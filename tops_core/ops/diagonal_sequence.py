@@ -29,78 +29,15 @@ that are sums of the segment's own log decays are exponentiated, masked before `
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from tops_core.ops.base import state_dtype
+from tops_core.ops import sequence_blocks
+from tops_core.ops.base import Prepared, state_dtype
+from tops_core.ops.sequence_blocks import Block, per_row
 from tops_core.partitioning import SequenceShards, decay_of_state, exclusive_affine_scan
-
-
-@dataclasses.dataclass(frozen=True)
-class _Block:
-    """Where the sequences lie in one device's block.
-
-    Per batch row (``[B]``): ``first_end``, the local end of the first sequence segment;
-    ``last_start``, the local start of the last one; ``crosses_in``/``crosses_out``, whether a
-    sequence continues into the block from the device before / out of it to the device after;
-    ``first_seq``/``last_seq``, the sequence of the first and last segment. Per sequence
-    (``[N]``): ``starts_here``/``ends_here``, whether its first / last token is in the block
-    (never for an empty one); ``empty``. ``cu_seqlens``: the boundaries clipped to the block.
-    """
-
-    length: int
-    first_end: jax.Array
-    last_start: jax.Array
-    crosses_in: jax.Array
-    crosses_out: jax.Array
-    first_seq: jax.Array
-    last_seq: jax.Array
-    starts_here: jax.Array
-    ends_here: jax.Array
-    empty: jax.Array
-    cu_seqlens: jax.Array | None
-
-    @classmethod
-    def of(cls, batch: int, length: int, cu_seqlens: jax.Array | None, shards: SequenceShards) -> _Block:
-        first, last = shards.index == 0, shards.index == shards.size - 1
-        if cu_seqlens is None:  # every row is one sequence through every device
-            rows = jnp.arange(batch)
-            every = jnp.ones(batch, bool)
-            return cls(
-                length, jnp.full(batch, length), jnp.zeros(batch, jnp.int32), every & ~first, every & ~last, rows, rows,
-                every & first, every & last, ~every, None,
-            )
-        start = shards.index * length
-        end = start + length
-        seq_starts, seq_ends = cu_seqlens[:-1], cu_seqlens[1:]
-        nonempty = seq_starts < seq_ends
-        first_seq = jnp.argmax(nonempty & (seq_starts <= start) & (start < seq_ends))
-        last_seq = jnp.argmax(nonempty & (seq_starts < end) & (end <= seq_ends))
-        return cls(
-            length,
-            first_end=jnp.minimum(seq_ends[first_seq] - start, length)[None],
-            last_start=jnp.maximum(seq_starts[last_seq] - start, 0)[None],
-            crosses_in=(seq_starts[first_seq] < start)[None],
-            crosses_out=(seq_ends[last_seq] > end)[None],
-            first_seq=first_seq[None],
-            last_seq=last_seq[None],
-            starts_here=nonempty & (start <= seq_starts) & (seq_starts < end),
-            ends_here=nonempty & (start < seq_ends) & (seq_ends <= end),
-            empty=~nonempty,
-            cu_seqlens=jnp.clip(cu_seqlens - start, 0, length).astype(jnp.int32),
-        )
-
-    @property
-    def covered(self) -> jax.Array:
-        """``[B]``: one sequence runs through the whole block, from the device before."""
-        return self.crosses_in & (self.last_start == 0)
-
-    def to_sequences(self, rows: jax.Array, seq_of_row: jax.Array, num_seqs: int) -> jax.Array:
-        """``[N, H, K, V]`` with each row's ``[H, K, V]`` at its sequence (zeros elsewhere)."""
-        return jnp.zeros((num_seqs, *rows.shape[1:]), rows.dtype).at[seq_of_row].add(rows)
 
 
 def _log_decays(arrays: dict[str, Any], dtype: Any) -> jax.Array:
@@ -116,11 +53,6 @@ def _log_decays(arrays: dict[str, Any], dtype: Any) -> jax.Array:
     return a
 
 
-def _per_row(mask: jax.Array, like: jax.Array) -> jax.Array:
-    """A ``[B]`` (or ``[B, L]``) ``mask`` shaped to broadcast against ``like``, whose leading dimensions it indexes."""
-    return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
-
-
 def _weighted_outer(x: jax.Array, weights: jax.Array, y: jax.Array, dtype: Any) -> jax.Array:
     """``sum over t of (weights_t x_t)^T y_t`` per row and head, ``[B, H, K, V]``, accumulated in ``dtype``; ``weights``
     ``[B, L, H]`` or, one per key, ``[B, L, H, K]``."""
@@ -134,89 +66,50 @@ def _at(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
-def _carried_in(arrays: dict[str, Any], block: _Block, decays: jax.Array, shards: SequenceShards) -> jax.Array:
+def _carried_in(arrays: dict[str, Any], block: Block, decays: jax.Array, shards: SequenceShards) -> jax.Array:
     """``[B, H, K, V]``: the state carried into this block from the devices before (for rows that continue in)."""
     dtype = decays.dtype
     suffix = jnp.cumsum(decays[:, ::-1], axis=1)[:, ::-1]  # sum of a_u for u >= t
     after = jnp.concatenate([suffix[:, 1:], jnp.zeros_like(suffix[:, :1])], axis=1)  # u > t
-    in_last = _per_row(jnp.arange(block.length)[None, :] >= block.last_start[:, None], decays)
+    in_last = per_row(jnp.arange(block.length)[None, :] >= block.last_start[:, None], decays)
     weights = jnp.where(in_last, jnp.exp(jnp.where(in_last, after, 0.0)), 0.0)
     state = _weighted_outer(arrays["k"], weights, arrays["v"], dtype)
     segment_decay = jnp.exp(_at(suffix, block.last_start))
     initial_state = arrays["initial_state"]
     if initial_state is not None:  # the last segment's sequence starts here, from its initial state
-        starts = jnp.where(_per_row(block.covered, segment_decay), 0.0, segment_decay)
+        starts = jnp.where(per_row(block.covered, segment_decay), 0.0, segment_decay)
         state = state + decay_of_state(starts) * initial_state[block.last_seq].astype(dtype)
-    carried = exclusive_affine_scan(jnp.where(_per_row(block.covered, segment_decay), segment_decay, 0.0), state, shards)
-    return jnp.where(_per_row(block.crosses_in, carried), carried, 0.0)
+    carried = exclusive_affine_scan(jnp.where(per_row(block.covered, segment_decay), segment_decay, 0.0), state, shards)
+    return jnp.where(per_row(block.crosses_in, carried), carried, 0.0)
 
 
-def _block_initial_states(arrays: dict[str, Any], block: _Block, carried: jax.Array, num_seqs: int) -> jax.Array:
-    """``[N, H, K, V]``: the state each sequence enters the block with."""
-    states = block.to_sequences(carried, block.first_seq, num_seqs)
-    if arrays["initial_state"] is not None:
-        states = states + jnp.where(block.starts_here[:, None, None, None], arrays["initial_state"].astype(states.dtype), 0.0)
-    return states
-
-
-def forward(arrays: dict[str, Any], output_final_state: bool, shards: SequenceShards, run: Any) -> tuple[Any, Any]:
+def forward(arrays: dict[str, Any], prepared: Prepared, shards: SequenceShards, run: Any) -> tuple[Any, Any]:
     """This device's ``o`` and its share of the final states."""
     B, L, H, K = arrays["q"].shape
-    num_seqs = _num_seqs(arrays)
-    block = _Block.of(B, L, arrays["cu_seqlens"], shards)
-    decays = _log_decays(arrays, state_dtype(arrays["q"].dtype))
-    carried = _carried_in(arrays, block, decays, shards)
-    local = {**arrays, "initial_state": _block_initial_states(arrays, block, carried, num_seqs), "cu_seqlens": block.cu_seqlens}
-    o, final_state = run(local)
-    if not output_final_state:
-        return o, None
-    empty = arrays["initial_state"] if arrays["initial_state"] is not None else jnp.zeros_like(final_state)
-    return o, _share(block, shards, block.ends_here, final_state, empty)  # an empty sequence ends in its initial state
+    block = Block.of(B, L, arrays["cu_seqlens"], shards)
+    carried = _carried_in(arrays, block, _log_decays(arrays, state_dtype(arrays["q"].dtype)), shards)
+    return sequence_blocks.forward(arrays, block, carried, prepared.option("output_final_state"), shards, run)
 
 
-def backward(arrays: dict[str, Any], do: jax.Array, dht: jax.Array | None, scale: float, shards: SequenceShards, run: Any) -> Any:
+def backward(arrays: dict[str, Any], cotangents: tuple[Any, ...], prepared: Prepared, shards: SequenceShards, run: Any) -> Any:
     """This device's ``dq, dk, dv, dg`` and its shares of ``dg_gamma`` (simple_gla) and ``dinitial_state``."""
+    do, dht = cotangents
     B, L, H, K = arrays["q"].shape
-    V = arrays["v"].shape[-1]
-    num_seqs = _num_seqs(arrays)
     dtype = state_dtype(arrays["q"].dtype)
-    block = _Block.of(B, L, arrays["cu_seqlens"], shards)
+    block = Block.of(B, L, arrays["cu_seqlens"], shards)
     decays = _log_decays(arrays, dtype)
     carried = _carried_in(arrays, block, decays, shards)
 
     prefix = jnp.cumsum(decays, axis=1)  # A_t from the block's start, t inclusive
-    in_first = _per_row(jnp.arange(L)[None, :] < block.first_end[:, None], decays)
+    in_first = per_row(jnp.arange(L)[None, :] < block.first_end[:, None], decays)
     weights = jnp.where(in_first, jnp.exp(jnp.where(in_first, prefix, 0.0)), 0.0)
-    into_state = scale * _weighted_outer(arrays["q"], weights, do, dtype)  # U_p
+    into_state = prepared.option("scale") * _weighted_outer(arrays["q"], weights, do, dtype)  # U_p
     first_decay = jnp.exp(_at(prefix, jnp.maximum(block.first_end - 1, 0)))
     if dht is not None:  # the first segment's sequence ends in the block: its dht flows back through the segment
         ends = (block.first_end < L) | ~block.crosses_out
-        ending_decay = jnp.where(_per_row(ends, first_decay), first_decay, 0.0)
+        ending_decay = jnp.where(per_row(ends, first_decay), first_decay, 0.0)
         into_state = into_state + decay_of_state(ending_decay) * dht[block.first_seq].astype(dtype)
-    through = jnp.where(_per_row(block.covered & block.crosses_out, first_decay), first_decay, 0.0)
+    through = jnp.where(per_row(block.covered & block.crosses_out, first_decay), first_decay, 0.0)
     passed_on = exclusive_affine_scan(through, into_state, shards, reverse=True)
-    passed_on = jnp.where(_per_row(block.crosses_out, passed_on), passed_on, 0.0)
-
-    block_dht = block.to_sequences(passed_on, block.last_seq, num_seqs)
-    if dht is not None:
-        block_dht = block_dht + jnp.where(block.ends_here[:, None, None, None], dht.astype(dtype), 0.0)
-    local = {**arrays, "initial_state": _block_initial_states(arrays, block, carried, num_seqs), "cu_seqlens": block.cu_seqlens}
-    grads = run(local, (do, block_dht), output_final_state=True)
-    initial_state = arrays["initial_state"]
-    if initial_state is None:
-        return dataclasses.replace(grads, dinitial_state=None)
-    empty = dht if dht is not None else jnp.zeros((num_seqs, H, K, V), dtype)  # an empty sequence passes dht to its initial state
-    dinitial_state = _share(block, shards, block.starts_here, grads.dinitial_state, empty)
-    return dataclasses.replace(grads, dinitial_state=dinitial_state.astype(initial_state.dtype))
-
-
-def _share(block: _Block, shards: SequenceShards, owns: jax.Array, per_sequence: jax.Array, empty: jax.Array) -> jax.Array:
-    """``per_sequence`` where this block ``owns`` a sequence's value, zeros elsewhere; an empty sequence's
-    value (``empty``) belongs to the first device. Summed over the devices, every sequence's value once."""
-    share = jnp.where(owns[:, None, None, None], per_sequence, 0.0)
-    return share + jnp.where((block.empty & (shards.index == 0))[:, None, None, None], empty.astype(share.dtype), 0.0)
-
-
-def _num_seqs(arrays: dict[str, Any]) -> int:
-    cu_seqlens = arrays["cu_seqlens"]
-    return arrays["q"].shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    passed_on = jnp.where(per_row(block.crosses_out, passed_on), passed_on, 0.0)
+    return sequence_blocks.backward(arrays, block, carried, passed_on, do, dht, shards, run)

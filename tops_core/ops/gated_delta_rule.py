@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import jax
 
-from tops_core.ops import validation
+from tops_core.ops import delta_sequence, validation
 from tops_core.ops.base import Explanation, OpContract, Prepared, nan_where, state_dtype
 from tops_core.ops.kda import KDA
 from tops_core.policy import ForceRequest
@@ -65,6 +65,7 @@ class GatedDeltaRule(OpContract, signature=GATED_DELTA_RULE):
         "q": "b t h k", "k": "b t h k", "v": "b t h v", "g": "b t h", "beta": "b t h", "initial_state": "n h k v",
         "cu_seqlens": "c",
     }
+    sequence_parallel = delta_sequence
 
     def forward(
         self, q: Array, k: Array, v: Array, g: Array, beta: Array, scale: float | None = None,

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from tops_core.ops import validation
+from tops_core.ops import delta_sequence, validation
 from tops_core.ops.base import Explanation, OpContract, Prepared, nan_where, state_dtype
 from tops_core.ops.validation import is_concrete
 from tops_core.policy import ForceRequest
@@ -200,6 +200,7 @@ class KDA(OpContract, signature=KDA_SIGNATURE):
         "q": "b t h k", "k": "b t h k", "v": "b t h v", "g": "b t h k", "beta": "b t h",
         "initial_state": "n h k v", "cu_seqlens": "c", "A_log": "h", "dt_bias": "h",
     }
+    sequence_parallel = delta_sequence
 
     def forward(
         self,
