@@ -128,7 +128,8 @@ def test_an_implementation_that_accepts_a_case_fails_the_rejection_check(registr
         check_rejected(wide, case_named(wide, "base"))
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+# In one process with -m slow: under xdist the plugin runs the same cases in the workers and the summary crosses back.
+@pytest.mark.parametrize("workers", [pytest.param([], marks=pytest.mark.slow), ["-n", "2"]], ids=["one-process", "xdist"])
 def test_a_third_party_runs_the_kit_as_a_pytest_plugin(pytester, clean_env, workers):
     # Under pytest-xdist the cases run in worker processes: the summary must still reach the one that prints it.
     clean_env.setenv("PYTHONPATH", str(pathlib.Path(__file__).parents[1]))

@@ -132,10 +132,11 @@ def assert_within_tolerance(case: dict, answer: dict) -> None:
 # Splits beyond kda's grouped and gated one and simple_gla's (the ops added through declarations split by their dims as
 # kda's do), and packed sequence splits beyond the one over 4 devices, forward and backward, with sequences on the
 # devices' boundaries (sequence-2-packed's exchange still compiles by default, in the test of what crosses devices).
-# kda's sequence (23 s) shares delta_sequence with gated_delta_rule's, which runs by default.
+# kda's sequence (23 s) shares delta_sequence with gated_delta_rule's, and gla's (10 s) diagonal_sequence with
+# simple_gla's, which run by default (gla's per-key decays in the float64 sweep too).
 SLOW = {
     "kda-batch-heads-shard", "kda-batch-heads-auto", "kda-heads-packed", "gla-batch-heads-shard", "gated_delta_rule-grouped-heads-packed",
-    "sequence-8-packed-auto", "sequence-2-packed", "kda-sequence-4-rows-gated",
+    "sequence-8-packed-auto", "sequence-2-packed", "kda-sequence-4-rows-gated", "gla-sequence-4-packed",
 }
 
 

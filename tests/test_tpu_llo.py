@@ -101,7 +101,8 @@ EDGES = {"v4": 128, "v5e": 128, "v5p": 128, "v6e": 256}  # MXU edges (Pallas' TP
 PASSES = {"bfloat16": 1, "float32": 6}  # a float32 product at HIGHEST is six bf16 passes
 
 
-@pytest.mark.parametrize("generation", sorted(EDGES))
+# A 128-wide and the 256-wide MXU by default; v4 and v5p (128 wide too) with -m slow.
+@pytest.mark.parametrize("generation", [g if g in ("v5e", "v6e") else pytest.param(g, marks=pytest.mark.slow) for g in sorted(EDGES)])
 def test_mxu_rows_of_a_compiled_kernel_match_its_products_on_every_generation(generation, monkeypatch):
     pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu")
     from tops_core.tpu import compile_only

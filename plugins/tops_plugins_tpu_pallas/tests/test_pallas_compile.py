@@ -429,11 +429,12 @@ def test_gla_and_gated_delta_rule_forward_compile_to_the_mosaic_kernel(worker, c
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 
 
-# kda's four gradient calls (every value of every factor, one per generation) for each op: v6e's by default (the kernels
-# are kda's; its own gradients compile on every generation by default), the rest with -m slow.
+# kda's four gradient calls (every value of every factor, one per generation) for each op: gated_delta_rule's on v6e by
+# default (the kernels are kda's; its own gradients compile on every generation by default, and gla's backward in the
+# packed gradient below), the rest with -m slow.
 OTHER_GRADIENTS = [
     pytest.param({**call, "op": op, "kernel": "fused", **OTHER_OPS[op]}, id=_other_label(op, call),
-                 marks=pytest.mark.slow if call["generation"] != "v6e" else ())
+                 marks=pytest.mark.slow if call["generation"] != "v6e" or op == "gla" else ())
     for op in OTHER_OPS for call in KDA_GRADIENTS
 ]
 

@@ -490,7 +490,8 @@ def test_split_operands_keep_about_16_bits_in_two_bf16_passes():
         assert all(x.aval.dtype == jnp.bfloat16 for dot in dots for x in dot.invars)
 
 
-@pytest.mark.parametrize("op", [pytest.param("simple_gla", marks=pytest.mark.slow), "kda"])  # the same index maps (blocks.py)
+# One op per family of kernels: gla's run on kda's machinery (kda/fused.py, kda/backward.py) with the same index maps.
+@pytest.mark.parametrize("op", [pytest.param("simple_gla", marks=pytest.mark.slow), pytest.param("kda", marks=pytest.mark.slow), "gla"])
 def test_kernels_run_with_jax_enable_x64(op):
     # Every kernel's index maps divide grid indices (int32); with jax_enable_x64 a Python int divisor became int64 and
     # lax.div refused the pair, so every tpu_pallas training kernel failed to trace. One op per family of kernels.
@@ -503,6 +504,8 @@ def test_kernels_run_with_jax_enable_x64(op):
     inputs = {"q": normal(B, T, H, K), "k": normal(B, T, H, K), "v": normal(B, T, 2 * H, V)}
     if op == "kda":
         inputs |= {"g": -jnp.abs(normal(B, T, 2 * H, K)), "beta": jax.nn.sigmoid(normal(B, T, 2 * H))}
+    elif op == "gla":
+        inputs |= {"v": normal(B, T, H, V), "g": -jnp.abs(normal(B, T, H, K))}
     else:
         inputs |= {"v": normal(B, T, H, V), "g": -jnp.abs(normal(B, T, H))}
     contract = tops_core.op(op)
