@@ -88,6 +88,7 @@ def per_row(mask: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def num_seqs_of(arrays: dict[str, Any]) -> int:
+    """``N``: the batch rows, or the packed sequences."""
     cu_seqlens = arrays["cu_seqlens"]
     return arrays["q"].shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
