@@ -106,9 +106,10 @@ class SequenceShards:
         return jax.lax.ppermute(x, self.axes, pairs)
 
 
-def decay_of_state(decay: jax.Array) -> jax.Array:
-    """A ``[B, H]`` decay (one per head) or ``[B, H, K]`` (one per key) shaped to scale the rows of ``[B, H, K, V]`` states."""
-    return decay.reshape(decay.shape + (1,) * (4 - decay.ndim))
+def per_row(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x``, indexed by the leading dimensions of ``like`` (a ``[B]`` mask, a ``[B, H]`` or ``[B, H, K]`` decay of
+    ``[B, H, K, V]`` states), shaped to broadcast against it."""
+    return x.reshape(x.shape + (1,) * (like.ndim - x.ndim))
 
 
 def _apply(decay: jax.Array, state: jax.Array) -> jax.Array:
@@ -116,7 +117,7 @@ def _apply(decay: jax.Array, state: jax.Array) -> jax.Array:
     multiplies it, a diagonal (``[B, H]`` or ``[B, H, K]``) scales its rows."""
     if decay.ndim == 4:
         return jnp.einsum("bhij,bhj...->bhi...", decay, state, precision=jax.lax.Precision.HIGHEST)
-    return decay_of_state(decay) * state if state.ndim == 4 else decay * state
+    return per_row(decay, state) * state
 
 
 def exclusive_affine_scan(decay: jax.Array, state: jax.Array, shards: SequenceShards, reverse: bool = False) -> jax.Array:

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 from tops_core.ops import sequence_blocks
 from tops_core.ops.base import Prepared, state_dtype
-from tops_core.ops.sequence_blocks import Block, per_row
-from tops_core.partitioning import SequenceShards, exclusive_affine_scan
+from tops_core.ops.sequence_blocks import Block
+from tops_core.partitioning import SequenceShards, exclusive_affine_scan, per_row
 
 
 def _maps(arrays: dict[str, Any], block: Block, run: Any) -> tuple[jax.Array, jax.Array]:

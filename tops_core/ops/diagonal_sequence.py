@@ -36,8 +36,8 @@ import jax.numpy as jnp
 
 from tops_core.ops import sequence_blocks
 from tops_core.ops.base import Prepared, state_dtype
-from tops_core.ops.sequence_blocks import Block, per_row
-from tops_core.partitioning import SequenceShards, decay_of_state, exclusive_affine_scan
+from tops_core.ops.sequence_blocks import Block
+from tops_core.partitioning import SequenceShards, exclusive_affine_scan, per_row
 
 
 def _log_decays(arrays: dict[str, Any], dtype: Any) -> jax.Array:
@@ -57,13 +57,14 @@ def _weighted_outer(x: jax.Array, weights: jax.Array, y: jax.Array, dtype: Any) 
     """``sum over t of (weights_t x_t)^T y_t`` per row and head, ``[B, H, K, V]``, accumulated in ``dtype``; ``weights``
     ``[B, L, H]`` or, one per key, ``[B, L, H, K]``."""
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 and jnp.dtype(x.dtype).itemsize >= 4 else None
-    weights = weights if weights.ndim == x.ndim else weights[..., None]
-    return jnp.einsum("blhk,blhv->bhkv", x.astype(dtype) * weights, y.astype(dtype), precision=precision, preferred_element_type=dtype)
+    return jnp.einsum(
+        "blhk,blhv->bhkv", x.astype(dtype) * per_row(weights, x), y.astype(dtype), precision=precision, preferred_element_type=dtype,
+    )
 
 
 def _at(x: jax.Array, index: jax.Array) -> jax.Array:
     """``x[b, index[b]]`` for ``x`` ``[B, L, ...]``."""
-    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+    return jnp.take_along_axis(x, per_row(index, x), axis=1)[:, 0]
 
 
 def _carried_in(arrays: dict[str, Any], block: Block, decays: jax.Array, shards: SequenceShards) -> jax.Array:
@@ -76,16 +77,17 @@ def _carried_in(arrays: dict[str, Any], block: Block, decays: jax.Array, shards:
     state = _weighted_outer(arrays["k"], weights, arrays["v"], dtype)
     segment_decay = jnp.exp(_at(suffix, block.last_start))
     initial_state = arrays["initial_state"]
+    covered = per_row(block.covered, segment_decay)
     if initial_state is not None:  # the last segment's sequence starts here, from its initial state
-        starts = jnp.where(per_row(block.covered, segment_decay), 0.0, segment_decay)
-        state = state + decay_of_state(starts) * initial_state[block.last_seq].astype(dtype)
-    carried = exclusive_affine_scan(jnp.where(per_row(block.covered, segment_decay), segment_decay, 0.0), state, shards)
+        starting = initial_state[block.last_seq].astype(dtype)
+        state = state + per_row(jnp.where(covered, 0.0, segment_decay), starting) * starting
+    carried = exclusive_affine_scan(jnp.where(covered, segment_decay, 0.0), state, shards)
     return jnp.where(per_row(block.crosses_in, carried), carried, 0.0)
 
 
 def forward(arrays: dict[str, Any], prepared: Prepared, shards: SequenceShards, run: Any) -> tuple[Any, Any]:
     """This device's ``o`` and its share of the final states."""
-    B, L, H, K = arrays["q"].shape
+    B, L = arrays["q"].shape[:2]
     block = Block.of(B, L, arrays["cu_seqlens"], shards)
     carried = _carried_in(arrays, block, _log_decays(arrays, state_dtype(arrays["q"].dtype)), shards)
     return sequence_blocks.forward(arrays, block, carried, prepared.option("output_final_state"), shards, run)
@@ -94,7 +96,7 @@ def forward(arrays: dict[str, Any], prepared: Prepared, shards: SequenceShards, 
 def backward(arrays: dict[str, Any], cotangents: tuple[Any, ...], prepared: Prepared, shards: SequenceShards, run: Any) -> Any:
     """This device's ``dq, dk, dv, dg`` and its shares of ``dg_gamma`` (simple_gla) and ``dinitial_state``."""
     do, dht = cotangents
-    B, L, H, K = arrays["q"].shape
+    B, L = arrays["q"].shape[:2]
     dtype = state_dtype(arrays["q"].dtype)
     block = Block.of(B, L, arrays["cu_seqlens"], shards)
     decays = _log_decays(arrays, dtype)
@@ -107,8 +109,8 @@ def backward(arrays: dict[str, Any], cotangents: tuple[Any, ...], prepared: Prep
     first_decay = jnp.exp(_at(prefix, jnp.maximum(block.first_end - 1, 0)))
     if dht is not None:  # the first segment's sequence ends in the block: its dht flows back through the segment
         ends = (block.first_end < L) | ~block.crosses_out
-        ending_decay = jnp.where(per_row(ends, first_decay), first_decay, 0.0)
-        into_state = into_state + decay_of_state(ending_decay) * dht[block.first_seq].astype(dtype)
+        ending = dht[block.first_seq].astype(dtype)
+        into_state = into_state + per_row(jnp.where(per_row(ends, first_decay), first_decay, 0.0), ending) * ending
     through = jnp.where(per_row(block.covered & block.crosses_out, first_decay), first_decay, 0.0)
     passed_on = exclusive_affine_scan(through, into_state, shards, reverse=True)
     passed_on = jnp.where(per_row(block.crosses_out, passed_on), passed_on, 0.0)

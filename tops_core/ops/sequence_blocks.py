@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tops_core.partitioning import SequenceShards
+from tops_core.partitioning import SequenceShards, per_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +80,6 @@ class Block:
     def to_sequences(self, rows: jax.Array, seq_of_row: jax.Array, num_seqs: int) -> jax.Array:
         """``[N, H, K, V]`` with each row's ``[H, K, V]`` at its sequence (zeros elsewhere)."""
         return jnp.zeros((num_seqs, *rows.shape[1:]), rows.dtype).at[seq_of_row].add(rows)
-
-
-def per_row(mask: jax.Array, like: jax.Array) -> jax.Array:
-    """A ``[B]`` (or ``[B, L]``) ``mask`` shaped to broadcast against ``like``, whose leading dimensions it indexes."""
-    return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
 
 
 def num_seqs_of(arrays: dict[str, Any]) -> int:

@@ -490,7 +490,7 @@ def test_split_operands_keep_about_16_bits_in_two_bf16_passes():
         assert all(x.aval.dtype == jnp.bfloat16 for dot in dots for x in dot.invars)
 
 
-# One op per family of kernels: gla's run on kda's machinery (kda/fused.py, kda/backward.py) with the same index maps.
+# gla's kernels by default: they run on kda's machinery (kda/fused.py, kda/backward.py), the same index maps.
 @pytest.mark.parametrize("op", [pytest.param("simple_gla", marks=pytest.mark.slow), pytest.param("kda", marks=pytest.mark.slow), "gla"])
 def test_kernels_run_with_jax_enable_x64(op):
     # Every kernel's index maps divide grid indices (int32); with jax_enable_x64 a Python int divisor became int64 and
