@@ -317,3 +317,25 @@ def test_kda_packed_backward_faithful_interpreter_matches_reference(race_reports
     for name in inputs:
         measurement = measure(f"d{name}", got[name], want[name], tolerance("float32", gradient=True))
         assert measurement.passed, measurement.describe()
+
+
+@pytest.mark.parametrize("packing", [None, KDA_PACKING], ids=["unpacked", "packed"])
+def test_kda_grouped_backward_faithful_interpreter_matches_reference(packing, race_reports, make_kda_inputs, kda_gradients):
+    # Two value heads per query/key head: the gradients kernel walks each group inside a time step, dq and dk summed in
+    # VMEM, each value head's dS its own, dht and dinitial_state blocks alternating between the group's heads (unpacked)
+    # or moved by DMA (packed); ragged, two chunks per step, two simulated cores, NaN-filled memory.
+    seed = SEEDS[0]
+    B, T = (2, 250) if packing is None else (1, sum(packing))
+    inputs = make_kda_inputs(B, T, 4, 128, 128, jnp.float32, seed=seed, initial_state=packing is None)
+    inputs = {**inputs, "q": inputs["q"][:, :, ::2], "k": inputs["k"][:, :, ::2]}
+    options = {}
+    if packing is not None:
+        inputs["initial_state"] = jnp.asarray(np.random.default_rng(seed).standard_normal((len(packing), 4, 128, 128)), jnp.float32)
+        options["cu_seqlens"] = jnp.asarray(np.cumsum((0, *packing)), jnp.int32)
+    kernel = "tpu_pallas.fused" if packing is None else "tpu_pallas.varlen"
+    got = kda_gradients(inputs, (kernel, {"chunk_size": 64, "num_steps": 2, "interpret": faithful(seed)}), **options)
+    assert len(race_reports) >= 2 and not any(report.races_found for report in race_reports)
+    want = kda_gradients(inputs, "ref.recurrent", **options)
+    for name in inputs:
+        measurement = measure(f"d{name}", got[name], want[name], tolerance("float32", gradient=True))
+        assert measurement.passed, measurement.describe()

@@ -82,7 +82,8 @@ def _fits_vmem(config, forward, backward=None, forward_config=None, op_inputs=No
     ``initial_state``; float32 (the larger) is assumed. ``forward_config(config, K, chip)``: the config
     the forward runs with for the call, when a field's default depends on it (``fused.resolved``).
     ``op_inputs(spec)``: the plans' further arguments for the op's own optional inputs. The grid's
-    heads are the value heads (``CallSpec.value_heads``); how many share a query/key head moves no block's size.
+    heads are the value heads (``CallSpec.value_heads``); with several per query/key head (kda's family) the
+    backward walks each group in one grid point's VMEM, so the geometry gets ``groups``.
     """
 
     def predicate(spec: tops_core.CallSpec) -> str | None:
@@ -91,8 +92,10 @@ def _fits_vmem(config, forward, backward=None, forward_config=None, op_inputs=No
         directions = [(forward, config if forward_config is None else forward_config(config, spec.key_dim, spec.chip))]
         if backward is not None:
             directions.append((backward, config))
+        groups = spec.value_heads // spec.heads
         for (geometry_of, build_plans), direction_config in directions:
-            geometry = geometry_of(spec.batch, spec.seq_len, spec.value_heads, spec.key_dim, spec.value_dim, direction_config)
+            geometry = geometry_of(spec.batch, spec.seq_len, spec.value_heads, spec.key_dim, spec.value_dim, direction_config,
+                                   **({"groups": groups} if groups > 1 else {}))
             try:
                 launch.fit(
                     build_plans, geometry, spec.dtype, target,

@@ -25,7 +25,7 @@ bf16: ``dg`` off by 1e-3 in float32). No ``exp`` is taken that the forward does 
 
 Outputs per value head: ``dv``, ``dg`` (of the gate as given), ``dbeta`` (as given: of the logits with
 ``use_beta_sigmoid``), one row ``(1, C)`` per chunk like simple_gla's decay gradient; ``dq`` and ``dk``
-per value head too (float32 when value heads are grouped, summed over each group after the kernel);
+per query/key head, with grouped value heads summed over the group in VMEM (``_over_the_group``);
 ``dA_log`` and ``ddt_bias`` summed over the chunks in blocks that stay in VMEM along the time axis, then
 over the batch after the kernel; ``dinitial_state`` from ``dS`` after the first chunk.
 """
@@ -102,11 +102,10 @@ def plans(
     # The forward's inputs but the initial state (the checkpoints hold it); dt_bias's block ignores the time step.
     inputs = [steps(x) for x in forward.inputs if x.name != "initial_state"]
     inputs += [steps(blocks.value_rows("do", geometry, dtype)), steps(state_checkpoints(geometry, every_chunk=True))]
-    # Per value head; grouped value heads sum dq and dk over their group after the kernel, in float32.
-    key_dtype = dtype if geometry.groups == 1 else _F32
+    # Per query/key head: grouped value heads sum dq and dk over their group in the kernel (_over_the_group).
     outputs = [
-        steps(blocks.key_rows("dq", geometry, key_dtype, per_value_head=True)),
-        steps(blocks.key_rows("dk", geometry, key_dtype, per_value_head=True)),
+        steps(blocks.key_rows("dq", geometry, dtype)),
+        steps(blocks.key_rows("dk", geometry, dtype)),
         steps(blocks.value_rows("dv", geometry, dtype)),
         steps(blocks.key_rows("dg", geometry, gate_dtype or _F32, per_value_head=True) if recurrence.gate_per_key
               else blocks.token_rows("dg", geometry)),
@@ -146,7 +145,53 @@ def plans(
         body += 4 * 3 * geometry.chunk_size * geometry.padded_key_dim
     name = f"{recurrence.op}_{'fused' if num_seqs is None else 'varlen'}_backward"
     gradients = grid.grid_plan(name, geometry, forward.scalars, inputs, outputs, work, body, scratch=scratch)
-    return checkpoints, gradients
+    return checkpoints, gradients if geometry.groups == 1 else _over_the_group(gradients, geometry)
+
+
+GROUP_WIDE = ("dinitial_state", "dA_log", "ddt_bias")
+"""The gradients kernel's outputs of one value head that stay in VMEM along the time axis (``dinitial_state``, written at
+the last step; ``dA_log`` and ``ddt_bias``, summed over every step): over a group, each block holds the whole group's
+value heads, so that its index does not change while the kernel walks them (an output block left and visited again
+would be written back unfinished). ``dht``, an input read at the first step, keeps one value head's block, read again
+as the group's heads alternate (``K V`` floats a step), rather than ``2 (G - 1) K V`` floats more of VMEM."""
+
+
+def _over_the_group(plan: LaunchPlan, geometry: Geometry) -> LaunchPlan:
+    """The gradients plan of grouped value heads: the grid's head axis over query/key heads, and a fifth axis, innermost
+    and sequential, over the value heads of the group (value head ``h * groups + group``), so that each time step
+    walks the group before the next. ``q`` and ``k`` are then read once per step for the group, and ``dq`` and ``dk``
+    (one block per query/key head and step, which the group's value heads share) are summed over the group in VMEM
+    and written once in the caller's dtype; each value head carries its own ``dS``."""
+    G = geometry.groups
+
+    def over(operand):
+        if not isinstance(operand, Blocked):
+            return operand
+        if operand.name in GROUP_WIDE:
+            def group_block(b, h, tile, t, group, *scalars):
+                return operand.index_map(b, h, tile, t, *scalars)
+
+            block = (operand.block_shape[0], G, *operand.block_shape[2:])
+            return dataclasses.replace(operand, block_shape=block, index_map=group_block)
+
+        def value_head(b, h, tile, t, group, *scalars):
+            return operand.index_map(b, h * G + group, tile, t, *scalars)
+
+        return dataclasses.replace(operand, index_map=value_head)
+
+    def scratch(buffer):
+        return dataclasses.replace(buffer, shape=(G, *buffer.shape)) if buffer.name == "dstate" else buffer
+
+    # float32 dq and dk are summed in their own output blocks; narrower ones in float32 scratch, written once.
+    narrow = next(x for x in plan.outputs if x.name == "dq").dtype != _F32
+    sums = [Scratch(f"{name}_sum", (geometry.rows_per_step, geometry.padded_key_dim), _F32) for name in ("dq", "dk") if narrow]
+    batch, _, value_blocks, time_steps = plan.grid
+    return dataclasses.replace(
+        plan, grid=(batch, geometry.key_heads, value_blocks, time_steps, G),
+        dimension_semantics=(*plan.dimension_semantics, "arbitrary"),
+        inputs=tuple(map(over, plan.inputs)), outputs=tuple(map(over, plan.outputs)),
+        scratch=(*map(scratch, plan.scratch), *sums),
+    )
 
 
 def _as_row(column: jax.Array) -> jax.Array:
@@ -228,11 +273,17 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations,
             recurrence: Recurrence):
     refs = plan.bind(refs)
-    head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    G = geometry.groups
+    group = pl.program_id(4) if G > 1 else 0  # the value head of the query/key head's group (_over_the_group)
+    head, block, step = pl.program_id(1) * G + group, pl.program_id(2), pl.program_id(3)
+    if G > 1:  # this value head's dS and its slice of the blocks that hold the whole group
+        wide = [x.name for x in (*plan.inputs, *plan.outputs) if isinstance(x, Blocked) and x.name in GROUP_WIDE]
+        refs = {**refs, **{name: refs[name].at[group] for name in ("dstate", *wide)}}
     packed = "cu_seqlens" in refs
     # Packed, dS starts at zeros (what the carried state reaches past T): each sequence's dht enters where it ends.
     start_state_gradient(refs, step, from_final_state=not packed)
-    states = SequenceStates(refs, head, block, geometry.value_block, refs["dstate"].shape) if packed else None
+    state_block = (geometry.padded_key_dim, geometry.value_block)
+    states = SequenceStates(refs, head, block, geometry.value_block, state_block) if packed else None
     sums = [name for name in ("dA_log", "ddt_bias") if name in refs]
 
     @pl.when(step == 0)
@@ -257,13 +308,22 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
         for name, value in (("dq", dq), ("dk", dk), ("dv", dv), ("dg", dg), ("dbeta", dbeta)):
             if value is None:
                 continue
-            if value.shape[1] == 1:  # one per token (beta, a gate per head): a row per chunk
+            if G > 1 and name in ("dq", "dk"):  # summed over the group; unset memory is selected away at its first head
+                sums = refs.get(f"{name}_sum", refs[name])
+                sums[chunk.rows, :] = value.astype(_F32) + jnp.where(group == 0, 0.0, sums[chunk.rows, :])
+            elif value.shape[1] == 1:  # one per token (beta, a gate per head): a row per chunk
                 refs[name][chunk.index : chunk.index + 1, :] = _as_row(value)
             else:
                 refs[name][chunk.rows, :] = value.astype(refs[name].dtype)
         for name, value in (("dA_log", dA_log), ("ddt_bias", ddt_bias)):
             if name in refs:
                 refs[name][...] += value.astype(_F32)
+    if "dq_sum" in refs:
+        @pl.when(group == G - 1)
+        def _write_group_sums():
+            for name in ("dq", "dk"):
+                refs[name][...] = refs[f"{name}_sum"][...].astype(refs[name].dtype)
+
     refs["dstate"][...] = dstate
     if not packed:  # packed, each sequence's dinitial_state is written where it starts
         finish_state_gradient(refs, step, geometry)
@@ -317,11 +377,11 @@ def gradients(
 def _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry: Geometry) -> dict[str, jax.Array | None]:
     """The kernels' outputs in the caller's shapes and dtypes: dq and dk summed over each group of value heads."""
     B, T, HV, K = geometry.batch, geometry.seq_len, geometry.heads, geometry.key_dim
-    keys = dataclasses.replace(geometry, value_dim=K)  # dq, dk, dg per key: the layout of o, K wide
+    keys = dataclasses.replace(geometry, value_dim=K)  # dg per key: the layout of o, K wide
+    query_keys = dataclasses.replace(keys, heads=geometry.key_heads, groups=1)  # dq, dk: one per query/key head
 
     def query_key(name):
-        per_value_head = caller_output(results[name], keys)
-        return per_value_head.reshape(B, T, HV // geometry.groups, geometry.groups, K).sum(axis=3).astype(q.dtype)
+        return caller_output(results[name], query_keys).astype(q.dtype)
 
     def per_token(name, like):  # token rows [B, HV, steps, chunks, C] -> [B, T, HV]
         return jnp.swapaxes(results[name].reshape(B, HV, -1)[:, :, :T], 1, 2).astype(like.dtype)
