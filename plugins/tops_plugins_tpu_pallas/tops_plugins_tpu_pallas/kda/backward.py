@@ -375,7 +375,7 @@ def gradients(
 
 
 def _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry: Geometry) -> dict[str, jax.Array | None]:
-    """The kernels' outputs in the caller's shapes and dtypes: dq and dk summed over each group of value heads."""
+    """The kernels' outputs in the caller's shapes and dtypes (dq and dk already summed over each group of value heads)."""
     B, T, HV, K = geometry.batch, geometry.seq_len, geometry.heads, geometry.key_dim
     keys = dataclasses.replace(geometry, value_dim=K)  # dg per key: the layout of o, K wide
     query_keys = dataclasses.replace(keys, heads=geometry.key_heads, groups=1)  # dq, dk: one per query/key head
