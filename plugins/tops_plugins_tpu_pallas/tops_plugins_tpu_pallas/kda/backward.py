@@ -275,7 +275,8 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
     refs = plan.bind(refs)
     G = geometry.groups
     group = pl.program_id(4) if G > 1 else 0  # the value head of the query/key head's group (_over_the_group)
-    head, block, step = pl.program_id(1) * G + group, pl.program_id(2), pl.program_id(3)
+    head = pl.program_id(1) * G + group if G > 1 else pl.program_id(1)
+    block, step = pl.program_id(2), pl.program_id(3)
     if G > 1:  # this value head's dS and its slice of the blocks that hold the whole group
         wide = [x.name for x in (*plan.inputs, *plan.outputs) if isinstance(x, Blocked) and x.name in GROUP_WIDE]
         refs = {**refs, **{name: refs[name].at[group] for name in ("dstate", *wide)}}
