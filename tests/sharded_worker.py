@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import traceback
 
@@ -213,7 +214,22 @@ def tpu(case: dict) -> dict:
     return {"kernels": facts.kernels, "implementations": sorted(facts.implementations), "collectives": collectives_of(compiled)}
 
 
+def start_the_cpu_backend() -> None:
+    """Start the CPU backend under ``CPU_BACKEND_XLA_FLAGS``, the test run's flags with the CPU backend's own (the same
+    programs, compiled faster: conftest.py), when the parent passes them; ``XLA_FLAGS`` stays without those: libtpu,
+    which the TPU requests load later, reads it when it loads and rejects them. The CPU backend reads its flags once,
+    when it starts."""
+    cpu_flags = os.environ.pop("CPU_BACKEND_XLA_FLAGS", None)
+    if cpu_flags is None:
+        return
+    user_flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = cpu_flags
+    jax.devices("cpu")
+    os.environ["XLA_FLAGS"] = user_flags
+
+
 def main() -> None:
+    start_the_cpu_backend()
     if "--x64" in sys.argv:
         jax.config.update("jax_enable_x64", True)
     handlers = {"compare": compare, "collectives": collectives, "tpu": tpu}

@@ -41,10 +41,15 @@ def console_samples() -> list[tuple[str, str]]:
 
 
 def test_the_python_samples_run_as_written(tmp_path):
-    script = "\n\n".join(body for language, body in fenced_blocks(README.read_text()) if language == "python")
+    blocks = [body for language, body in fenced_blocks(README.read_text()) if language == "python"]
     environment = {name: value for name, value in os.environ.items() if not name.startswith("TOPS_")}
-    # A user's flags, not the test run's CPU compile flags: one sample loads libtpu, which rejects those.
-    flags = f"{without_cpu_backend_flags(os.environ.get('XLA_FLAGS', ''))} --xla_force_host_platform_device_count=8".strip()
+    # The test run's CPU compile flags (conftest.py: the same programs, compiled faster) until the first sample that
+    # loads libtpu, which rejects them: the XLA_FLAGS it reads when it loads are a user's, the CPU backend's own
+    # flags left out (the CPU backend read the variable when it started).
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    loads_libtpu = next(index for index, body in enumerate(blocks) if "topologies" in body)
+    user_flags = f"import os; os.environ['XLA_FLAGS'] = {without_cpu_backend_flags(flags)!r}"
+    script = "\n\n".join([*blocks[:loads_libtpu], user_flags, *blocks[loads_libtpu:]])
     environment.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True,
                             timeout=600)

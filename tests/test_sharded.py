@@ -96,9 +96,10 @@ class Worker:
 
     def __init__(self, *arguments: str):
         script = str(Path(__file__).with_name("sharded_worker.py"))
-        # Over the caller's flags (the root conftest's compile settings), not instead of them.
+        # Over the caller's flags (the root conftest's compile settings), not instead of them; the CPU backend's own
+        # apart (``sharded_worker.start_the_cpu_backend``), since the worker loads libtpu too.
         flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-        self.process = compile_only.LineWorker([script, *arguments], {"XLA_FLAGS": flags})
+        self.process = compile_only.LineWorker([script, *arguments], {"XLA_FLAGS": flags, "CPU_BACKEND_XLA_FLAGS": flags})
         self.answers: dict[str, dict] = {}
 
     def ask(self, kind: str, case: dict, *, failing: bool = False) -> dict:
