@@ -278,7 +278,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
     head = pl.program_id(1) * G + group if G > 1 else pl.program_id(1)
     block, step = pl.program_id(2), pl.program_id(3)
     if G > 1:  # this value head's dS and its slice of the blocks that hold the whole group
-        wide = [x.name for x in (*plan.inputs, *plan.outputs) if isinstance(x, Blocked) and x.name in GROUP_WIDE]
+        wide = [x.name for x in plan.outputs if isinstance(x, Blocked) and x.name in GROUP_WIDE]  # packed, dinitial_state moves by DMA
         refs = {**refs, **{name: refs[name].at[group] for name in ("dstate", *wide)}}
     packed = "cu_seqlens" in refs
     # Packed, dS starts at zeros (what the carried state reaches past T): each sequence's dht enters where it ends.
