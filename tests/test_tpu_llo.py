@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -72,6 +73,36 @@ def test_counts_issued_cycles_as_bundles_times_the_trips_of_their_loops():
     assert schedule.cycles == 2 + 5 * (2 + 4 * 2)
 
 
+# A grid loop of 5 trips (3 grid steps and the pipeline's two) whose body, three bundles with a loop of 4 trips of
+# one bundle in it, a forward branch skips on the pipeline's trips.
+PIPELINED = """= control target key start
+LB: loop body
+= control target key end
+
+     0   :  { %7 = vsyncpa [#allocation4], 0 }
+   0x1 LB: > { %s1 = sadd.s32 1, %s0 }
+   0x2   : > { %2 = sbr.rel (%p1_p0) target = $region9 }
+   0x3   : > { %v1 = vld [vmem:[#allocation6] sm:$0xff] } /* Start region 8 */
+   0x4 LB: >> { %v2 = vadd.f32 %v1, %v1 }
+   0x5   : >> { %p2 = scmp.ge.s32.totalorder %s2, 4 /* loop exit test */ }
+   0x6   : > { %v3 = vmul.f32 %v2, %v2 } /* End region 8 */
+   0x7   : > { %s3 = sadd.s32 1, %s1 } /* Start/End empty region 9 */
+   0x8   : > { %p3 = scmp.ge.s32.totalorder %s1, 5 /* loop exit test */ }
+"""
+
+
+def test_counts_the_grid_loops_body_once_per_step_it_computes():
+    schedule = tpu_llo.read_bundles(PIPELINED, "kernel.1")
+    assert schedule.loops == ((5, 6), (4, 2))
+    body = 1 + 4 * 2 + 1  # the bundles the branch skips, one trip of the grid loop
+    assert (schedule.body_cycles, schedule.cycles) == (body, 1 + 5 * (4 + body))
+    steps = tpu_llo.MosaicKernel("kernel", (3,), tpu_llo.UnitCounts())
+    assert tpu_llo.DumpedKernel("kernel.1", steps, schedule).cycles == 1 + 5 * 4 + 3 * body
+    # Two TensorCores sharing the 6 steps of a grid run 3 each; a loop that does not match the grid is left as it is.
+    assert tpu_llo.DumpedKernel("kernel.1", dataclasses.replace(steps, grid=(6,)), schedule).cycles == 1 + 5 * 4 + 3 * body
+    assert tpu_llo.DumpedKernel("kernel.1", dataclasses.replace(steps, grid=(4,)), schedule).cycles == schedule.cycles
+
+
 def matmul_kernel(rows: int, depth: int, columns: int, dtype: str, repeats: int):
     """A Pallas kernel summing ``repeats`` products ``(rows x depth) @ (depth x columns)`` on a grid of 3 (a ``DumpingCompiler`` factory)."""
     import jax
@@ -118,3 +149,7 @@ def test_mxu_rows_of_a_compiled_kernel_match_its_products_on_every_generation(ge
             tiles = math.ceil(depth / edge) * math.ceil(columns / edge)
             assert kernel.mosaic.per_step.mxu_rows == 5 * rows * tiles * PASSES[dtype], (rows, depth, columns, dtype)
             assert kernel.schedule.cycles > kernel.schedule.bundles > 0
+            # The grid loop: the 3 steps and the pipeline's two trips, which skip the body (5 products, one per trip of its own loop).
+            assert kernel.schedule.loops[0][0] == 3 + tpu_llo.PIPELINE_TRIPS
+            assert kernel.cycles == kernel.schedule.cycles - tpu_llo.PIPELINE_TRIPS * kernel.schedule.body_cycles
+            assert kernel.schedule.body_cycles > 5

@@ -14,7 +14,10 @@ are read once, when libtpu loads, so ``compile_only.DumpingCompiler`` compiles i
   times its trip count (the compiler's own ``loop exit test``): the cycles one TensorCore issues
   for the whole kernel, dependency chains included, stalls (DMA waits, results not yet ready)
   excluded. A grid whose parallel axes are split over a chip's two TensorCores (v5p) runs half its
-  steps on each, and the grid loop says so.
+  steps on each, and the grid loop says so. The grid loop runs two more trips than the steps it
+  computes (Mosaic's pipeline: the first only starts the first step's copies in, the last only
+  waits for the last step's copies out), and a branch skips the kernel's body on those two:
+  ``DumpedKernel.cycles`` counts that body once per step it computes.
 
 Both readers are generic: they read the dump of any Mosaic kernel. The file formats are libtpu's
 internal debug output (checked with libtpu 0.0.52), not a stable interface; a format they do not
@@ -30,6 +33,8 @@ import re
 
 MOSAIC_SUFFIX = "-post-finalize-llo.txt"
 BUNDLES_SUFFIX = "-final_bundles.txt"
+PIPELINE_TRIPS = 2
+"""The grid loop's trips that compute no step: the first starts the first step's copies in, the last waits for the last step's copies out."""
 
 
 def dump_flags(directory: str) -> str:
@@ -93,6 +98,7 @@ class Schedule:
     bundles: int
     cycles: int
     loops: tuple[tuple[int, int], ...]
+    body_cycles: int = 0  # of one trip of the outermost loop: the bundles its largest forward branch skips (``_body_cycles``)
 
 
 # -- Mosaic's final LLO -------------------------------------------------------------------
@@ -177,6 +183,7 @@ def read_mosaic(text: str) -> list[MosaicKernel]:
 
 _BUNDLE = re.compile(r"^\s*(?:0x[0-9a-f]+|0)\s+(?:(\w+):|:)\s*(>*)\s*\{")
 _EXIT_TEST = re.compile(r"scmp\.\w+\.s32\.totalorder %[\w]+, (\d+) /\* loop exit test \*/")
+_BRANCH = re.compile(r"sbr\.rel \(!?%\w+\) target = \$region(\d+)")
 _HLO_NAME = re.compile(r"^hlo: (\S+)", re.MULTILINE)
 _BUNDLES_FILE = re.compile(r"^\d+-(.+)-\d+" + re.escape(BUNDLES_SUFFIX) + "$")  # <id>-<HLO instruction>-<pass number>-final_bundles.txt
 
@@ -196,7 +203,7 @@ def read_bundles(text: str, name: str = "") -> Schedule:
     open_loops: dict[int, int] = {}  # depth -> trip count of the innermost loop seen at that depth
     loops: list[list[int]] = []
     current: dict[int, list[int]] = {}
-    cycles = 0
+    issued = []  # each bundle's cycles: 1 times the trips of its loops
     for index, (label, depth, line) in enumerate(bundles):
         if label == "LB":
             trip = _trip_count(bundles, index, depth)
@@ -205,9 +212,31 @@ def read_bundles(text: str, name: str = "") -> Schedule:
             loops.append(current[depth])
         if depth in current:
             current[depth][1] += 1
-        cycles += math.prod(open_loops.get(level, 1) for level in range(1, depth + 1))
+        issued.append(math.prod(open_loops.get(level, 1) for level in range(1, depth + 1)))
     hlo = _HLO_NAME.search(text)
-    return Schedule(name or (hlo[1] if hlo else ""), len(bundles), cycles, tuple((trip, count) for trip, count in loops))
+    outer = tuple((trip, count) for trip, count in loops)
+    return Schedule(name or (hlo[1] if hlo else ""), len(bundles), sum(issued), outer, _body_cycles(bundles, issued, outer[0] if outer else None))
+
+
+def _body_cycles(bundles: list[tuple[str | None, int, str]], issued: list[int], outermost: tuple[int, int] | None) -> int:
+    """The cycles of one trip of the outermost loop that its largest forward conditional branch skips, when that
+    span holds most of the loop (the kernel's body, which the grid loop's pipeline trips skip); 0 otherwise."""
+    if outermost is None:
+        return 0
+    trip, loop_bundles = outermost
+    largest = (0, 0)
+    for index, (_, depth, line) in enumerate(bundles):
+        branch = _BRANCH.search(line)
+        if depth != 1 or not branch:
+            continue
+        target = re.compile(rf"\bregion {branch[1]}\b")
+        end = next((later for later in range(index + 1, len(bundles)) if target.search(bundles[later][2])), None)
+        if end is not None and end - index > largest[1] - largest[0]:
+            largest = (index + 1, end)
+    start, end = largest
+    if 2 * (end - start) < loop_bundles:
+        return 0
+    return sum(issued[start:end]) // trip
 
 
 def _trip_count(bundles: list[tuple[str | None, int, str]], start: int, depth: int) -> int:
@@ -231,6 +260,16 @@ class DumpedKernel:
     name: str
     mosaic: MosaicKernel
     schedule: Schedule
+
+    @property
+    def cycles(self) -> int:
+        """The cycles one TensorCore issues for the kernel: the schedule's, less the body on the grid loop's two
+        pipeline trips where the loop's trips are the grid's steps (or half of them, split over two TensorCores)
+        and two more; the schedule's as it is otherwise."""
+        trips = self.schedule.loops[0][0] if self.schedule.loops else 0
+        if self.schedule.body_cycles and trips - PIPELINE_TRIPS in {self.mosaic.steps, -(-self.mosaic.steps // 2)}:
+            return self.schedule.cycles - PIPELINE_TRIPS * self.schedule.body_cycles
+        return self.schedule.cycles
 
 
 def read_directory(directory: str | pathlib.Path) -> list[DumpedKernel]:

@@ -276,10 +276,10 @@ def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwi
         name=kernel.name,
         grid_steps=kernel.mosaic.steps,
         hbm_bytes=hbm_bytes,
-        cycles=kernel.schedule.cycles,
+        cycles=kernel.cycles,
         counts=counts,
         hbm_seconds=hbm_bytes / bandwidth,
-        issue_seconds=kernel.schedule.cycles / tpu.clock_hz,
+        issue_seconds=kernel.cycles / tpu.clock_hz,
         mxu_seconds=counts.mxu_rows * tpu.mxu_row_flops() / peak,
         busiest_unit=busiest,
         busiest_unit_cycles=round(needs[busiest] / cores),  # the grid's parallel steps are shared by the device's TensorCores
