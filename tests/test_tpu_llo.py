@@ -82,11 +82,11 @@ LB: loop body
      0   :  { %7 = vsyncpa [#allocation4], 0 }
    0x1 LB: > { %s1 = sadd.s32 1, %s0 }
    0x2   : > { %2 = sbr.rel (%p1_p0) target = $region9 }
-   0x3   : > { %v1 = vld [vmem:[#allocation6] sm:$0xff] } /* Start region 8 */
-   0x4 LB: >> { %v2 = vadd.f32 %v1, %v1 }
+   0x3   : > { %v1 = vld [vmem:[#allocation6_spill] sm:$0xff]  ;;  %v9 = vpop.f32.mrf.mxu0 } /* Start region 8 */
+   0x4 LB: >> { %v2 = vadd.f32 %v1, %v1  ;;  %vm1 = vmand %vm2, %vm3  ;;  %v5 = vexp2.f32 %v2 }
    0x5   : >> { %p2 = scmp.ge.s32.totalorder %s2, 4 /* loop exit test */ }
-   0x6   : > { %v3 = vmul.f32 %v2, %v2 } /* End region 8 */
-   0x7   : > { %s3 = sadd.s32 1, %s1 } /* Start/End empty region 9 */
+   0x6   : > { %v3 = vmul.f32 %v2, %v2  ;;  %4 = vst [vmem:[#allocation7_spill] sm:$0xff] /*vst_source=*/%v3  ;;  %6 = vxpose.xlu0.b32 %v3 } /* End region 8 */
+   0x7   : > { %s3 = sadd.s32 1, %s1  ;;  %v8 = vld [vmem:[%s3] sm:$0xff] } /* Start/End empty region 9 */
    0x8   : > { %p3 = scmp.ge.s32.totalorder %s1, 5 /* loop exit test */ }
 """
 
@@ -101,6 +101,14 @@ def test_counts_the_grid_loops_body_once_per_step_it_computes():
     # Two TensorCores sharing the 6 steps of a grid run 3 each; a loop that does not match the grid is left as it is.
     assert tpu_llo.DumpedKernel("kernel.1", dataclasses.replace(steps, grid=(6,)), schedule).cycles == 1 + 5 * 4 + 3 * body
     assert tpu_llo.DumpedKernel("kernel.1", dataclasses.replace(steps, grid=(4,)), schedule).cycles == schedule.cycles
+
+
+def test_counts_what_the_schedule_issues_by_slot_spills_included():
+    kernel = tpu_llo.DumpedKernel("kernel.1", tpu_llo.MosaicKernel("kernel", (3,), tpu_llo.UnitCounts()), tpu_llo.read_bundles(PIPELINED))
+    # The body, 3 times: a spilled register reloaded, an MXU result popped, 4 trips of an add and an exp (the mask
+    # operation beside them takes no counted slot), a multiply, a spill and a transpose. Every one of the 5 trips: a load.
+    body = tpu_llo.Issued(vector_alu=5, loads=1, stores=1, spill_loads=1, spill_stores=1, xlu=1, eup=4, result_pops=1)
+    assert kernel.issued == body * 3 + tpu_llo.Issued(loads=5)
 
 
 def matmul_kernel(rows: int, depth: int, columns: int, dtype: str, repeats: int):

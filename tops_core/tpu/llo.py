@@ -45,8 +45,18 @@ def dump_flags(directory: str) -> str:
     )
 
 
+class _Sums:
+    """Counts that add field by field and scale."""
+
+    def __add__(self, other):
+        return type(self)(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def __mul__(self, times: int):
+        return type(self)(*(a * times for a in dataclasses.astuple(self)))
+
+
 @dataclasses.dataclass(frozen=True)
-class UnitCounts:
+class UnitCounts(_Sums):
     """Vector instructions by the unit that runs them (each on one vector register, 8 x 128 32-bit words).
 
     ``mxu_rows``: the LHS rows the pushes stream through the systolic arrays (8 per 32-bit register,
@@ -63,11 +73,27 @@ class UnitCounts:
     loads: int = 0
     stores: int = 0
 
-    def __add__(self, other: UnitCounts) -> UnitCounts:
-        return UnitCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
-    def __mul__(self, times: int) -> UnitCounts:
-        return UnitCounts(*(a * times for a in dataclasses.astuple(self)))
+@dataclasses.dataclass(frozen=True)
+class Issued(_Sums):
+    """The vector instructions a scheduled program issues, by the VLIW slots they take (the backend's mnemonics).
+
+    Unlike ``UnitCounts`` (Mosaic's instructions, before the backend) these hold what the backend adds, register
+    spills to VMEM and back, and lack what it folds away (a product's sum with a zero accumulator, which the MXU's
+    result buffer takes). Read off libtpu 0.0.52's bundles, the most of each kind in one bundle are the chip's slots
+    in ``generations``: mask-register operations (``_MASKS``) and moves to scalars (``vstv``) issue beside
+    them, and are not counted here. ``result_pops``: every ``vpop`` (the MXU's results, the EUP's, the XLU's), which
+    share two slots.
+    """
+
+    vector_alu: int = 0
+    loads: int = 0
+    stores: int = 0
+    spill_loads: int = 0  # of ``loads``: the register allocator's reloads
+    spill_stores: int = 0
+    xlu: int = 0  # transposes, lane permutes and broadcasts, cross-lane reductions
+    eup: int = 0  # transcendental pushes
+    result_pops: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +124,9 @@ class Schedule:
     bundles: int
     cycles: int
     loops: tuple[tuple[int, int], ...]
-    body_cycles: int = 0  # of one trip of the outermost loop: the bundles its largest forward branch skips (``_body_cycles``)
+    issued: Issued = Issued()  # on every trip of every loop, as ``cycles``
+    body_cycles: int = 0  # one trip of the outermost loop's body: the bundles its largest forward branch skips (``_body``)
+    body_issued: Issued = Issued()
 
 
 # -- Mosaic's final LLO -------------------------------------------------------------------
@@ -184,6 +212,38 @@ def read_mosaic(text: str) -> list[MosaicKernel]:
 _BUNDLE = re.compile(r"^\s*(?:0x[0-9a-f]+|0)\s+(?:(\w+):|:)\s*(>*)\s*\{")
 _EXIT_TEST = re.compile(r"scmp\.\w+\.s32\.totalorder %[\w]+, (\d+) /\* loop exit test \*/")
 _BRANCH = re.compile(r"sbr\.rel \(!?%\w+\) target = \$region(\d+)")
+_INSTRUCTION = re.compile(r"^\s*(?:%\S+ = )?(v[\w.]*)")
+_XLU = ("vxpose", "vperm", "vrot.lane", "vbcast")
+_MASKS = ("vmand", "vmor", "vmxor", "vmneg", "vmmov", "vmpackc", "vcmask", "vsmask")
+_NOT_SLOTTED = (*_MASKS, "vdwg", "vdelay", "vsync", "vwait", "vtrace", "vset", "vint", "vpush")  # and the MXU's own (vmat...)
+
+
+def _issued(bundle: str) -> Issued:
+    """One bundle's vector instructions (a line of the dump, ``{ a ;; b ;; ... }``) by slot (``Issued``)."""
+    counts = dict.fromkeys(("vector_alu", "loads", "stores", "spill_loads", "spill_stores", "xlu", "eup", "result_pops"), 0)
+    inside = bundle[bundle.index("{") + 1 :]
+    for instruction in inside[: inside.rfind("}")].split(";;"):
+        match = _INSTRUCTION.match(instruction)
+        if not match:
+            continue
+        op = match[1]
+        spilled = "_spill]" in instruction
+        if op.startswith("vld"):
+            counts["loads"] += 1
+            counts["spill_loads"] += spilled
+        elif op.startswith("vstv") or not op.startswith("vst"):
+            if op.startswith("vpop"):
+                counts["result_pops"] += 1
+            elif _TRANSCENDENTAL.match(op):
+                counts["eup"] += 1
+            elif op.startswith(_XLU) or ".xlane" in op:
+                counts["xlu"] += 1
+            elif not op.startswith(("vmat", *_NOT_SLOTTED)):
+                counts["vector_alu"] += 1
+        else:
+            counts["stores"] += 1
+            counts["spill_stores"] += spilled
+    return Issued(**counts)
 _HLO_NAME = re.compile(r"^hlo: (\S+)", re.MULTILINE)
 _BUNDLES_FILE = re.compile(r"^\d+-(.+)-\d+" + re.escape(BUNDLES_SUFFIX) + "$")  # <id>-<HLO instruction>-<pass number>-final_bundles.txt
 
@@ -203,7 +263,7 @@ def read_bundles(text: str, name: str = "") -> Schedule:
     open_loops: dict[int, int] = {}  # depth -> trip count of the innermost loop seen at that depth
     loops: list[list[int]] = []
     current: dict[int, list[int]] = {}
-    issued = []  # each bundle's cycles: 1 times the trips of its loops
+    times = []  # each bundle's cycles: 1 times the trips of its loops
     for index, (label, depth, line) in enumerate(bundles):
         if label == "LB":
             trip = _trip_count(bundles, index, depth)
@@ -212,18 +272,24 @@ def read_bundles(text: str, name: str = "") -> Schedule:
             loops.append(current[depth])
         if depth in current:
             current[depth][1] += 1
-        issued.append(math.prod(open_loops.get(level, 1) for level in range(1, depth + 1)))
+        times.append(math.prod(open_loops.get(level, 1) for level in range(1, depth + 1)))
+    issued = [_issued(line) for _, _, line in bundles]
     hlo = _HLO_NAME.search(text)
     outer = tuple((trip, count) for trip, count in loops)
-    return Schedule(name or (hlo[1] if hlo else ""), len(bundles), sum(issued), outer, _body_cycles(bundles, issued, outer[0] if outer else None))
+    body = _body(bundles, outer[0]) if outer else range(0)
+    per_trip = [each // outer[0][0] for each in times[body.start:body.stop]] if outer else []
+    return Schedule(
+        name or (hlo[1] if hlo else ""), len(bundles), sum(times), outer,
+        issued=sum((counts * each for counts, each in zip(issued, times)), Issued()),
+        body_cycles=sum(per_trip),
+        body_issued=sum((counts * each for counts, each in zip(issued[body.start:body.stop], per_trip)), Issued()),
+    )
 
 
-def _body_cycles(bundles: list[tuple[str | None, int, str]], issued: list[int], outermost: tuple[int, int] | None) -> int:
-    """The cycles of one trip of the outermost loop that its largest forward conditional branch skips, when that
-    span holds most of the loop (the kernel's body, which the grid loop's pipeline trips skip); 0 otherwise."""
-    if outermost is None:
-        return 0
-    trip, loop_bundles = outermost
+def _body(bundles: list[tuple[str | None, int, str]], outermost: tuple[int, int]) -> range:
+    """The bundles of the outermost loop that its largest forward conditional branch skips, when they are most of the
+    loop (the kernel's body, which the grid loop's pipeline trips skip); none otherwise."""
+    _, loop_bundles = outermost
     largest = (0, 0)
     for index, (_, depth, line) in enumerate(bundles):
         branch = _BRANCH.search(line)
@@ -234,9 +300,7 @@ def _body_cycles(bundles: list[tuple[str | None, int, str]], issued: list[int], 
         if end is not None and end - index > largest[1] - largest[0]:
             largest = (index + 1, end)
     start, end = largest
-    if 2 * (end - start) < loop_bundles:
-        return 0
-    return sum(issued[start:end]) // trip
+    return range(start, end) if 2 * (end - start) >= loop_bundles else range(0)
 
 
 def _trip_count(bundles: list[tuple[str | None, int, str]], start: int, depth: int) -> int:
@@ -266,10 +330,17 @@ class DumpedKernel:
         """The cycles one TensorCore issues for the kernel: the schedule's, less the body on the grid loop's two
         pipeline trips where the loop's trips are the grid's steps (or half of them, split over two TensorCores)
         and two more; the schedule's as it is otherwise."""
+        return self.schedule.cycles - self._pipeline_trips() * self.schedule.body_cycles
+
+    @property
+    def issued(self) -> Issued:
+        """The instructions one TensorCore issues for the kernel, by slot; the body counted as in ``cycles``."""
+        return self.schedule.issued + self.schedule.body_issued * -self._pipeline_trips()
+
+    def _pipeline_trips(self) -> int:
         trips = self.schedule.loops[0][0] if self.schedule.loops else 0
-        if self.schedule.body_cycles and trips - PIPELINE_TRIPS in {self.mosaic.steps, -(-self.mosaic.steps // 2)}:
-            return self.schedule.cycles - PIPELINE_TRIPS * self.schedule.body_cycles
-        return self.schedule.cycles
+        computed = trips - PIPELINE_TRIPS in {self.mosaic.steps, -(-self.mosaic.steps // 2)}
+        return PIPELINE_TRIPS if self.schedule.body_cycles and computed else 0
 
 
 def read_directory(directory: str | pathlib.Path) -> list[DumpedKernel]:

@@ -8,16 +8,17 @@ dumps each Mosaic kernel (``llo``). For each kernel:
 - **HBM time**: the bytes its cost estimate declares (for this project's kernels, the traffic model
   of the launch plan that built it) over the chip's HBM bandwidth;
 - **issue time**: the cycles its scheduled VLIW program issues (the backend's final bundles, every
-  loop times its trip count) over the clock: the vector ALU, load/store, EUP and XLU slots, and the
-  dependency chains the scheduler could not hide;
+  loop times its trip count, the kernel's body once per grid step) over the clock: the vector ALU,
+  load/store, EUP, XLU and result-pop slots, register spills included, and the dependency chains the
+  scheduler could not hide;
 - **MXU time**: the LHS rows its pushes stream through the systolic arrays (Mosaic's final LLO),
   each worth ``2 * edge**2`` flops, over the peak rate: what a push of a few rows wastes of a wide
   MXU counts in full.
 
 The kernel's modelled time is the largest of the three, and that one is the **limit that binds**.
 When issue binds, the model also says whether the VLIW slots explain it (the busiest unit's
-instructions over its slots per bundle) or dependency chains do (the schedule is much longer than
-its busiest unit needs). The op's time adds its kernels and the relayout copies XLA puts around
+instructions in the scheduled program over its slots per bundle) or dependency chains do (the
+schedule is much longer than its busiest unit needs). The op's time adds its kernels and the relayout copies XLA puts around
 them (read off the compiled program) at HBM bandwidth, in two settings:
 
 - **alone**: ``q``, ``k``, ``v`` are the program's ``[B, T, H, D]`` parameters;
@@ -73,7 +74,8 @@ class KernelModel:
     grid_steps: int
     hbm_bytes: int
     cycles: int  # issued by one TensorCore
-    counts: llo.UnitCounts  # the whole grid
+    counts: llo.UnitCounts  # Mosaic's instructions, the whole grid
+    issued: llo.Issued  # the scheduled program's, by one TensorCore: what the slots take
     hbm_seconds: float
     issue_seconds: float
     mxu_seconds: float
@@ -249,7 +251,7 @@ def _modelled(name: str, tpu: TpuGeneration, share: float, alone: compile_only.D
 
     def kernels_of(dumped: compile_only.Dumped) -> tuple[KernelModel, ...]:
         costs = dict(dumped.facts.kernel_costs)
-        return tuple(_kernel(tpu, kernel, costs[kernel.name].bytes_accessed, bandwidth, peak, dumped.cores) for kernel in dumped.kernels)
+        return tuple(_kernel(tpu, kernel, costs[kernel.name].bytes_accessed, bandwidth, peak) for kernel in dumped.kernels)
 
     def setting(facts: compile_only.ProgramFacts, kernels: tuple[KernelModel, ...]) -> Setting:
         copy_seconds = facts.relayout_bytes / bandwidth
@@ -263,13 +265,12 @@ def _modelled(name: str, tpu: TpuGeneration, share: float, alone: compile_only.D
     return dataclasses.replace(modelled, backward_kernels=backward_kernels, backward=setting(backward.facts, backward_kernels))
 
 
-def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwidth: float, peak: float, cores: int) -> KernelModel:
-    counts = kernel.mosaic.total
-    slots = dict(tpu.vliw_slots)
+def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwidth: float, peak: float) -> KernelModel:
+    issued, slots = kernel.issued, dict(tpu.vliw_slots)
     needs = {
-        "vector ALU": counts.vector_alu / slots["vector ALU"], "EUP": counts.transcendentals / slots["EUP"],
-        "load": counts.loads / slots["load"], "store": counts.stores / slots["store"],
-        "result pop": (counts.mxu_results + counts.transcendentals) / slots["result pop"], "XLU": counts.transposes / slots["XLU"],
+        "vector ALU": issued.vector_alu / slots["vector ALU"], "EUP": issued.eup / slots["EUP"],
+        "load": issued.loads / slots["load"], "store": issued.stores / slots["store"],
+        "result pop": issued.result_pops / slots["result pop"], "XLU": issued.xlu / slots["XLU"],
     }
     busiest = max(needs, key=needs.get)
     return KernelModel(
@@ -277,12 +278,13 @@ def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwi
         grid_steps=kernel.mosaic.steps,
         hbm_bytes=hbm_bytes,
         cycles=kernel.cycles,
-        counts=counts,
+        counts=kernel.mosaic.total,
+        issued=issued,
         hbm_seconds=hbm_bytes / bandwidth,
         issue_seconds=kernel.cycles / tpu.clock_hz,
-        mxu_seconds=counts.mxu_rows * tpu.mxu_row_flops() / peak,
+        mxu_seconds=kernel.mosaic.total.mxu_rows * tpu.mxu_row_flops() / peak,
         busiest_unit=busiest,
-        busiest_unit_cycles=round(needs[busiest] / cores),  # the grid's parallel steps are shared by the device's TensorCores
+        busiest_unit_cycles=round(needs[busiest]),
     )
 
 
@@ -456,7 +458,7 @@ def model_json(model: TpuModel) -> dict[str, Any]:
 def _kernel_json(kernel: KernelModel, tokens: int) -> dict[str, Any]:
     return {
         "kernel": kernel.name, "grid_steps": kernel.grid_steps, "bytes_per_token": kernel.hbm_bytes / tokens,
-        "cycles": kernel.cycles, "counts": dataclasses.asdict(kernel.counts),
+        "cycles": kernel.cycles, "counts": dataclasses.asdict(kernel.counts), "issued": dataclasses.asdict(kernel.issued),
         "hbm_seconds": kernel.hbm_seconds, "issue_seconds": kernel.issue_seconds, "mxu_seconds": kernel.mxu_seconds,
         "modelled_seconds": kernel.seconds, "limit": kernel.describe_limit(),
     }
