@@ -80,7 +80,7 @@ class Issued(_Sums):
 
     Unlike ``UnitCounts`` (Mosaic's instructions, before the backend) these hold what the backend adds, register
     spills to VMEM and back, and lack what it folds away (a product's sum with a zero accumulator, which the MXU's
-    result buffer takes). Read off libtpu 0.0.52's bundles, the most of each kind in one bundle are the chip's slots
+    result buffer takes; several products summed there before one pop, as float32's passes on v6e). Read off libtpu 0.0.52's bundles, the most of each kind in one bundle are the chip's slots
     in ``generations``: mask-register operations (``_MASKS``) and moves to scalars (``vstv``) issue beside
     them, and are not counted here. ``result_pops``: every ``vpop`` (the MXU's results, the EUP's, the XLU's), which
     share two slots.
