@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+import tops_core
+
 pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu (the test extra installs it)")
 
 from tops_core.tpu import compile_only  # noqa: E402
@@ -200,6 +202,23 @@ def _edge_label(call: dict) -> str:
 def test_a_call_at_the_edge_of_vmem_compiles_with_the_kernels_the_matcher_accepted(worker, call):
     facts = compile_call(worker, {**call, "implementation": None}, gradient=True)
     assert facts["implementations"] == sorted([f"tpu_pallas.{call['kernel']}.forward", f"tpu_pallas.{call['kernel']}.backward"])
+
+
+def test_the_decode_kernel_is_accepted_up_to_the_tokens_that_fit_vmem_and_compiles_there(worker):
+    # tpu_pallas.recurrent holds every token of a sequence in one grid point. Lowered for v6e at T=4096 (8 heads of
+    # K=V=128, the bench's shape) Mosaic had refused it: 144.6 MiB of VMEM of 128. The matcher now bounds T by the plan.
+    from tops_plugins_tpu_pallas import RECURRENT
+
+    def reasons(T):
+        features = frozenset({"g_gamma", "initial_state", "output_final_state"})
+        spec = tops_core.CallSpec("simple_gla", "tpu", "bfloat16", 2, T, 3, 128, 128, 2, features, chip="v6e")
+        return RECURRENT.capabilities.reasons(spec)
+
+    edge = max(T for T in range(256, 4097, 256) if not reasons(T))
+    assert any("VMEM" in reason and "96 MiB budget of a v6e" in reason for reason in reasons(edge + 256))
+    call = dict(kernel="recurrent", generation="v6e", T=edge, K=128, V=128, dtype="bfloat16", g=False, initial_state=True, final_state=True)
+    facts = compile_call(worker, call)
+    assert facts["implementations"] == ["tpu_pallas.recurrent.forward"]
 
 
 # -m slow: every kernel's gradient (kda's packed one where it compiles; gla's and gated_delta_rule's) on every generation, at head dims below, off

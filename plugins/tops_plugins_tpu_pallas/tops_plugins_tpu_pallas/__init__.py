@@ -345,9 +345,21 @@ GATED_DELTA_RULE_FUSED, GATED_DELTA_RULE_VARLEN = _delta_rule_family(
 )
 
 
-def _recurrent_fits(spec: tops_core.CallSpec) -> str | None:
-    """a block of all value heads, or of a multiple of 8 of them, must hold their float32 states within 1 MiB"""
-    return recurrent.fits(spec.value_heads, spec.key_dim, spec.value_dim)
+def _recurrent_fits(delta: bool):
+    """A capability predicate of ``tpu_pallas.recurrent`` for an op with (``delta``) or without the delta rule."""
+
+    def predicate(spec: tops_core.CallSpec) -> str | None:
+        """a block of all value heads, or of a multiple of 8 of them, must hold their float32 states within 1 MiB, and a sequence's tokens with them the chip's VMEM budget"""
+        too_large = recurrent.fits(spec.value_heads, spec.key_dim, spec.value_dim)
+        if too_large:
+            return too_large
+        states = spec.batch if "initial_state" in spec.features else 0
+        shape = recurrent.Shape(spec.batch, spec.seq_len, spec.value_heads, spec.key_dim, spec.value_dim, states)
+        return recurrent.fits_vmem(
+            shape, spec.dtype, delta=delta, writes_state="output_final_state" in spec.features, target=launch.Target.of(spec.chip),
+        )
+
+    return predicate
 
 
 def _recurrent(op: str, forward, features: set[str], label: str) -> tops_core.Implementation:
@@ -355,7 +367,7 @@ def _recurrent(op: str, forward, features: set[str], label: str) -> tops_core.Im
         op=op,
         name="recurrent",
         forward=forward,
-        capabilities=_capabilities(_recurrent_fits, features),
+        capabilities=_capabilities(_recurrent_fits(op in ("kda", "gated_delta_rule")), features),
         priority=tops_core.decode_step_priority(310),  # above xla.recurrent's 300
         config=recurrent.RecurrentConfig(),
         serves_pools=True,

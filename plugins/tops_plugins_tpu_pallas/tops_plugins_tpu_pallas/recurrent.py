@@ -86,6 +86,19 @@ def fits(value_heads: int, K: int, V: int) -> str | None:
     return None
 
 
+def fits_vmem(shape: Shape, value_dtype, *, delta: bool, writes_state: bool, target: launch.Target) -> str | None:
+    """A capability reason when the launch (a grid point holds every token of its sequence) exceeds ``target``'s VMEM
+    budget, else None: long calls are not decode steps, and Mosaic would refuse them (T=4096, 8 heads of K=V=128 on a
+    v6e: 144.6 MiB of its 128)."""
+    needed = launch.needed_vmem((plan(shape, value_dtype, delta=delta, writes_state=writes_state, in_place=False),))
+    if needed <= target.budget:
+        return None
+    return (
+        f"T={shape.T}: a grid point holds its sequence's every token, {needed / 2**20:.1f} MiB of VMEM with its states, "
+        f"more than the {target.describe()}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """A call as the kernel sees it: ``N`` sequences of ``T`` tokens, ``HV`` value heads, ``K`` x ``V`` states;
