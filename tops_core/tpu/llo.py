@@ -80,10 +80,10 @@ class Issued(_Sums):
 
     Unlike ``UnitCounts`` (Mosaic's instructions, before the backend) these hold what the backend adds, register
     spills to VMEM and back, and lack what it folds away (a product's sum with a zero accumulator, which the MXU's
-    result buffer takes; several products summed there before one pop, as float32's passes on v6e). Read off libtpu 0.0.52's bundles, the most of each kind in one bundle are the chip's slots
-    in ``generations``: mask-register operations (``_MASKS``) and moves to scalars (``vstv``) issue beside
-    them, and are not counted here. ``result_pops``: every ``vpop`` (the MXU's results, the EUP's, the XLU's), which
-    share two slots.
+    result buffer takes; several products summed there before one pop, as float32's passes on v6e). Read off libtpu
+    0.0.52's bundles, the most of each kind in one bundle are the chip's slots in ``generations``: mask-register
+    operations (``_MASKS``) and moves to scalars (``vstv``) issue beside them, and are not counted here.
+    ``result_pops``: every ``vpop`` (the MXU's results, the EUP's, the XLU's), which share two slots.
     """
 
     vector_alu: int = 0
@@ -215,7 +215,9 @@ _BRANCH = re.compile(r"sbr\.rel \(!?%\w+\) target = \$region(\d+)")
 _INSTRUCTION = re.compile(r"^\s*(?:%\S+ = )?(v[\w.]*)")
 _XLU = ("vxpose", "vperm", "vrot.lane", "vbcast")
 _MASKS = ("vmand", "vmor", "vmxor", "vmneg", "vmmov", "vmpackc", "vcmask", "vsmask")
-_NOT_SLOTTED = (*_MASKS, "vdwg", "vdelay", "vsync", "vwait", "vtrace", "vset", "vint", "vpush")  # and the MXU's own (vmat...)
+_NOT_SLOTTED = (*_MASKS, "vstv", "vdwg", "vdelay", "vsync", "vwait", "vtrace", "vset", "vint", "vpush")  # and the MXU's own (vmat...)
+_HLO_NAME = re.compile(r"^hlo: (\S+)", re.MULTILINE)
+_BUNDLES_FILE = re.compile(r"^\d+-(.+)-\d+" + re.escape(BUNDLES_SUFFIX) + "$")  # <id>-<HLO instruction>-<pass number>-final_bundles.txt
 
 
 def _issued(bundle: str) -> Issued:
@@ -226,26 +228,22 @@ def _issued(bundle: str) -> Issued:
         match = _INSTRUCTION.match(instruction)
         if not match:
             continue
-        op = match[1]
-        spilled = "_spill]" in instruction
+        op, spilled = match[1], "_spill]" in instruction
         if op.startswith("vld"):
             counts["loads"] += 1
             counts["spill_loads"] += spilled
-        elif op.startswith("vstv") or not op.startswith("vst"):
-            if op.startswith("vpop"):
-                counts["result_pops"] += 1
-            elif _TRANSCENDENTAL.match(op):
-                counts["eup"] += 1
-            elif op.startswith(_XLU) or ".xlane" in op:
-                counts["xlu"] += 1
-            elif not op.startswith(("vmat", *_NOT_SLOTTED)):
-                counts["vector_alu"] += 1
-        else:
+        elif op.startswith("vst") and not op.startswith("vstv"):
             counts["stores"] += 1
             counts["spill_stores"] += spilled
+        elif op.startswith("vpop"):
+            counts["result_pops"] += 1
+        elif _TRANSCENDENTAL.match(op):
+            counts["eup"] += 1
+        elif op.startswith(_XLU) or ".xlane" in op:
+            counts["xlu"] += 1
+        elif not op.startswith(("vmat", *_NOT_SLOTTED)):
+            counts["vector_alu"] += 1
     return Issued(**counts)
-_HLO_NAME = re.compile(r"^hlo: (\S+)", re.MULTILINE)
-_BUNDLES_FILE = re.compile(r"^\d+-(.+)-\d+" + re.escape(BUNDLES_SUFFIX) + "$")  # <id>-<HLO instruction>-<pass number>-final_bundles.txt
 
 
 def read_bundles(text: str, name: str = "") -> Schedule:
