@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import pathlib
 import re
 
@@ -46,13 +47,14 @@ def dump_flags(directory: str) -> str:
 
 
 class _Sums:
-    """Counts that add field by field and scale."""
+    """Counts that add field by field and scale (a dataclass's fields, in order, are its ``__dict__``: no copies, as
+    ``dataclasses.astuple`` makes, which took most of the time a dump is read in)."""
 
     def __add__(self, other):
-        return type(self)(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        return type(self)(*map(operator.add, self.__dict__.values(), other.__dict__.values()))
 
     def __mul__(self, times: int):
-        return type(self)(*(a * times for a in dataclasses.astuple(self)))
+        return type(self)(*(a * times for a in self.__dict__.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +143,9 @@ _CONSTANT = re.compile(r"^\s*(%[\w#.-]+) = llo\.constant \{value = (-?\d+) : [su
 _FOR = re.compile(r"scf\.for %\S+ = (%[\w#.-]+) to (%[\w#.-]+) step (%[\w#.-]+)")
 
 
-def _unit(op: str, line: str) -> UnitCounts:
+def _unit(op: str, line: str) -> UnitCounts | None:
     if op in _FREE or not op.startswith("v"):
-        return UnitCounts()  # scalar-unit instructions (s...) and free ones
+        return None  # scalar-unit instructions (s...) and free ones
     if op.startswith("vmatmul"):
         vector = _VECTOR.search(line.split(":")[-1]) or _VECTOR.search(line)
         dims = [int(d) for d in vector[1].rstrip("x").split("x")] if vector else [8]
@@ -202,8 +204,9 @@ def read_mosaic(text: str) -> list[MosaicKernel]:
             stack.append(trip)
             continue
         op = _OP.match(line)
-        if op:
-            counts = counts + _unit(op[1], line) * math.prod(stack)
+        unit = _unit(op[1], line) if op else None
+        if unit is not None:
+            counts = counts + unit * math.prod(stack)
     return kernels
 
 
