@@ -85,7 +85,8 @@ def assert_matches_the_reference(op: str, arrays: dict, indices: list[int], o, p
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("op", ["simple_gla", "kda"])
-@pytest.mark.parametrize("T", [1, 3, 40], ids=lambda T: f"T={T}")  # a decode step, a speculative draft, a prefill
+# A decode step, a speculative draft, a prefill; the draft's several tokens run the path the prefill's do: -m slow.
+@pytest.mark.parametrize("T", [1, pytest.param(3, marks=pytest.mark.slow), 40], ids=lambda T: f"T={T}")
 def test_a_pool_call_runs_the_indexed_rows_and_writes_them_back(op, T, implementation):
     arrays = inputs(op, T)
     o, pool = call(op, arrays, jnp.asarray(INDICES, jnp.int32), implementation, output_final_state=True)

@@ -645,8 +645,9 @@ OTHER_PACKED = [
 ]
 
 
+# The gradient compiles the forward's kernel too: the forward alone with -m slow.
 @pytest.mark.parametrize("call", OTHER_PACKED)
-@pytest.mark.parametrize("gradient", [False, True], ids=["forward", "gradient"])
+@pytest.mark.parametrize("gradient", [pytest.param(False, marks=pytest.mark.slow), True], ids=["forward", "gradient"])
 def test_gla_and_gated_delta_rule_packed_calls_compile_with_traced_cu_seqlens(worker, call, gradient):
     facts = worker.ask({"call": {**call, "gradient": gradient}})
     if not gradient:
