@@ -632,12 +632,15 @@ _SHORT_PACKED = dict(generation="v4", T=65, K=64, V=128, dtype="bfloat16", use_q
                      final_state=True)
 # gla and gated_delta_rule packed (traced cu_seqlens, B = 1): kda's packed calls and a short one on v4, each op, forward
 # and gradient, and gated_delta_rule's short one on v5e (its backward in bf16 with initial states on v5e and v5p, the v5p
-# call here too, runs chunks of 64: gated_delta_rule.fused.backward_config); the short ones by default, the rest with -m slow.
+# call here too, runs chunks of 64: gated_delta_rule.fused.backward_config); by default gla's short one on v4 and
+# gated_delta_rule's on v5e, the rest with -m slow.
 OTHER_PACKED = [
     pytest.param(
         {**{name: value for name, value in call.items() if name not in _KDA_ONLY}, "op": op, "kernel": "varlen", "B": 1, "H": 3,
          **OTHER_OPS[op]},
-        id=_other_label(op, call), marks=() if call["T"] < 100 and call["num_seqs"] == 5 else pytest.mark.slow,
+        id=_other_label(op, call),
+        marks=() if call["T"] < 100 and call["num_seqs"] == 5 and (op, call["generation"]) in {("gla", "v4"), ("gated_delta_rule", "v5e")}
+        else pytest.mark.slow,
     )
     for op in OTHER_OPS for call in (
         *KDA_VARLEN_CALLS, _SHORT_PACKED, *([{**_SHORT_PACKED, "generation": "v5e"}] if op == "gated_delta_rule" else ()),
