@@ -225,7 +225,7 @@ _BUNDLES_FILE = re.compile(r"^\d+-(.+)-\d+" + re.escape(BUNDLES_SUFFIX) + "$")  
 
 def _issued(bundle: str) -> Issued:
     """One bundle's vector instructions (a line of the dump, ``{ a ;; b ;; ... }``) by slot (``Issued``)."""
-    counts = dict.fromkeys(("vector_alu", "loads", "stores", "spill_loads", "spill_stores", "xlu", "eup", "result_pops"), 0)
+    counts = {field.name: 0 for field in dataclasses.fields(Issued)}
     inside = bundle[bundle.index("{") + 1 :]
     for instruction in inside[: inside.rfind("}")].split(";;"):
         match = _INSTRUCTION.match(instruction)

@@ -266,7 +266,7 @@ def _modelled(name: str, tpu: TpuGeneration, share: float, alone: compile_only.D
 
 
 def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwidth: float, peak: float) -> KernelModel:
-    issued, slots = kernel.issued, dict(tpu.vliw_slots)
+    cycles, counts, issued, slots = kernel.cycles, kernel.mosaic.total, kernel.issued, dict(tpu.vliw_slots)
     needs = {
         "vector ALU": issued.vector_alu / slots["vector ALU"], "EUP": issued.eup / slots["EUP"],
         "load": issued.loads / slots["load"], "store": issued.stores / slots["store"],
@@ -277,12 +277,12 @@ def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwi
         name=kernel.name,
         grid_steps=kernel.mosaic.steps,
         hbm_bytes=hbm_bytes,
-        cycles=kernel.cycles,
-        counts=kernel.mosaic.total,
+        cycles=cycles,
+        counts=counts,
         issued=issued,
         hbm_seconds=hbm_bytes / bandwidth,
-        issue_seconds=kernel.cycles / tpu.clock_hz,
-        mxu_seconds=kernel.mosaic.total.mxu_rows * tpu.mxu_row_flops() / peak,
+        issue_seconds=cycles / tpu.clock_hz,
+        mxu_seconds=counts.mxu_rows * tpu.mxu_row_flops() / peak,
         busiest_unit=busiest,
         busiest_unit_cycles=round(needs[busiest]),
     )

@@ -362,12 +362,12 @@ def _recurrent_fits(delta: bool):
     return predicate
 
 
-def _recurrent(op: str, forward, features: set[str], label: str) -> tops_core.Implementation:
+def _recurrent(op: str, forward, features: set[str], label: str, delta_rule: bool = False) -> tops_core.Implementation:
     return tops_core.Implementation(
         op=op,
         name="recurrent",
         forward=forward,
-        capabilities=_capabilities(_recurrent_fits(op in ("kda", "gated_delta_rule")), features),
+        capabilities=_capabilities(_recurrent_fits(delta_rule), features),
         priority=tops_core.decode_step_priority(310),  # above xla.recurrent's 300
         config=recurrent.RecurrentConfig(),
         serves_pools=True,
@@ -379,11 +379,14 @@ def _recurrent(op: str, forward, features: set[str], label: str) -> tops_core.Im
 
 
 RECURRENT = _recurrent("simple_gla", simple_gla.recurrent.forward, _SIMPLE_GLA_FEATURES, "simple_gla")
-KDA_RECURRENT = _recurrent("kda", kda.recurrent.forward, {"initial_state", "output_final_state"} | _KDA_OPTIONS, "KDA")
-GLA_RECURRENT = _recurrent("gla", gla.recurrent.forward, {"initial_state", "output_final_state"}, "GLA")
+KDA_RECURRENT = _recurrent(
+    "kda", kda.recurrent.forward, {"initial_state", "output_final_state"} | _KDA_OPTIONS, "KDA", kda.chunkwise.KDA.delta_rule,
+)
+GLA_RECURRENT = _recurrent("gla", gla.recurrent.forward, {"initial_state", "output_final_state"}, "GLA", gla.chunkwise.GLA.delta_rule)
 GATED_DELTA_RULE_RECURRENT = _recurrent(
     "gated_delta_rule", gated_delta_rule.recurrent.forward,
     {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"}, "the gated delta rule",
+    gated_delta_rule.chunkwise.GATED_DELTA_RULE.delta_rule,
 )
 
 
