@@ -231,7 +231,7 @@ def test_gates_along_lanes_are_the_column_gates(valid_rows):
         g[valid_rows:] = 0.0  # as Chunk.head_row and Chunk.head_column read a ragged chunk
     valid = None if valid_rows is None else jnp.int32(valid_rows)
     decay = jnp.float32(-0.01)
-    rows = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], valid, size)
+    (rows,) = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], valid)
     columns = chunkwise.ChunkGates.compute(decay, jnp.asarray(g)[:, None], valid, size)
     close = dict(rtol=1e-6, atol=0)
     for name in ("decays", "query", "chunk"):
@@ -240,6 +240,28 @@ def test_gates_along_lanes_are_the_column_gates(valid_rows):
     assert rows.key is None
     b = np.cumsum(g.astype(np.float64)) - 0.01 * np.minimum(np.arange(1, size + 1), valid_rows or size)
     np.testing.assert_allclose(rows.query[:, 0], np.exp(b), rtol=3e-6)  # float32 b, |b| up to 14: ~1e-6 of exp
+
+
+@pytest.mark.parametrize(("attention", "key_column"), [(True, False), (True, True), (False, False)], ids=["forward", "backward", "walk"])
+def test_a_steps_gates_at_once_are_each_chunks_gates_alone(attention, key_column):
+    # The kernels compute every chunk's gates of a grid step in one go (ChunkGates.along_lanes of (n, C) rows): three
+    # chunks of 128 here, the last ragged, so the stacks are padded to whole tiles; each must be what it is alone.
+    size, valid_rows = 128, 77
+    g = np.where(np.random.default_rng(6).random((3, size)) < 0.02, -np.inf, -np.random.default_rng(7).exponential(0.05, (3, size)))
+    g = g.astype(np.float32)
+    g[-1, valid_rows:] = 0.0
+    decay, valid = jnp.float32(-0.01), jnp.int32(valid_rows)
+    together = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g), valid, attention=attention, key_column=key_column)
+    assert len(together) == 3
+    for index, gates in enumerate(together):
+        (alone,) = chunkwise.ChunkGates.along_lanes(
+            decay, jnp.asarray(g[index : index + 1]), valid if index == 2 else None, attention=attention, key_column=key_column,
+        )
+        for name in ("decays", "query", "key", "chunk"):
+            got, want = getattr(gates, name), getattr(alone, name)
+            assert (got is None) == (want is None), name
+            if want is not None:
+                np.testing.assert_array_equal(got, want, err_msg=f"chunk {index}: {name}")
 
 
 def test_gates_go_along_lanes_with_per_token_gates_from_chunk_128():

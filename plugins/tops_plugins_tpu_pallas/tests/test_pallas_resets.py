@@ -61,7 +61,7 @@ def test_gates_are_the_definitions_and_exactly_zero_across_a_reset(size, valid_r
     valid = None if valid_rows is None else jnp.int32(valid_rows)
     decay = jnp.float32(-0.01)
     if along_lanes:
-        gates = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], valid, size)
+        (gates,) = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], valid)
         key = gates.key_row.T
     else:
         gates = chunkwise.ChunkGates.compute(decay, jnp.asarray(g)[:, None], valid, size)
@@ -79,7 +79,7 @@ def test_reset_counts_held_in_bfloat16_give_the_same_gates_bit_for_bit(size, val
     if valid_rows is not None:
         g[valid_rows:] = 0.0
     valid = None if valid_rows is None else jnp.int32(valid_rows)
-    held = [chunkwise.ChunkGates.along_lanes(jnp.float32(-0.01), jnp.asarray(g)[None, :], valid, size, dtype) for dtype in (jnp.float32, jnp.bfloat16)]
+    held = [chunkwise.ChunkGates.along_lanes(jnp.float32(-0.01), jnp.asarray(g)[None, :], valid, dtype)[0] for dtype in (jnp.float32, jnp.bfloat16)]
     for name in ("decays", "query", "chunk"):
         np.testing.assert_array_equal(getattr(held[1], name), getattr(held[0], name), err_msg=name)
 
@@ -111,9 +111,13 @@ def test_the_cumulative_sums_count_the_resets_exactly():
     np.testing.assert_array_equal(resets[:, 0], np.cumsum(np.isneginf(g)))
     exact = np.cumsum(np.where(np.isneginf(g), 0.0, g.astype(np.float64)))
     np.testing.assert_allclose(finite[:, 0], exact, rtol=size * np.finfo(np.float32).eps)
-    row_finite, row_resets = chunkwise.cumulative_sum_along_lanes(jnp.asarray(g)[None, :])
-    np.testing.assert_array_equal(row_resets[0], resets[:, 0])
-    np.testing.assert_allclose(row_finite[0], finite[:, 0], rtol=1e-6)
+    # Along lanes, a step's chunks at once (three here, so the stacked parts are padded to whole tiles): each row as its column.
+    rows = np.stack([g, np.roll(g, 50), -g[::-1]])
+    row_finite, row_resets = chunkwise.cumulative_sums_along_lanes(jnp.asarray(rows))
+    for row, row_sums, row_counts in zip(rows, row_finite, row_resets):
+        column_sums, column_counts = chunkwise.cumulative_sum(jnp.asarray(row)[:, None])
+        np.testing.assert_array_equal(row_counts, column_counts[:, 0])
+        np.testing.assert_allclose(row_sums, column_sums[:, 0], rtol=1e-6)
 
 
 def test_chunk_math_with_resets_never_makes_a_nan():
@@ -126,7 +130,7 @@ def test_chunk_math_with_resets_never_makes_a_nan():
     with jax.debug_nans(True):
         for gates in (
             chunkwise.ChunkGates.compute(jnp.float32(-1.0), g[:, None], None, size),
-            chunkwise.ChunkGates.along_lanes(jnp.float32(-1.0), g[None, :], None, size),
+            chunkwise.ChunkGates.along_lanes(jnp.float32(-1.0), g[None, :], None)[0],
             chunkwise.ChunkGates.compute(jnp.float32(RESET_LOG_DECAY), g[:, None], None, size),
         ):
             o = chunkwise.output_from_state(chunkwise.intra_chunk_output(q, k, v, gates), q, state, gates, 0.1)

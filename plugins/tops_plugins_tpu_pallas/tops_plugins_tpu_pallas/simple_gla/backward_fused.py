@@ -31,7 +31,7 @@ from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.simple_gla import gradients
 from tops_plugins_tpu_pallas.grid import step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    advance_state, advance_state_work, chunk_gates, constant_gates,
+    advance_state, advance_state_work, constant_gates, step_gates,
 )
 from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes
 from tops_plugins_tpu_pallas.plan import LaunchPlan, Scratch
@@ -120,7 +120,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     # waits on the rest of a chunk's work, and the gradients of different chunks no longer depend on each other:
     # chunk by chunk, the scheduler had run one chunk's products after the other's (v6e with g: 326 -> 202 us).
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
-    every_gates = [chunk_gates(chunk, refs, head, constant, along_lanes=along_lanes, key_column=True) for chunk in chunks]
+    every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, key_column=True)
     state = refs["checkpoints"][0]
     refs["states"][0] = state
     for chunk in chunks[:-1]:

@@ -60,8 +60,8 @@ def cumulative_sum(g: jax.Array) -> tuple[jax.Array, jax.Array]:
     passes of a ``(C, 1)`` column, which was most of a gated chunk's MXU pushes.
     """
     rows, cols = row_and_column_iotas(g.shape[0])
-    partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), _parts_and_resets_along(g, 1, LANES), jnp.bfloat16)
-    return _sums_of_parts_and_resets(partial_sums, 1)
+    partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), _parts_and_resets_in_lanes(g), jnp.bfloat16)
+    return _sums_of_parts_and_resets(partial_sums)
 
 
 def _cumulative_sum_forward(g):
@@ -73,44 +73,50 @@ def _cumulative_sum_cotangents(resets, cotangents):
     jax's own rule would round the cotangent to bf16 on its way through the parts (what kda's ``run_sums`` avoids too)."""
     dsums, _ = cotangents  # R counts resets: no gradient
     rows, cols = row_and_column_iotas(dsums.shape[0])
-    partial_sums = matmul((rows <= cols).astype(jnp.bfloat16), _parts_and_resets_along(dsums, 1, LANES), jnp.bfloat16)
-    dg, _ = _sums_of_parts_and_resets(partial_sums, 1)
+    partial_sums = matmul((rows <= cols).astype(jnp.bfloat16), _parts_and_resets_in_lanes(dsums), jnp.bfloat16)
+    dg, _ = _sums_of_parts_and_resets(partial_sums)
     return (jnp.where(resets, 0.0, dg),)
 
 
 cumulative_sum.defvjp(_cumulative_sum_forward, _cumulative_sum_cotangents)
 
 
-def cumulative_sum_along_lanes(g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``cumulative_sum`` for ``g`` as a ``(1, C)`` row: its three bf16 parts and the resets in sublanes 0 to 3 of one
-    ``(8, C)`` operand times an upper-triangular 0/1 matrix, one bf16 MXU pass of 8 rows, and sublane sums."""
-    rows, cols = row_and_column_iotas(g.shape[1])
-    partial_sums = matmul(_parts_and_resets_along(g, 0, 8), (rows <= cols).astype(jnp.bfloat16), jnp.bfloat16)
-    return _sums_of_parts_and_resets(partial_sums, 0)
+def cumulative_sums_along_lanes(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``cumulative_sum`` of every chunk of a grid step at once, ``g`` ``(n, C)`` with one chunk per row: the rows'
+    three bf16 parts and their resets stacked along sublanes times an upper-triangular 0/1 matrix, one bf16 MXU
+    pass whose weights (the triangle) load once per step instead of once per chunk, then the parts' sums added.
+    Each of the four stacks is padded to whole 8-row tiles, so the sums are aligned sublane slices."""
+    n, size = g.shape
+    tile = -(-n // 8) * 8
+    resets = g == -jnp.inf
+    pieces = [*bf16_parts(jnp.where(resets, 0.0, g), 3), resets.astype(_F32)]
+    if tile > n:
+        pieces = [jnp.concatenate([piece, jnp.zeros((tile - n, size), _F32)], axis=0) for piece in pieces]
+    rows, cols = row_and_column_iotas(size)
+    sums = matmul(jnp.concatenate(pieces, axis=0), (rows <= cols).astype(jnp.bfloat16), jnp.bfloat16)
+    return sums[:n] + sums[tile : tile + n] + sums[2 * tile : 2 * tile + n], sums[3 * tile : 3 * tile + n]
 
 
 _RESETS = 3
-"""Where along the parts' axis ``_parts_and_resets_along`` puts the resets' indicators, after ``g``'s three parts."""
+"""The lane where ``_parts_and_resets_in_lanes`` puts the resets' indicators, after ``g``'s three parts."""
 
 
-def _parts_and_resets_along(g: jax.Array, axis: int, width: int) -> jax.Array:
-    """``g``'s three exact bf16 parts (``bf16_parts``, every ``-inf`` as 0) at indices 0, 1, 2 of ``axis`` and its
-    ``-inf`` gates as 1 at index ``_RESETS``, widened to ``width``, zeros elsewhere."""
-    shape = list(g.shape)
-    shape[axis] = width
-    index = lax.broadcasted_iota(jnp.int32, tuple(shape), axis)
+def _parts_and_resets_in_lanes(g: jax.Array) -> jax.Array:
+    """``g`` ``(C, 1)``'s three exact bf16 parts (``bf16_parts``, every ``-inf`` as 0) in lanes 0, 1, 2 of a ``(C, 128)``
+    operand and its ``-inf`` gates as 1 in lane ``_RESETS``, zeros elsewhere."""
+    index = lax.broadcasted_iota(jnp.int32, (g.shape[0], LANES), 1)
     resets = g == -jnp.inf
     high, middle, low = bf16_parts(jnp.where(resets, 0.0, g), 3)
     parts = jnp.where(index == 0, high, jnp.where(index == 1, middle, jnp.where(index == 2, low, 0.0)))
     return jnp.where(index == _RESETS, resets.astype(_F32), parts)
 
 
-def _sums_of_parts_and_resets(partial_sums: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    """``(B, R)`` from the partial sums of ``_parts_and_resets_along``'s operand: its three parts added, and its resets.
-    Both are masked sums (reading the resets' lane or sublane where it lies costs the backward's kernels about 15% more cycles)."""
-    index = lax.broadcasted_iota(jnp.int32, partial_sums.shape, axis)
-    finite = jnp.sum(jnp.where(index < _RESETS, partial_sums, 0.0), axis=axis, keepdims=True)
-    resets = jnp.sum(jnp.where(index == _RESETS, partial_sums, 0.0), axis=axis, keepdims=True)
+def _sums_of_parts_and_resets(partial_sums: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(B, R)`` from the partial sums of ``_parts_and_resets_in_lanes``'s operand: its three parts added, and its resets.
+    Both are masked sums (reading the resets' lane where it lies costs the backward's kernels about 15% more cycles)."""
+    index = lax.broadcasted_iota(jnp.int32, partial_sums.shape, 1)
+    finite = jnp.sum(jnp.where(index < _RESETS, partial_sums, 0.0), axis=1, keepdims=True)
+    resets = jnp.sum(jnp.where(index == _RESETS, partial_sums, 0.0), axis=1, keepdims=True)
     return finite, resets
 
 
@@ -200,39 +206,59 @@ class ChunkGates:
 
     @classmethod
     def along_lanes(
-        cls, decay: jax.Array, g: jax.Array, valid_rows: jax.Array | None, chunk_size: int, resets_dtype=jnp.float32,
+        cls, decay: jax.Array, g: jax.Array, valid_rows: jax.Array | None, resets_dtype=jnp.float32,
         attention: bool = True, key_column: bool = False,
-    ) -> ChunkGates:
-        """A chunk's gates from its ``g`` as a ``(1, C)`` row (``g`` laid out ``[B, H, T]``), ``key`` left to ``key_row``
-        unless ``key_column``.
+    ) -> list[ChunkGates]:
+        """The gates of every chunk of a grid step from their ``g`` as rows ``(n, C)``, one chunk per row (``g`` laid
+        out ``[B, H, T]``), ``key`` left to ``key_row`` unless ``key_column``.
 
         ``LogDecays.compute`` and ``of`` work on ``(C, 1)`` columns, which take one vector register per
-        8 rows for every operation; here the cumulative sums and ``exp(b)`` run on the row (2 registers
-        at chunk 256), and one ``(8, C) -> (C, 8)`` transpose makes the three columns the chunk needs
-        (``exp(b)``, ``B`` and ``R``).
-        ``valid_rows`` as there; ``g`` must be 0 past it. ``resets_dtype``: what ``R``'s column is held in for the
-        decays' masks, whose lane broadcasts bfloat16 halves (exact: ``R`` is a count of at most 256 tokens).
+        8 rows for every operation, and a single chunk's ``(1, C)`` row fills one sublane of its registers;
+        here the cumulative sums (``cumulative_sums_along_lanes``) and ``exp(b)`` run on the step's
+        ``(n, C)`` rows, 8 chunks to a register, and one transpose makes every chunk's columns
+        (``exp(b)``, ``B`` and ``R``). Cycles one TensorCore issues for a 4096-row grid step (bf16 K=V=128
+        with ``g``, v6e, 16 chunks of 256), one chunk at a time -> the step's chunks at once: 5028 -> 4220.
+        ``valid_rows``: the real tokens of the step's last chunk, the only one that can be ragged (None: all
+        real); ``g`` must be 0 past them. ``resets_dtype``: what ``R``'s column is held in for the decays' masks,
+        whose lane broadcasts bfloat16 halves (exact: ``R`` is a count of at most 256 tokens).
         ``attention=False`` (a kernel that only advances the state): no ``C x C`` decays. There, and with
         ``key_column`` (the backward, whose gradient terms take ``exp(b_C - b_j)`` per row), it is exponentiated on the
-        row and becomes ``key``'s column in the same transpose.
+        rows and becomes ``key``'s column in the same transpose.
         """
-        cumulative, resets_row = cumulative_sum_along_lanes(g)
-        row = decay * _positions(chunk_size, 1, valid_rows) + cumulative
-        sublanes = lax.broadcasted_iota(jnp.int32, (8, chunk_size), 0)
-        query_row = masked_exp(row, resets_row == 0)
-        stacked = jnp.where(sublanes == 1, row, resets_row)
-        key_column = key_column or not attention
-        if key_column:
-            total, total_resets = row[:, -1:], resets_row[:, -1:]
-            stacked = jnp.where(sublanes == 3, masked_exp(total - row, unreset(resets_row, total_resets)), stacked)
-        columns = jnp.where(sublanes == 0, query_row, stacked).T
-        query = columns[:, 0:1]
-        key = columns[:, 3:4] if key_column else None
-        # exp(b_C) is the last query decay: one value of one lane, no lanes of two columns to bring together.
-        if not attention:
-            return cls(decays=None, query=query, key=key, chunk=query[-1:, :])
-        log = LogDecays(column=columns[:, 1:2], row=row, resets_column=columns[:, 2:3].astype(resets_dtype), resets_row=resets_row)
-        return cls(decays=causal_decays(log), query=query, key=key, chunk=query[-1:, :])
+        n, size = g.shape
+        cumulative, resets = cumulative_sums_along_lanes(g)
+        positions = lax.broadcasted_iota(jnp.int32, (n, size), 1) + 1
+        if valid_rows is not None:
+            last = lax.broadcasted_iota(jnp.int32, (n, 1), 0) == n - 1
+            positions = jnp.minimum(positions, jnp.where(last, valid_rows, size))
+        rows = decay * positions.astype(_F32) + cumulative
+        pieces = {"query": masked_exp(rows, resets == 0)}
+        if attention:
+            pieces.update(log=rows, resets=resets)
+        if key_column or not attention:
+            pieces["key"] = masked_exp(rows[:, -1:] - rows, unreset(resets, resets[:, -1:]))
+        tile = -(-n // 8) * 8  # each piece's chunks start on a whole tile of the stack
+        padding = [jnp.zeros((tile - n, size), _F32)] if tile > n else []
+        columns = jnp.concatenate([part for piece in pieces.values() for part in (piece, *padding)], axis=0).T
+        lane = {name: index * tile for index, name in enumerate(pieces)}
+
+        def column(name: str, chunk: int) -> jax.Array:
+            return columns[:, lane[name] + chunk : lane[name] + chunk + 1]
+
+        every = []
+        for chunk in range(n):
+            query = column("query", chunk)
+            key = column("key", chunk) if "key" in pieces else None
+            decays = None
+            if attention:
+                log = LogDecays(
+                    column=column("log", chunk), row=rows[chunk : chunk + 1], resets_column=column("resets", chunk).astype(resets_dtype),
+                    resets_row=resets[chunk : chunk + 1],
+                )
+                decays = causal_decays(log)
+            # exp(b_C) is the last query decay: one value of one lane, no lanes of two columns to bring together.
+            every.append(cls(decays=decays, query=query, key=key, chunk=query[-1:, :]))
+        return every
 
     @property
     def key_row(self) -> jax.Array:
@@ -371,21 +397,25 @@ def constant_gates(refs: dict, head: jax.Array, geometry: Geometry, attention: b
     return ChunkGates.compute(constant_decay(refs, head), None, None, geometry.chunk_size, attention)
 
 
-def chunk_gates(
-    chunk: Chunk, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None, attention: bool = True,
-    along_lanes: bool = False, resets_dtype=jnp.float32, key_column: bool = False,
-) -> ChunkGates:
-    """``chunk``'s gates: ``constant`` (the step's, without ``g``) for a whole chunk; with ``along_lanes`` (``g``
-    laid out ``[B, H, T]``), ``ChunkGates.along_lanes`` of the head's row (``resets_dtype`` and ``key_column`` as there); else
-    exponentiated from ``log`` (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``'s."""
+def chunk_gates(chunk: Chunk, refs: dict, head: jax.Array, constant: ChunkGates | None, log: LogDecays | None = None, attention: bool = True) -> ChunkGates:
+    """``chunk``'s gates: ``constant`` (the step's, without ``g``) for a whole chunk; else exponentiated from ``log``
+    (``log_decays``, computed here when not given); ``attention`` as ``ChunkGates.of``'s."""
     if constant is not None and chunk.valid_rows is None:
         return constant
-    if along_lanes:
-        return ChunkGates.along_lanes(
-            constant_decay(refs, head), chunk.head_row(refs["g"], head), chunk.valid_rows, chunk.rows.size, resets_dtype,
-            attention, key_column,
-        )
     return ChunkGates.of(log_decays(chunk, refs, head) if log is None else log, attention)
+
+
+def step_gates(
+    chunks: list[Chunk], refs: dict, head: jax.Array, constant: ChunkGates | None, *, attention: bool = True, along_lanes: bool = False,
+    resets_dtype=jnp.float32, key_column: bool = False,
+) -> list[ChunkGates]:
+    """The gates of a grid step's ``chunks``, in order: with ``along_lanes`` (``g`` laid out ``[B, H, T]``), all at once
+    from the head's rows (``ChunkGates.along_lanes``, ``resets_dtype`` and ``key_column`` as there); else chunk by chunk
+    (``chunk_gates``). ``attention`` as ``ChunkGates.of``'s."""
+    if along_lanes:
+        rows = jnp.concatenate([chunk.head_row(refs["g"], head) for chunk in chunks], axis=0)
+        return ChunkGates.along_lanes(constant_decay(refs, head), rows, chunks[-1].valid_rows, resets_dtype, attention, key_column)
+    return [chunk_gates(chunk, refs, head, constant, attention=attention) for chunk in chunks]
 
 
 def log_decays(chunk: Chunk, refs: dict, head: jax.Array, decay: jax.Array | None = None) -> LogDecays:

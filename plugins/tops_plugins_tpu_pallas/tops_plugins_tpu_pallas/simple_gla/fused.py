@@ -25,8 +25,8 @@ from tops_plugins_tpu_pallas.grid import (
 )
 from tops_plugins_tpu_pallas.mxu import SPLIT_BFLOAT16, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    advance_state, advance_state_work, attend, chunk_body_vmem, chunk_gates, chunk_output_work, constant_gates,
-    decayed_scores, gate_computations, gates_work, intra_chunk_output, output_from_state,
+    advance_state, advance_state_work, attend, chunk_body_vmem, chunk_output_work, constant_gates,
+    decayed_scores, gate_computations, gates_work, intra_chunk_output, output_from_state, step_gates,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES as COMMON_CHUNK_SIZES, check_common_fields
 from tops_plugins_tpu_pallas.plan import DmaSemaphores, LaunchPlan, Scratch
@@ -230,8 +230,8 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     constant = constant_gates(refs, head, geometry)
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
     chunks = []
-    for chunk in step_chunks(geometry, step):
-        gates = chunk_gates(chunk, refs, head, constant, along_lanes=along_lanes, resets_dtype=resets_dtype)
+    every = step_chunks(geometry, step)
+    for chunk, gates in zip(every, step_gates(every, refs, head, constant, along_lanes=along_lanes, resets_dtype=resets_dtype)):
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         k = k.T if along_lanes else k  # keys transposed: their decays are the decay matrix's last row
         chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands, along_lanes) if attention_first else None))
