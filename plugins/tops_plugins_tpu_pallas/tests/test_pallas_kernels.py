@@ -231,7 +231,7 @@ def test_gates_along_lanes_are_the_column_gates(valid_rows):
         g[valid_rows:] = 0.0  # as Chunk.head_row and Chunk.head_column read a ragged chunk
     valid = None if valid_rows is None else jnp.int32(valid_rows)
     decay = jnp.float32(-0.01)
-    (rows,) = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], valid)
+    rows = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], valid)[0].with_decays()
     columns = chunkwise.ChunkGates.compute(decay, jnp.asarray(g)[:, None], valid, size)
     close = dict(rtol=1e-6, atol=0)
     for name in ("decays", "query", "chunk"):
@@ -257,6 +257,7 @@ def test_a_steps_gates_at_once_are_each_chunks_gates_alone(attention, key_column
         (alone,) = chunkwise.ChunkGates.along_lanes(
             decay, jnp.asarray(g[index : index + 1]), valid if index == 2 else None, attention=attention, key_column=key_column,
         )
+        gates, alone = gates.with_decays(), alone.with_decays()
         for name in ("decays", "query", "key", "chunk"):
             got, want = getattr(gates, name), getattr(alone, name)
             assert (got is None) == (want is None), name

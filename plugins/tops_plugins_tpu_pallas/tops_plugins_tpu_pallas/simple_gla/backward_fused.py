@@ -135,7 +135,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
         dstate = gradients.state_gradient_entering(every_gates[chunk.index], q, do, dstate, scale)
     refs["dstate"][...] = dstate
     for chunk in reversed(chunks):
-        gates, dstate = every_gates[chunk.index], leaving[chunk.index]
+        gates, dstate = every_gates[chunk.index].with_decays(), leaving[chunk.index]
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
         attention = gradients.attention(gates.decays, q, k)
         refs["dv"][chunk.rows, :] = gradients.value_gradient(gates, attention, k, do, dstate, scale).astype(refs["dv"].dtype)

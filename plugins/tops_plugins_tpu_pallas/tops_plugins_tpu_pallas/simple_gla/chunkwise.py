@@ -182,10 +182,11 @@ class ChunkGates:
     them once per grid step.
     """
 
-    decays: jax.Array | None  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal and across a reset; None without attention
+    decays: jax.Array | None  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal and across a reset; None without attention or until with_decays
     query: jax.Array  # (C, 1): exp(b_i), how the state entering the chunk decays up to row i
     key: jax.Array | None  # (C, 1): exp(b_C - b_j), how row j's key-value product decays to the chunk's end; None: use key_row
     chunk: jax.Array  # (1, 1): exp(b_C), how the state decays over the whole chunk
+    log: LogDecays | None = None  # what with_decays builds the decays from, while they wait (along_lanes)
 
     @classmethod
     def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int, attention: bool = True) -> ChunkGates:
@@ -221,6 +222,7 @@ class ChunkGates:
         ``valid_rows``: the real tokens of the step's last chunk, the only one that can be ragged (None: all
         real); ``g`` must be 0 past them. ``resets_dtype``: what ``R``'s column is held in for the decays' masks,
         whose lane broadcasts bfloat16 halves (exact: ``R`` is a count of at most 256 tokens).
+        The ``C x C`` decays are left to ``with_decays``, which a kernel calls where it uses them.
         ``attention=False`` (a kernel that only advances the state): no ``C x C`` decays. There, and with
         ``key_column`` (the backward, whose gradient terms take ``exp(b_C - b_j)`` per row), it is exponentiated on the
         rows and becomes ``key``'s column in the same transpose.
@@ -249,16 +251,27 @@ class ChunkGates:
         for chunk in range(n):
             query = column("query", chunk)
             key = column("key", chunk) if "key" in pieces else None
-            decays = None
+            log = None
             if attention:
                 log = LogDecays(
                     column=column("log", chunk), row=rows[chunk : chunk + 1], resets_column=column("resets", chunk).astype(resets_dtype),
                     resets_row=resets[chunk : chunk + 1],
                 )
-                decays = causal_decays(log)
             # exp(b_C) is the last query decay: one value of one lane, no lanes of two columns to bring together.
-            every.append(cls(decays=decays, query=query, key=key, chunk=query[-1:, :]))
+            every.append(cls(decays=None, query=query, key=key, chunk=query[-1:, :], log=log))
         return every
+
+    def with_decays(self) -> ChunkGates:
+        """These gates with their ``C x C`` decays, built from ``log`` where ``along_lanes`` left them to be (else as they are).
+
+        A kernel calls it where it first uses a chunk's decays: built there rather than with the step's other gates, the
+        scheduler holds fewer of them at once. Cycles one TensorCore issues for a grid step (bf16 K=V=128 with ``g``),
+        built with the step's gates -> where used: the fused forward v6e 4220 -> 4166, v5e 5893 -> 5264; the backward's
+        gradients kernel v6e 4776 -> 4694, v5e 5906 -> 5674.
+        """
+        if self.log is None:
+            return self
+        return dataclasses.replace(self, decays=causal_decays(self.log), log=None)
 
     @property
     def key_row(self) -> jax.Array:

@@ -229,24 +229,29 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
 
     constant = constant_gates(refs, head, geometry)
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
-    chunks = []
     every = step_chunks(geometry, step)
-    for chunk, gates in zip(every, step_gates(every, refs, head, constant, along_lanes=along_lanes, resets_dtype=resets_dtype)):
+    every_gates = step_gates(every, refs, head, constant, along_lanes=along_lanes, resets_dtype=resets_dtype)
+    chunks = []
+    for chunk in every:
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         k = k.T if along_lanes else k  # keys transposed: their decays are the decay matrix's last row
-        chunks.append((chunk, gates, q, k, v, intra_chunk_output(q, k, v, gates, operands, along_lanes) if attention_first else None))
+        if attention_first:
+            every_gates[chunk.index] = every_gates[chunk.index].with_decays()
+        chunks.append((chunk, q, k, v, intra_chunk_output(q, k, v, every_gates[chunk.index], operands, along_lanes) if attention_first else None))
     # The attention does not depend on the state. Traced ahead of the chain through the state, the
     # scheduler fills the chain's gaps with it; else beside each link, with the next chunk's scores
     # one link early, so the MXU computes them while this link's products drain.
     def scores_of(index):
         if index == len(chunks):
             return None
-        _, gates, q, k, _, _ = chunks[index]
-        return decayed_scores(q, k, gates, operands, along_lanes)
+        _, q, k, _, _ = chunks[index]
+        every_gates[index] = every_gates[index].with_decays()
+        return decayed_scores(q, k, every_gates[index], operands, along_lanes)
 
     state = refs["state"][...]
     scores = None if attention_first else scores_of(0)
-    for index, (chunk, gates, q, k, v, intra) in enumerate(chunks):
+    for index, (chunk, q, k, v, intra) in enumerate(chunks):
+        gates = every_gates[index]
         if intra is None:
             current, scores = scores, scores_of(index + 1)
             intra = attend(current, v, operands)
