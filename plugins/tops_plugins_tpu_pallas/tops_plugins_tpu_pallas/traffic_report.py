@@ -61,7 +61,7 @@ def backward_report() -> None:
     for seq_len in (4096, 32768):
         for name, config in (
             ("fused", fused.FusedConfig()), ("fused", fused.FusedConfig(chunk_size=64)),
-            ("fused", fused.FusedConfig(backward_num_steps=16)), ("fused", fused.FusedConfig(chunk_size=64, backward_num_steps=4)),
+            ("fused", fused.FusedConfig(backward_num_steps=8)), ("fused", fused.FusedConfig(chunk_size=64, backward_num_steps=4)),
             ("chunk", chunk.ChunkConfig()), ("chunk", chunk.ChunkConfig(chunk_size=64)),
         ):
             if name == "fused":

@@ -13,7 +13,7 @@ forward walk produces it, so:
    ``dinitial_state`` after the last), then computes ``dq``, ``dk``, ``dv`` and the decay gradient of
    each chunk, which then depend on no other chunk's.
 
-A segment is ``FusedConfig.backward_num_steps`` chunks, by default ``SEGMENT_TOKENS`` (1024) tokens'
+A segment is ``FusedConfig.backward_num_steps`` chunks, by default ``SEGMENT_TOKENS`` (2048) tokens'
 worth, independent of the forward's ``num_steps``, and fewer chunks while the plans would not fit
 VMEM. VMEM is bounded for any ``T``: one segment's blocks, ``chunks_per_step`` states and ``dS``
 (``traffic.vmem_bytes`` of the plans, within the chip's budget, ``launch.fit``); HBM gains one float32 state per segment,
@@ -40,10 +40,19 @@ from tops_plugins_tpu_pallas.layout import Geometry
 _F32 = jnp.float32
 
 
-SEGMENT_TOKENS = 1024
-"""Tokens per segment when ``FusedConfig.backward_num_steps`` is None. Each segment writes and reads
-one float32 ``K_pad x V_pad`` checkpoint: ``8 K V / 1024`` bytes per token, 128 at K = V = 128, 5.6%
-of the backward's floor with the states recomputed (2304 B/token); a segment of 256 tokens would add 22%."""
+SEGMENT_TOKENS = 2048
+"""Tokens per segment when ``FusedConfig.backward_num_steps`` is None, fewer where VMEM is short (``launch.fit``).
+
+Each segment writes and reads one float32 ``K_pad x V_pad`` checkpoint, ``8 K V / segment`` bytes per token (64 at
+K = V = 128, 2.8% of the backward's floor with the states recomputed, 2304 B/token), and each grid step costs a few
+hundred cycles of its own, so a longer segment wins both ways; but its chunks are unrolled, so it also compiles longer.
+Cycles one TensorCore issues for the whole grid (B=2 T=4096 H=8 K=V=128 bf16), segments of 1024 -> 2048 -> 4096
+tokens: with ``g``, the checkpoints walk v6e 69102 -> 60494 -> 53489 and v5e 74608 -> 66096 -> 47925, the gradients
+kernel v6e 300437 -> 276591 -> 261942 and v5e 363164 -> 342992 -> 335965; with ``g_gamma``, the gradients kernel v6e
+258880 -> 232672 (under its MXU time from here) -> 221226 and v5e 306208 -> 295968 -> 280272. Compiling the backward
+(v6e, T=4096, two workers busy beside it): bf16 K=V=128 8.0 -> 15.8 -> 31.5 s, float32 K=V=256 32 -> 73 -> 145 s.
+2048 takes most of the cycles for twice the compile, not four times; its plans need 11.2 MiB of VMEM at K = V = 128
+bf16, which every chip's budget holds."""
 
 
 CHUNK_SIZE = 128

@@ -46,7 +46,7 @@ from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
 
-geometry_of = backward_fused.geometry_of  # the fused backward's segment (backward_num_steps, or 1024 tokens' worth)
+geometry_of = backward_fused.geometry_of  # the fused backward's segment (backward_num_steps, or backward_fused.SEGMENT_TOKENS' worth)
 
 
 def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
