@@ -258,7 +258,7 @@ def test_a_steps_gates_at_once_are_each_chunks_gates_alone(attention, key_column
             decay, jnp.asarray(g[index : index + 1]), valid if index == 2 else None, attention=attention, key_column=key_column,
         )
         gates, alone = gates.with_decays(), alone.with_decays()
-        for name in ("decays", "query", "key", "chunk"):
+        for name in ("decays", "query", "key", "chunk", "walk_keys"):
             got, want = getattr(gates, name), getattr(alone, name)
             assert (got is None) == (want is None), name
             if want is not None:

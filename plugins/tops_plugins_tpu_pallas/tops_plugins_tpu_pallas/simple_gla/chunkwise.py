@@ -183,10 +183,11 @@ class ChunkGates:
     """
 
     decays: jax.Array | None  # (C, C): exp(b_i - b_j) for j <= i, exactly 0 above the diagonal and across a reset; None without attention or until with_decays
-    query: jax.Array  # (C, 1): exp(b_i), how the state entering the chunk decays up to row i
+    query: jax.Array | None  # (C, 1): exp(b_i), how the state entering the chunk decays up to row i; None in a walk's gates along lanes
     key: jax.Array | None  # (C, 1): exp(b_C - b_j), how row j's key-value product decays to the chunk's end; None: use key_row
     chunk: jax.Array  # (1, 1): exp(b_C), how the state decays over the whole chunk
     log: LogDecays | None = None  # what with_decays builds the decays from, while they wait (along_lanes)
+    walk_keys: jax.Array | None = None  # (1, C): key_row itself, in a walk's gates along lanes (no decays to read it from)
 
     @classmethod
     def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int, attention: bool = True) -> ChunkGates:
@@ -223,9 +224,11 @@ class ChunkGates:
         real); ``g`` must be 0 past them. ``resets_dtype``: what ``R``'s column is held in for the decays' masks,
         whose lane broadcasts bfloat16 halves (exact: ``R`` is a count of at most 256 tokens).
         The ``C x C`` decays are left to ``with_decays``, which a kernel calls where it uses them.
-        ``attention=False`` (a kernel that only advances the state): no ``C x C`` decays. There, and with
-        ``key_column`` (the backward, whose gradient terms take ``exp(b_C - b_j)`` per row), it is exponentiated on the
-        rows and becomes ``key``'s column in the same transpose.
+        With ``key_column`` (the backward, whose gradient terms take ``exp(b_C - b_j)`` per row) that is exponentiated on
+        the rows and becomes ``key``'s column in the same transpose. ``attention=False`` (a walk that only advances the
+        state, with its keys transposed): no decays, no columns and no transpose at all, only ``chunk`` and ``key_row``
+        (``walk_keys``) from the rows. Cycles one TensorCore issues for the backward's checkpoints walk (B=2 T=4096 H=8
+        K=V=128 bf16 with ``g``, 2048-token segments), key columns -> rows: v6e 60494 -> 34382, v5e 66096 -> 41874.
         """
         n, size = g.shape
         cumulative, resets = cumulative_sums_along_lanes(g)
@@ -235,10 +238,13 @@ class ChunkGates:
             positions = jnp.minimum(positions, jnp.where(last, valid_rows, size))
         rows = decay * positions.astype(_F32) + cumulative
         pieces = {"query": masked_exp(rows, resets == 0)}
-        if attention:
-            pieces.update(log=rows, resets=resets)
-        if key_column or not attention:
-            pieces["key"] = masked_exp(rows[:, -1:] - rows, unreset(resets, resets[:, -1:]))
+        keys = masked_exp(rows[:, -1:] - rows, unreset(resets, resets[:, -1:])) if key_column or not attention else None
+        if not attention:
+            # exp(b_C) is the last query decay: one value of one lane.
+            return [cls(decays=None, query=None, key=None, chunk=pieces["query"][i : i + 1, -1:], walk_keys=keys[i : i + 1]) for i in range(n)]
+        pieces.update(log=rows, resets=resets)
+        if key_column:
+            pieces["key"] = keys
         tile = -(-n // 8) * 8  # each piece's chunks start on a whole tile of the stack
         padding = [jnp.zeros((tile - n, size), _F32)] if tile > n else []
         columns = jnp.concatenate([part for piece in pieces.values() for part in (piece, *padding)], axis=0).T
@@ -251,12 +257,10 @@ class ChunkGates:
         for chunk in range(n):
             query = column("query", chunk)
             key = column("key", chunk) if "key" in pieces else None
-            log = None
-            if attention:
-                log = LogDecays(
-                    column=column("log", chunk), row=rows[chunk : chunk + 1], resets_column=column("resets", chunk).astype(resets_dtype),
-                    resets_row=resets[chunk : chunk + 1],
-                )
+            log = LogDecays(
+                column=column("log", chunk), row=rows[chunk : chunk + 1], resets_column=column("resets", chunk).astype(resets_dtype),
+                resets_row=resets[chunk : chunk + 1],
+            )
             # exp(b_C) is the last query decay: one value of one lane, no lanes of two columns to bring together.
             every.append(cls(decays=None, query=query, key=key, chunk=query[-1:, :], log=log))
         return every
@@ -275,8 +279,9 @@ class ChunkGates:
 
     @property
     def key_row(self) -> jax.Array:
-        """``key`` along lanes, ``(1, C)``: the decay matrix's last row, ``exp(b_C - b_j)`` bit for bit, with no exp of its own."""
-        return self.decays[-1:, :]
+        """``key`` along lanes, ``(1, C)``: the decay matrix's last row, ``exp(b_C - b_j)`` bit for bit, with no exp of its own
+        (a walk's gates along lanes, which have no decays, hold it as ``walk_keys``)."""
+        return self.decays[-1:, :] if self.walk_keys is None else self.walk_keys
 
 
 def causal_decays(log: LogDecays) -> jax.Array:

@@ -145,7 +145,9 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
         if every_chunk:
             refs["checkpoints"][chunk.index] = state
         k = chunk.read(refs["k"])
-        state = advance_state(state, k, chunk.read(refs["v"]), gates, decay_gradient_operands(k.dtype))
+        # Along lanes the keys are transposed, as the fused forward's are: their decays are a row (ChunkGates.along_lanes).
+        keys = k.T if along_lanes else k
+        state = advance_state(state, keys, chunk.read(refs["v"]), gates, decay_gradient_operands(k.dtype), keys_transposed=along_lanes)
     refs["state"][...] = state
 
 
