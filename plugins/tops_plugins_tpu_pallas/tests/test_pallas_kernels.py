@@ -17,8 +17,10 @@ import pytest
 import tops_core
 from jax.extend import core as extend_core
 
-from tops_plugins_tpu_pallas import CHUNK, FUSED, mxu, traffic
-from tops_plugins_tpu_pallas.simple_gla import backward_fused, chunk, chunkwise, fused
+from tops_core.conformance import checks
+from tops_core.conformance.cases import grid
+from tops_plugins_tpu_pallas import CHUNK, FUSED, launch, mxu, traffic
+from tops_plugins_tpu_pallas.simple_gla import backward_fused, chunk, chunkwise, fused, gradients
 from tops_plugins_tpu_pallas.simple_gla.chunk import ChunkConfig
 from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
 from tops_plugins_tpu_pallas.layout import Geometry
@@ -547,3 +549,38 @@ def test_kernels_run_with_jax_enable_x64(op):
     for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert got_leaf.dtype == want_leaf.dtype
         np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("contracting", [mxu.ROWS_BY_COLUMNS, mxu.ROWS_BY_ROWS, mxu.COLUMNS_BY_COLUMNS], ids=["a@b", "a@b.T", "a.T@b"])
+def test_split_products_stacked_along_the_contraction_are_the_split_products(contracting):
+    # SPLIT_BFLOAT16_STACKED (v6e's backward) is SPLIT_BFLOAT16's two products as one: the same ~16 bits of the float32 operand.
+    rng = np.random.default_rng(8)
+    a = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((128, 128)), jnp.bfloat16)
+    stacked = mxu.matmul(a, b, mxu.SPLIT_BFLOAT16_STACKED, contracting)
+    np.testing.assert_allclose(stacked, mxu.matmul(a, b, mxu.SPLIT_BFLOAT16, contracting), rtol=1e-5, atol=1e-5)
+    exact = jax.lax.dot_general(np.asarray(a, np.float64), np.asarray(b, np.float64), (contracting, ((), ())))
+    np.testing.assert_allclose(stacked, exact, rtol=0, atol=2**-14 * np.abs(exact).max())
+
+
+def test_lowered_for_v6e_the_fused_backward_stacks_its_state_products_and_matches_the_reference(monkeypatch):
+    # gradients.stacked_operands as the backward applies it (a v6e target in the interpreter): the kit's bfloat16 case,
+    # every gradient against the float64 reference; on a 128-deep MXU, and for float32 inputs, the products stay split.
+    assert gradients.stacked_operands(jnp.bfloat16, "v5e") == mxu.SPLIT_BFLOAT16
+    assert gradients.stacked_operands(jnp.float32, "v6e") == jnp.float32
+    monkeypatch.setattr(launch.Target, "lowered_for", classmethod(lambda cls: cls.of("v6e")))
+    chosen, stacked_operands = [], gradients.stacked_operands
+
+    def recorded(*args):
+        chosen.append(stacked_operands(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(gradients, "stacked_operands", recorded)
+    implementation = tops_core.default_registry().get("simple_gla", "tpu_pallas.fused")
+    case = next(case for case in grid(implementation).supported if case.name == "bfloat16")
+    jax.clear_caches()  # the kit's own run of this case may have left its program, traced for no chip, in jit's cache
+    try:
+        checks.run_case(implementation, case)
+    finally:
+        jax.clear_caches()  # and none traced for v6e stays behind for the tests that follow
+    assert chosen == [mxu.SPLIT_BFLOAT16_STACKED]

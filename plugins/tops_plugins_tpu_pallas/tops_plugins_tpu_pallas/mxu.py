@@ -31,6 +31,11 @@ SPLIT_BFLOAT16 = "bfloat16 high + low"
 the float32 operand splits into two bf16 parts (``bf16_parts``), two native passes instead of six at HIGHEST."""
 
 
+SPLIT_BFLOAT16_STACKED = "bfloat16 high + low, stacked"
+"""``SPLIT_BFLOAT16``'s products as one: the parts stacked along the contraction, so a 256-deep MXU (v6e) takes the two
+128-deep halves in one pass instead of two, and sums them before its one result."""
+
+
 def bf16_parts(x: jax.Array, count: int) -> list[jax.Array]:
     """``x`` (float32) as ``count`` float32 arrays that sum to it exactly, each but the last exact in bf16.
 
@@ -46,20 +51,21 @@ def bf16_parts(x: jax.Array, count: int) -> list[jax.Array]:
 
 
 def matmul(a: jax.Array, b: jax.Array, operands, contracting=ROWS_BY_COLUMNS) -> jax.Array:
-    """A float32-accumulating matmul whose operands are rounded to ``operands`` (a dtype, or ``SPLIT_BFLOAT16``) for the MXU.
+    """A float32-accumulating matmul whose operands are rounded to ``operands`` (a dtype, ``SPLIT_BFLOAT16`` or
+    ``SPLIT_BFLOAT16_STACKED``) for the MXU.
 
     A bf16 x bf16 product is exact in float32, so bf16 operands need one native pass. float32
     operands ask for HIGHEST precision: at the default a TPU rounds them to bf16. ``SPLIT_BFLOAT16``
     splits each float32 operand into a high and a low bf16 part and sums the products of the parts
     but low x low (2 passes with one float32 operand, 3 with two); a bf16 operand goes in whole.
     """
-    if isinstance(operands, str) and operands == SPLIT_BFLOAT16:
+    if isinstance(operands, str) and operands in (SPLIT_BFLOAT16, SPLIT_BFLOAT16_STACKED):
         a_parts, b_parts = (bf16_parts(x, 2) if x.dtype == _F32 else [x] for x in (a, b))
-        products = [
-            matmul(a_part, b_part, jnp.bfloat16, contracting)
-            for i, a_part in enumerate(a_parts) for j, b_part in enumerate(b_parts) if i + j < 2
-        ]
-        return functools.reduce(operator.add, products)
+        pairs = [(a_part, b_part) for i, a_part in enumerate(a_parts) for j, b_part in enumerate(b_parts) if i + j < 2]
+        if operands == SPLIT_BFLOAT16_STACKED:
+            stacked = (jnp.concatenate([pair[side] for pair in pairs], axis=contracting[side][0]) for side in (0, 1))
+            return matmul(*stacked, jnp.bfloat16, contracting)
+        return functools.reduce(operator.add, (matmul(a_part, b_part, jnp.bfloat16, contracting) for a_part, b_part in pairs))
     return _product(a, b, jnp.dtype(operands), contracting)
 
 

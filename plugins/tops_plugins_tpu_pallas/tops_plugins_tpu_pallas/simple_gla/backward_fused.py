@@ -118,7 +118,7 @@ def _segment_vmem(geometry: Geometry) -> int:
     return gradients.body_vmem(geometry) + 4 * (n * (C * C + 2 * C) + (n - 1) * K * V)
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     grid.start_state_gradient(refs, step)
@@ -134,14 +134,14 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
     refs["states"][0] = state
     for chunk in chunks[:-1]:
         k = chunk.read(refs["k"])
-        state = advance_state(state, k, chunk.read(refs["v"]), every_gates[chunk.index], gradients.decay_gradient_operands(k.dtype))
+        state = advance_state(state, k, chunk.read(refs["v"]), every_gates[chunk.index], operands)
         refs["states"][chunk.index + 1] = state
 
     dstate, leaving = refs["dstate"][...], [None] * len(chunks)
     for chunk in reversed(chunks):
         leaving[chunk.index] = dstate
         q, do = chunk.read(refs["q"]), chunk.read(refs["do"])
-        dstate = gradients.state_gradient_entering(every_gates[chunk.index], q, do, dstate, scale)
+        dstate = gradients.state_gradient_entering(every_gates[chunk.index], q, do, dstate, scale, operands)
     refs["dstate"][...] = dstate
     for chunk in reversed(chunks):
         gates, dstate = every_gates[chunk.index].with_decays(), leaving[chunk.index]
@@ -167,5 +167,6 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     )
     arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
     checkpoints = run(checkpoints_plan, gradients.checkpoints_kernel, arrays, every_chunk=False)
-    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale)
+    operands = gradients.stacked_operands(q.dtype, launch.Target.lowered_for().chip)
+    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, operands=operands)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

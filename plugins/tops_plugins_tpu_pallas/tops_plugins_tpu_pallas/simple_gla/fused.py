@@ -137,11 +137,12 @@ def chunk_size_for(config: FusedConfig, key_dim: int, chip: str | None) -> int:
     """
     if config.chunk_size is not None:
         return config.chunk_size
-    return 256 if _wide_mxu(chip) and key_dim <= LANES else 128
+    return 256 if wide_mxu(chip) and key_dim <= LANES else 128
 
 
-def _wide_mxu(chip: str | None) -> bool:
-    """Whether ``chip`` (None: not known) has 256-wide MXUs (v6e), the fact both schedule rules turn on."""
+def wide_mxu(chip: str | None) -> bool:
+    """Whether ``chip`` (None: not known) has 256-wide MXUs (v6e), the fact both schedule rules (and the backward's
+    ``gradients.stacked_operands``) turn on."""
     return chip is not None and GENERATIONS[chip].mxu >= 256
 
 
@@ -165,7 +166,7 @@ def attention_first(config: FusedConfig, dtype, key_dim: int, chip: str | None) 
     """
     if config.attention_first is not None:
         return config.attention_first
-    return _wide_mxu(chip) and jnp.dtype(dtype) == jnp.bfloat16 and key_dim >= 256 and chunk_size_for(config, key_dim, chip) <= 128
+    return wide_mxu(chip) and jnp.dtype(dtype) == jnp.bfloat16 and key_dim >= 256 and chunk_size_for(config, key_dim, chip) <= 128
 
 
 def explain(config: FusedConfig, dtype, key_dim: int, chip: str | None) -> str:
@@ -219,7 +220,7 @@ def resets_dtype(chip: str | None):
     16 heads), float32 -> bfloat16: v6e (chunk 256) 6244 -> 5621; v5e (chunk 128) 7201 -> 7245 and at
     chunk 256 9360 -> 9816, v5p 4064 -> 4058; on v4 the step would no longer fit its 16 MiB of VMEM.
     """
-    return jnp.bfloat16 if _wide_mxu(chip) else jnp.float32
+    return jnp.bfloat16 if wide_mxu(chip) else jnp.float32
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention_first: bool, operands, resets_dtype):

@@ -36,11 +36,11 @@ from tops_core.ops.simple_gla import SimpleGLAGrads
 
 from tops_plugins_tpu_pallas import blocks, grid
 from tops_plugins_tpu_pallas.grid import Work, start_sequence, step_chunks
-from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, SPLIT_BFLOAT16, matmul, mxu_operand_dtype
+from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, SPLIT_BFLOAT16, SPLIT_BFLOAT16_STACKED, matmul, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     ChunkGates, advance_state, advance_state_work, constant_gates, gate_computations, gates_work, step_gates,
 )
-from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes, gates_as_rows
+from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes, gates_as_rows, wide_mxu
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
 
@@ -165,6 +165,16 @@ def decay_gradient_operands(input_dtype):
     return SPLIT_BFLOAT16 if jnp.dtype(input_dtype) == jnp.bfloat16 else mxu_operand_dtype(input_dtype)
 
 
+def stacked_operands(input_dtype, chip: str | None):
+    """``decay_gradient_operands`` for the gradients kernel's state recompute and ``dS`` chain: on a 256-deep MXU (v6e)
+    with bf16 inputs, the float32 operand's two halves stacked along the contraction (``SPLIT_BFLOAT16_STACKED``), one
+    pass instead of two. Modelled, the gradients kernel on v6e (B=2 T=4096 H=8 K=V=128 bf16 ``g_gamma``), issue and
+    MXU: 133 and 149 us -> 136 and 131 us (with ``g`` 158 us either way). Stacking the other split products too raises
+    the issue more than it cuts the MXU (with the state's reads: 144 us); on a 128-deep MXU it saves no pass."""
+    operands = decay_gradient_operands(input_dtype)
+    return SPLIT_BFLOAT16_STACKED if operands == SPLIT_BFLOAT16 and wide_mxu(chip) else operands
+
+
 def attention(decays, q, k) -> jax.Array:
     """The forward's masked, decayed ``(C, C)`` scores ``D_ij (q_i . k_j)`` (unscaled, float32); ``decays`` is ``D``."""
     return matmul(q, k, mxu_operand_dtype(q.dtype), ROWS_BY_ROWS) * decays
@@ -252,10 +262,11 @@ def query_key_gradients_of(
     return dq, dk, within + later_queries + earlier_keys + across
 
 
-def state_gradient_entering(gates: ChunkGates, q, do, dstate, scale: float) -> jax.Array:
-    """The gradient of the state entering the chunk, from the one leaving it."""
+def state_gradient_entering(gates: ChunkGates, q, do, dstate, scale: float, operands=None) -> jax.Array:
+    """The gradient of the state entering the chunk, from the one leaving it; ``operands`` None: ``decay_gradient_operands``."""
     decayed_queries = q.astype(_F32) * gates.query
-    return gates.chunk * dstate + scale * matmul(decayed_queries, do, decay_gradient_operands(q.dtype), COLUMNS_BY_COLUMNS)
+    operands = decay_gradient_operands(q.dtype) if operands is None else operands
+    return gates.chunk * dstate + scale * matmul(decayed_queries, do, operands, COLUMNS_BY_COLUMNS)
 
 
 # -- work, counted op by op from the functions above -----------------------------------------------
