@@ -85,16 +85,22 @@ def cumulative_sums_along_lanes(g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``cumulative_sum`` of every chunk of a grid step at once, ``g`` ``(n, C)`` with one chunk per row: the rows'
     three bf16 parts and their resets stacked along sublanes times an upper-triangular 0/1 matrix, one bf16 MXU
     pass whose weights (the triangle) load once per step instead of once per chunk, then the parts' sums added.
-    Each of the four stacks is padded to whole 8-row tiles, so the sums are aligned sublane slices."""
+    The four stacks start on whole 8-row tiles (``_tiled_stack``), so the sums are aligned sublane slices."""
     n, size = g.shape
-    tile = -(-n // 8) * 8
     resets = g == -jnp.inf
-    pieces = [*bf16_parts(jnp.where(resets, 0.0, g), 3), resets.astype(_F32)]
-    if tile > n:
-        pieces = [jnp.concatenate([piece, jnp.zeros((tile - n, size), _F32)], axis=0) for piece in pieces]
+    stack, tile = _tiled_stack([*bf16_parts(jnp.where(resets, 0.0, g), 3), resets.astype(_F32)])
     rows, cols = row_and_column_iotas(size)
-    sums = matmul(jnp.concatenate(pieces, axis=0), (rows <= cols).astype(jnp.bfloat16), jnp.bfloat16)
+    sums = matmul(stack, (rows <= cols).astype(jnp.bfloat16), jnp.bfloat16)
     return sums[:n] + sums[tile : tile + n] + sums[2 * tile : 2 * tile + n], sums[3 * tile : 3 * tile + n]
+
+
+def _tiled_stack(pieces: list[jax.Array]) -> tuple[jax.Array, int]:
+    """``pieces`` (each ``(n, C)``) stacked along sublanes, each padded with zero rows to whole 8-row tiles, and that
+    padded height: piece ``i``'s rows start at ``i * tile``."""
+    n, size = pieces[0].shape
+    tile = -(-n // 8) * 8
+    padding = [jnp.zeros((tile - n, size), _F32)] if tile > n else []
+    return jnp.concatenate([part for piece in pieces for part in (piece, *padding)], axis=0), tile
 
 
 _RESETS = 3
@@ -237,17 +243,16 @@ class ChunkGates:
             last = lax.broadcasted_iota(jnp.int32, (n, 1), 0) == n - 1
             positions = jnp.minimum(positions, jnp.where(last, valid_rows, size))
         rows = decay * positions.astype(_F32) + cumulative
-        pieces = {"query": masked_exp(rows, resets == 0)}
         keys = masked_exp(rows[:, -1:] - rows, unreset(resets, resets[:, -1:])) if key_column or not attention else None
         if not attention:
-            # exp(b_C) is the last query decay: one value of one lane.
-            return [cls(decays=None, query=None, key=None, chunk=pieces["query"][i : i + 1, -1:], walk_keys=keys[i : i + 1]) for i in range(n)]
-        pieces.update(log=rows, resets=resets)
+            # exp(b_C), the last token's query decay: one lane of each row.
+            whole = masked_exp(rows[:, -1:], resets[:, -1:] == 0)
+            return [cls(decays=None, query=None, key=None, chunk=whole[i : i + 1], walk_keys=keys[i : i + 1]) for i in range(n)]
+        pieces = {"query": masked_exp(rows, resets == 0), "log": rows, "resets": resets}
         if key_column:
             pieces["key"] = keys
-        tile = -(-n // 8) * 8  # each piece's chunks start on a whole tile of the stack
-        padding = [jnp.zeros((tile - n, size), _F32)] if tile > n else []
-        columns = jnp.concatenate([part for piece in pieces.values() for part in (piece, *padding)], axis=0).T
+        stack, tile = _tiled_stack(list(pieces.values()))
+        columns = stack.T
         lane = {name: index * tile for index, name in enumerate(pieces)}
 
         def column(name: str, chunk: int) -> jax.Array:
