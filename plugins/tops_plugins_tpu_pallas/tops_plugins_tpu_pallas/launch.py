@@ -117,6 +117,7 @@ def run(plan: LaunchPlan, kernel: Callable[..., None], arrays: dict[str, jax.Arr
     cost = pl.CostEstimate(flops=plan.flops, transcendentals=plan.transcendentals, bytes_accessed=sum(traffic.kernel_traffic(plan)))
     compiler_params = pltpu.CompilerParams(
         dimension_semantics=plan.dimension_semantics, vmem_limit_bytes=target.limit,
+        fuse_transposed_lhs_in_matmul=plan.fuse_transposed_lhs,
     )
 
     positions = {x.name: i for i, x in enumerate((*plan.scalars, *plan.inputs))}

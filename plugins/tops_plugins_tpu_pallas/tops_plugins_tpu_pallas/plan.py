@@ -114,6 +114,8 @@ class LaunchPlan:
     body computes over the whole grid (what ``launch`` tells XLA, with the bytes the traffic model counts).
     ``aliases``: ``(input, output)`` name pairs that share one HBM buffer (``input_output_aliases``):
     the output is the input updated in place, and only the blocks the grid writes change.
+    ``fuse_transposed_lhs``: Mosaic's hint to feed a product's transposed left operand (``a.T @ b``) to the MXU as it
+    is, without a transpose on the XLU first; it helps some kernels and slows others, so each plan says.
     """
 
     name: str
@@ -127,6 +129,7 @@ class LaunchPlan:
     flops: int = 0
     transcendentals: int = 0
     aliases: tuple[tuple[str, str], ...] = ()
+    fuse_transposed_lhs: bool = False
 
     def __post_init__(self):
         if len(self.dimension_semantics) != len(self.grid):

@@ -22,6 +22,7 @@ written once and read once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -104,10 +105,13 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
         + gradients.state_gradient_work(geometry)
     )
     work = per_chunk * (geometry.batch * geometry.heads * geometry.num_chunks) + gradients.gating_work(geometry, gated)
-    return checkpoints, grid.grid_plan(
+    gradients_plan = grid.grid_plan(
         "simple_gla_fused_backward", geometry, (blocks.decay(geometry),), inputs, outputs, work, _segment_vmem(geometry),
         scratch=(grid.state_gradient(geometry), Scratch("states", (geometry.chunks_per_step, K, V), _F32)),
     )
+    # Transposed-LHS products fed to the MXU as they are: with g (gates along lanes) the gradients kernel issues 4% fewer
+    # cycles (B=2 T=4096 H=8 K=V=128 bf16: v6e 276750 -> 266384, v5e 342992 -> 330448); with g_gamma alone, 3% more.
+    return checkpoints, dataclasses.replace(gradients_plan, fuse_transposed_lhs=along_lanes)
 
 
 def _segment_vmem(geometry: Geometry) -> int:
