@@ -205,20 +205,19 @@ def test_arrays_the_kernel_copies_itself_count_once_and_take_no_vmem_blocks():
 
 
 @pytest.mark.parametrize("num_seqs", [1, 16, 256])
-def test_varlen_moves_what_fused_moves_whatever_the_number_of_sequences(num_seqs):
-    # B = 1, T = 8192 packed, H = 16, K = V = 128, bf16, g_gamma: q, k, v read and o written once,
-    # plus the scalars in SMEM: the decays, N + 1 boundaries and two sequence numbers per chunk.
-    # The default config of both: chunks of 128, all of V in one block.
+def test_varlen_with_states_moves_what_fused_moves_on_reset_gates_whatever_the_number_of_sequences(num_seqs):
+    # B = 1, T = 8192 packed, H = 16, K = V = 128, bf16: fused's kernel on the float32 reset gates (q, k, v, g read and o
+    # written once), plus the scalars in SMEM (the decays, N + 1 boundaries and two sequence numbers per chunk), each
+    # head's row of the sequences' first gates, and the states: the caller's data, N of them each way, as fused moves
+    # for B = N rows. (Without states a packed call is fused's call on the reset gates, whose plans are fused's.)
     T, H = 8192, 16
     geometry = grid.geometry_of(1, T, H, 128, 128, varlen.VarlenConfig())
-    packed = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), T * H)
-    alone = traffic.figures(fused.fitted_plans(geometry, jnp.bfloat16), T * H)
-    assert packed.kernel_bytes == alone.kernel_bytes + (num_seqs + 1) * 4 + 2 * (T // 128) * 4
-    assert packed.kernel_per_token <= 1.10 * alone.kernel_per_token
+    states = dict(initial_state_dtype=jnp.float32, output_final_state=True)
+    packed = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, **states), T * H)
+    alone = traffic.figures(fused.fitted_plans(geometry, jnp.bfloat16, gate_dtype=jnp.float32), T * H)
+    scalars = (num_seqs + 1) * 4 + 2 * (T // 128) * 4
+    assert packed.kernel_bytes == alone.kernel_bytes + scalars + H * num_seqs * 4 + 2 * num_seqs * H * 128 * 128 * 4
     assert packed.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
-    # The states are the caller's data: N of them each way, as fused moves for B = N rows.
-    stateful = traffic.figures(varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H)
-    assert stateful.kernel_bytes - packed.kernel_bytes == 2 * num_seqs * H * 128 * 128 * 4
 
 
 @pytest.mark.parametrize("num_seqs", [1, 16, 256])

@@ -177,11 +177,13 @@ CHUNK = tops_core.Implementation(
     ),
 )
 
-# VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
+# VMEM hardly depends on N (boundaries in SMEM, states in HBM, the forward's first gates N floats a head): one
+# sequence's plans stand for any N.
 _PACKED_FITS_VMEM = _fits_vmem(
     varlen.VarlenConfig(),
     (grid.geometry_of, functools.partial(varlen.plans, num_seqs=1)),
     (backward_varlen.geometry_of, functools.partial(backward_varlen.plans, num_seqs=1)),
+    forward_config=varlen.forward_config,
 )
 # Without states the packed call runs fused's kernels on reset gates (varlen.reset_gates), with fused's own defaults.
 _UNPACKED_FITS_VMEM = _fits_vmem(
@@ -253,7 +255,8 @@ KDA_VARLEN = tops_core.Implementation(
     forward=kda.varlen.forward,
     backward=kda.backward.backward,
     capabilities=_capabilities(
-        # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
+        # VMEM hardly depends on N (boundaries in SMEM, states in HBM, the forward's first gates N floats a head): one
+# sequence's plans stand for any N.
         _fits_vmem(
             KDA_FUSED_CONFIG, (kda.varlen.geometry_of, functools.partial(kda.varlen.plans, num_seqs=1)),
             (kda.backward.geometry_of, functools.partial(kda.backward.plans, num_seqs=1)), op_inputs=_kda_inputs,

@@ -3,7 +3,7 @@
 The grid, segments, blocks and reverse index maps of ``backward_fused`` over the packed ``T``
 (``(1, head, 1, segment)``, all of ``V`` per block), with the boundaries of the forward: ``cu_seqlens``
 and each chunk's first and last sequence as SMEM scalars, traced under ``jit`` (one compile for
-every packing of the same ``T`` and ``N``). A chunk holds one or more *pieces* (``varlen.Piece``,
+every packing of the same ``T`` and ``N``). A chunk holds one or more *pieces* (``Piece``,
 the part of one sequence inside it), as in the forward.
 
 1. **checkpoints** walks time forwards and writes the float32 state entering every segment. Only
@@ -36,10 +36,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
+from tops_plugins_tpu_pallas.exponents import masked_exp
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, gradients, varlen
 from tops_plugins_tpu_pallas.grid import Work, step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    advance_state, advance_state_work, chunk_gates, constant_decay, constant_gates, gates_work, log_decays,
+    LogDecays, advance_state, advance_state_work, chunk_gates, constant_decay, constant_gates, gates_work, log_decays, unreset,
 )
 from tops_plugins_tpu_pallas.plan import DmaSemaphores, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
@@ -47,6 +48,58 @@ from tops_plugins_tpu_pallas.layout import Geometry
 _F32 = jnp.float32
 
 geometry_of = backward_fused.geometry_of  # the fused backward's segment (backward_num_steps, or backward_fused.SEGMENT_TOKENS' worth)
+
+
+def _at_row(column: jax.Array, rows: jax.Array, row: jax.Array) -> jax.Array:
+    """``column[row]`` as ``(1, 1)`` by a masked sum (exact: one term), 0 when ``row`` is outside the chunk."""
+    return jnp.sum(jnp.where(rows == row, column, 0.0), axis=0, keepdims=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """The rows ``[start, end)`` of one chunk that packed sequence ``sequence`` covers, and the decays they apply.
+
+    ``query``, ``key`` and ``chunk`` are what ``ChunkGates``' fields are for a whole chunk, for the
+    piece alone, so ``chunkwise.advance_state`` and the ``gradients`` state terms take a piece where
+    they take a chunk's gates. Exponents are masked to the piece's rows before ``exp``.
+    """
+
+    sequence: jax.Array
+    start: jax.Array  # first row (0 when the sequence started before the chunk)
+    end: jax.Array  # end row (the chunk size when the sequence goes on past the chunk)
+    continuing: jax.Array  # the sequence started before the chunk: its state is carried in
+    ending: jax.Array  # the sequence ends inside the chunk (at its last row at the latest): its final state leaves here
+    inside: jax.Array  # (C, 1): the piece's rows
+    query: jax.Array  # (C, 1): exp(b_i - b_{start-1}) on the piece's rows, 0 elsewhere (and after a reset)
+    key: jax.Array  # (C, 1): exp(b_{end-1} - b_j) on the piece's rows, 0 elsewhere (and before a reset)
+    chunk: jax.Array  # (1, 1): exp(b_{end-1} - b_{start-1}), the decay over the whole piece
+
+    @classmethod
+    def of(cls, cu_seqlens, sequence: jax.Array, first: jax.Array, log: LogDecays) -> Piece:
+        """Sequence ``sequence``'s piece of the chunk whose first token is ``first`` (``log``: the chunk's log decays)."""
+        C = log.column.shape[0]
+        rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+        begins, ends = cu_seqlens[sequence], cu_seqlens[sequence + 1]
+        start, end = jnp.clip(begins - first, 0, C), jnp.clip(ends - first, 0, C)
+        inside = (rows >= start) & (rows < end)
+        before, last = (_at_row(log.column, rows, row) for row in (start - 1, end - 1))
+        if log.resets_column is None:
+            # No gate can be -inf (no g): masked before and after exp, the form this kernel schedules best without resets.
+            query, key = (jnp.where(inside, jnp.exp(jnp.where(inside, x, 0.0)), 0.0) for x in (log.column - before, last - log.column))
+            chunk = jnp.exp(last - before)
+        else:
+            resets_before, resets_last = (_at_row(log.resets_column, rows, row) for row in (start - 1, end - 1))
+            query = masked_exp(log.column - before, inside & unreset(log.resets_column, resets_before))
+            key = masked_exp(last - log.column, inside & unreset(log.resets_column, resets_last))
+            chunk = masked_exp(last - before, unreset(resets_last, resets_before))
+        return cls(
+            sequence=sequence, start=start, end=end, continuing=begins < first, ending=ends <= first + C,
+            inside=inside, query=query, key=key, chunk=chunk,
+        )
+
+    @property
+    def is_empty(self) -> jax.Array:
+        return self.end <= self.start
 
 
 def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
@@ -124,7 +177,7 @@ def _sequence_states(refs: dict, head, geometry: Geometry) -> grid.SequenceState
 def _advance(refs: dict, states: grid.SequenceStates, chunk, number, state, head, decay) -> jax.Array:
     """The state leaving chunk ``number``: its last piece's, the only one whose state goes on past the chunk."""
     log = log_decays(chunk, refs, head, decay)
-    piece = varlen.Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * chunk.rows.size, log)
+    piece = Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * chunk.rows.size, log)
     entering = jnp.where(piece.continuing, state, states.load("initial_state", "loaded", piece.sequence, ~piece.continuing))
     k = chunk.read(refs["k"])
     return advance_state(entering, k, chunk.read(refs["v"]), piece, gradients.decay_gradient_operands(k.dtype))
@@ -182,7 +235,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
 
         def piece_gradients(i, carry, q=q, k=k, v=v, do=do, log=log, first=first, last=last, entering_chunk=refs["states"][chunk.index]):
             reads, writes, values, across, piece_start, piece_end, dleaving = carry
-            piece = varlen.Piece.of(cu, last - i, first, log)
+            piece = Piece.of(cu, last - i, first, log)
             n = piece.sequence
             entering = jnp.where(piece.continuing, entering_chunk, states.load("initial_state", "loaded", n, ~piece.continuing))
             dleaving = jnp.where(piece.ending, states.load("dht", "final_gradient", n, piece.ending), dleaving)

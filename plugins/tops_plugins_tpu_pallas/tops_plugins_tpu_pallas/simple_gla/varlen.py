@@ -1,26 +1,26 @@
 """``tpu_pallas.varlen``: the simple_gla forward over packed sequences (``B == 1``, ``cu_seqlens``), in one ``pallas_call``.
 
-The fused kernel's grid, layout and launch (``grid.run``) over the packed ``T``: ``(1, head,
-value block, time step)``, the float32 state carried along the sequential time axis. Sequence boundaries may fall
-anywhere, so a chunk holds one or more *segments* (the pieces of the sequences it overlaps). The
-boundaries are scalars in SMEM (scalar prefetch), traced under ``jit``: one compile serves every
-packing of the same ``T`` and ``N``. Besides ``cu_seqlens`` the kernel reads, per chunk, the first
-and last sequence it overlaps (computed from ``cu_seqlens`` before the launch, two int32 per chunk).
+Sequence boundaries may fall anywhere: inside a chunk, on a chunk or grid-step edge, at token 0; sequences may be
+empty or one token long. The boundaries are traced under ``jit``: one compile serves every packing of the same ``T``
+and ``N``.
 
-Per chunk, with ``b_i`` the chunk-local cumulative log decay (``LogDecays``, the one place its
-log-domain values are computed), and for each segment ``[a, e)`` of
-sequence ``n`` (in order):
+Without states (no ``initial_state``, no final state, no pool) a packed call is the unpacked call with the state reset
+where each sequence starts (``reset_gates``: ``g = -inf`` on its first token), and runs fused's kernel as it is.
 
-- the state entering the segment is the carried state if ``n`` started before the chunk, else
-  ``initial_state[n]`` (copied from HBM by a DMA, only when given) or zeros;
-- its rows get ``q_i S exp(b_i - b_{a-1})``;
-- it leaves ``S exp(b_{e-1} - b_{a-1}) + sum_{j in [a, e)} exp(b_{e-1} - b_j) k_j^T v_j``: the
-  carried state when it is the chunk's last segment, and ``final_state[n]`` (a DMA to HBM) when
-  ``n`` ends inside the chunk.
+With states it runs fused's kernel on the same reset gates (``forward_config``: fused's chunk and step for the chip),
+and adds what the reset left out only where a sequence starts or ends. The boundaries are scalars in SMEM (scalar
+prefetch): ``cu_seqlens`` and, per chunk, the first and last sequence it overlaps. For each sequence ``n`` with a
+boundary inside a chunk (a loop over those alone), with ``b`` the chunk's cumulative log decays (``LogDecays``: every
+exponent a difference of ``b`` with no reset between, masked before ``exp``):
 
-The intra-chunk attention runs once for the whole chunk, masked causal *and* same-sequence. Only
-differences of cumulative gates are exponentiated, masked before ``exp``. Empty sequences cover
-no token, so no chunk visits them: their final state (``initial_state[n]`` or zeros) is set
+- where it starts, at row ``r``: its initial state (one DMA from HBM, when given) enters its rows,
+  ``o_i += scale * exp(b_i - b_r + g_r) q_i h0``, where ``g_r`` is its first token's own log decay, which the reset
+  gate replaced (``first_gates``); when it goes on past the chunk, the carried state gains ``exp(b_C - b_r + g_r) h0``;
+- where it ends, at row ``e``: its final state (one DMA to HBM) is the state entering the chunk decayed to ``e`` (when
+  it started before the chunk), its keys' products decayed to ``e``, and its initial state's term (when it started in
+  the chunk).
+
+Empty sequences cover no token, so no chunk visits them: their final state (``initial_state[n]`` or zeros) is set
 around the kernel.
 """
 
@@ -36,17 +36,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from tops_core.packing import sequence_of, sequence_starts
 
-from tops_plugins_tpu_pallas import blocks, grid, launch
+from tops_plugins_tpu_pallas import grid, launch
 from tops_plugins_tpu_pallas.exponents import masked_exp
-from tops_plugins_tpu_pallas.grid import Work, chunks_of_the_grid, pool_aliases, pool_states, sequence_states, state_rows, step_chunks
-from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, mxu_operand_dtype
+from tops_plugins_tpu_pallas.grid import Work, pool_aliases, pool_states, sequence_states, start_sequence, state_rows, step_chunks
+from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    LogDecays, advance_state, advance_state_work, chunk_body_vmem, chunk_gates, chunk_output_work, constant_decay,
-    constant_gates, gate_computations, gates_work, log_decays, unreset,
+    advance_state, constant_gates, intra_chunk_output, log_decays, output_from_state, step_gates,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES
 from tops_plugins_tpu_pallas.simple_gla import fused
-from tops_plugins_tpu_pallas.plan import DmaSemaphores, InHbm, LaunchPlan, Relayout, Scalars, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -54,12 +53,12 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class VarlenConfig(fused.FusedConfig):
-    """The fused kernel's fields and defaults but ``chunk_size`` (64 or 128, 128 by default: the packed kernel
-    has not been checked at 256) and ``num_steps`` (8: the packed kernel's step has not been
-    modelled at fused's 32): ``num_steps`` chunks per
-    grid step at most (fewer when VMEM is short), ``full_values`` (one value block of all of ``V``),
-    ``interpret`` (None: compile where lowered for a TPU, interpret elsewhere). ``attention_first`` must
-    stay None: the packed kernel has one schedule (the boundaries' state resets sit inside its chain);
+    """The fused kernel's fields and defaults but ``chunk_size`` (64 or 128, 128 by default) and ``num_steps`` (8), the
+    packed backward's with states (``backward_varlen``, which has not been checked at 256 nor modelled at fused's 32):
+    ``num_steps`` chunks per grid step at most (fewer when VMEM is short), ``full_values`` (one value block of all of
+    ``V``), ``interpret`` (None: compile where lowered for a TPU, interpret elsewhere). Every packed forward, and the
+    backward without states, run fused's kernels at fused's own defaults for the fields left at varlen's
+    (``unpacked_config``). ``attention_first`` must stay None (the packed forward has one schedule);
     ``float32_precision`` stays ``"highest"``."""
 
     ACCEPTED_CHUNK_SIZES: ClassVar[tuple] = CHUNK_SIZES
@@ -93,33 +92,52 @@ def plans(
     geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False,
     pool_rows: int | None = None,
 ) -> tuple[LaunchPlan]:
-    """The (single) launch plan for one packed call of ``num_seqs`` sequences (``geometry.batch`` is 1); with
-    ``pool_rows``, the states are a pool of that many rows (``state_rows``), the final states written into it in place."""
+    """The (single) launch plan for one packed call of ``num_seqs`` sequences with states (``geometry.batch`` is 1, at
+    ``forward_config``'s chunk): fused's, whose ``g`` is always given (``reset_gates``, float32, so ``gate_dtype`` is
+    not used), with the boundaries, each sequence's first log decay (``first_gates``) and the per-sequence states moved
+    by DMA; with ``pool_rows``, those are rows of a pool of that many rows (``state_rows``), written in place."""
+    del gate_dtype
+    (plan,) = fused.plans(geometry, dtype, gate_dtype=_F32)
     g = geometry
-    inputs = [blocks.key_rows("q", g, dtype), blocks.key_rows("k", g, dtype), blocks.value_rows("v", g, dtype)]
-    if gate_dtype is not None:
-        inputs.append(blocks.gates(g, gate_dtype))
     state_block = (g.padded_key_dim, g.value_block)
-    scratch = [blocks.running_state(g), Scratch("leaving", state_block, _F32), DmaSemaphores("copies", 2)]
+    inputs, outputs = [*plan.inputs, first_gates_block(g, num_seqs)], list(plan.outputs)
+    scratch = [*plan.scratch, Scratch("leaving", state_block, _F32), DmaSemaphores("copies", 2)]
     if initial_state_dtype is not None:
         inputs.append(sequence_states("initial_state", g, num_seqs, initial_state_dtype, pool_rows=pool_rows))
         scratch.append(Scratch("loaded", state_block, initial_state_dtype))
-    outputs = [blocks.value_rows("o", g, dtype)]
     if output_final_state:
         outputs.append(sequence_states("final_state", g, num_seqs, _F32, pool_rows=pool_rows))
-    # Every segment runs the from-state and state-update matmuls of a whole chunk, masked, and
-    # exponentiates its own decays (2 C + 1). Segments: one per chunk plus one per sequence starting
-    # inside a chunk, at most N - 1 (the packing is traced, so this bound is what XLA is told).
+    # Every sequence starts and ends once: its initial state's product with the chunk's queries, its keys' product into
+    # its final state, and the decays of both (2 C + 1 exps).
     C, K, Vb = g.chunk_size, g.padded_key_dim, g.value_block
-    segment_exps = Work(transcendentals=2 * C + 1)
-    extra_segment = Work(flops=2 * C * K * Vb) + advance_state_work(g) + segment_exps
-    gated = gate_dtype is not None
-    work = (chunk_output_work(g) + advance_state_work(g) + segment_exps) * chunks_of_the_grid(g)
-    work = work + gates_work(g, gated) * gate_computations(g, gated) + extra_segment * (g.heads * g.value_tiles * (num_seqs - 1))
-    scalars = (blocks.decay(g), *boundaries(g, num_seqs), *([state_rows(num_seqs)] if pool_rows is not None else []))
-    return (grid.grid_plan(
-        "simple_gla_varlen", g, scalars, inputs, outputs, work, chunk_body_vmem(g), scratch, aliases=pool_aliases(pool_rows, output_final_state),
+    boundary = Work(flops=2 * 2 * C * K * Vb, transcendentals=2 * C + 1) * (g.heads * g.value_tiles * num_seqs)
+    scalars = (*plan.scalars, *boundaries(g, num_seqs), *([state_rows(num_seqs)] if pool_rows is not None else []))
+    return (dataclasses.replace(
+        plan, name="simple_gla_varlen", scalars=scalars, inputs=tuple(inputs), outputs=tuple(outputs), scratch=tuple(scratch),
+        flops=plan.flops + boundary.flops, transcendentals=plan.transcendentals + boundary.transcendentals,
+        aliases=pool_aliases(pool_rows, output_final_state),
     ),)
+
+
+def first_gates_block(geometry: Geometry, num_seqs: int) -> Blocked:
+    """``first_gates`` ``[H, 1, N]``: the grid head's row (fetched again only when the head changes)."""
+
+    def head_row(b, h, tile, t, *_):
+        return (h, 0, 0)
+
+    return Blocked("first_gates", (geometry.heads, 1, num_seqs), _F32, (None, 1, num_seqs), head_row)
+
+
+def first_gates(g, g_gamma, cu_seqlens: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
+    """Each sequence's log decay at its first token, float32 ``[H, 1, N]``: what its initial state decays by there, which
+    ``reset_gates`` puts ``-inf`` in place of (``g`` there plus ``g_gamma``; an empty sequence's is never read)."""
+    _, T, H = shape
+    gates = jnp.zeros((cu_seqlens.shape[0] - 1, H), _F32)
+    if g is not None:
+        gates = gates + g[0, jnp.clip(cu_seqlens[:-1], 0, T - 1), :].astype(_F32)
+    if g_gamma is not None:
+        gates = gates + jnp.broadcast_to(g_gamma.astype(_F32), (H,))
+    return gates.T[:, None, :]
 
 
 def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan]:
@@ -127,94 +145,72 @@ def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Tar
     return grid.fitted_plans(functools.partial(plans, num_seqs=num_seqs), geometry, dtype, target=target, **inputs)
 
 
-def _at_row(column: jax.Array, rows: jax.Array, row: jax.Array) -> jax.Array:
-    """``column[row]`` as ``(1, 1)`` by a masked sum (exact: one term), 0 when ``row`` is outside the chunk."""
-    return jnp.sum(jnp.where(rows == row, column, 0.0), axis=0, keepdims=True)
+def _at_lane(row: jax.Array, lane: jax.Array) -> jax.Array:
+    """``row[0, lane]`` as ``(1, 1)`` by a masked sum (exact: one term), 0 when ``lane`` is outside the row."""
+    return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row.shape, 1) == lane, row, 0.0), axis=1, keepdims=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """The rows ``[start, end)`` of one chunk that packed sequence ``sequence`` covers, and the decays they apply.
-
-    ``query``, ``key`` and ``chunk`` are what ``ChunkGates``' fields are for a whole chunk, for the
-    piece alone, so ``chunkwise.advance_state`` and the ``gradients`` state terms take a piece where
-    they take a chunk's gates. Exponents are masked to the piece's rows before ``exp``.
-    """
-
-    sequence: jax.Array
-    start: jax.Array  # first row (0 when the sequence started before the chunk)
-    end: jax.Array  # end row (the chunk size when the sequence goes on past the chunk)
-    continuing: jax.Array  # the sequence started before the chunk: its state is carried in
-    ending: jax.Array  # the sequence ends inside the chunk (at its last row at the latest): its final state leaves here
-    inside: jax.Array  # (C, 1): the piece's rows
-    query: jax.Array  # (C, 1): exp(b_i - b_{start-1}) on the piece's rows, 0 elsewhere (and after a reset)
-    key: jax.Array  # (C, 1): exp(b_{end-1} - b_j) on the piece's rows, 0 elsewhere (and before a reset)
-    chunk: jax.Array  # (1, 1): exp(b_{end-1} - b_{start-1}), the decay over the whole piece
-
-    @classmethod
-    def of(cls, cu_seqlens, sequence: jax.Array, first: jax.Array, log: LogDecays) -> Piece:
-        """Sequence ``sequence``'s piece of the chunk whose first token is ``first`` (``log``: the chunk's log decays)."""
-        C = log.column.shape[0]
-        rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-        begins, ends = cu_seqlens[sequence], cu_seqlens[sequence + 1]
-        start, end = jnp.clip(begins - first, 0, C), jnp.clip(ends - first, 0, C)
-        inside = (rows >= start) & (rows < end)
-        before, last = (_at_row(log.column, rows, row) for row in (start - 1, end - 1))
-        if log.resets_column is None:
-            # No gate can be -inf (no g): masked before and after exp, the form this kernel schedules best without resets.
-            query, key = (jnp.where(inside, jnp.exp(jnp.where(inside, x, 0.0)), 0.0) for x in (log.column - before, last - log.column))
-            chunk = jnp.exp(last - before)
-        else:
-            resets_before, resets_last = (_at_row(log.resets_column, rows, row) for row in (start - 1, end - 1))
-            query = masked_exp(log.column - before, inside & unreset(log.resets_column, resets_before))
-            key = masked_exp(last - log.column, inside & unreset(log.resets_column, resets_last))
-            chunk = masked_exp(last - before, unreset(resets_last, resets_before))
-        return cls(
-            sequence=sequence, start=start, end=end, continuing=begins < first, ending=ends <= first + C,
-            inside=inside, query=query, key=key, chunk=chunk,
-        )
-
-    @property
-    def is_empty(self) -> jax.Array:
-        return self.end <= self.start
-
-
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands, resets_dtype):
     refs = plan.bind(refs)
     head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    C, Vb = geometry.chunk_size, geometry.value_block
+    start_sequence(refs, step, from_initial_state=False)  # every sequence's own initial state enters where it starts
+    C = geometry.chunk_size
     cu = refs["cu_seqlens"]
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-    columns = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    states = grid.SequenceStates(refs, head, block, Vb, refs["state"].shape)
-
-    constant, decay = constant_gates(refs, head, geometry), constant_decay(refs, head)
-    state = refs["state"][...]  # unset at step 0, where the first sequence starts and never reads it
-    for chunk in step_chunks(geometry, step):
-        number = step * geometry.chunks_per_step + chunk.index
-        first = number * C  # the chunk's first token in the packed sequence
-        log = log_decays(chunk, refs, head, decay)
-        gates = chunk_gates(chunk, refs, head, constant, log)
+    lanes = lax.broadcasted_iota(jnp.int32, (1, C), 1)
+    states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape)
+    along_lanes = fused.gates_along_lanes(True, C)
+    chunks = step_chunks(geometry, step)
+    constant = constant_gates(refs, head, geometry)
+    every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, resets_dtype=resets_dtype)
+    first_gates = refs["first_gates"][...]  # (1, N)
+    state = refs["state"][...]  # zeros at step 0 (start_sequence)
+    for chunk, gates in zip(chunks, every_gates):
+        log = gates.log if along_lanes else log_decays(chunk, refs, head)
+        gates = gates.with_decays()
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        operands = mxu_operand_dtype(q.dtype)
+        keys = k.T if along_lanes else k
+        # The chunk as fused computes it: the state is reset where a sequence starts (its g is -inf there).
+        o = output_from_state(intra_chunk_output(q, keys, v, gates, operands, along_lanes), q, state, gates, scale, operands)
+        entering, state = state, advance_state(state, keys, v, gates, operands, along_lanes)
+        number = step * geometry.chunks_per_step + chunk.index
+        first = number * C
 
-        def segment(n, carry, q=q, k=k, v=v, log=log, first=first, operands=operands):
-            from_states, segment_start, carried = carry
-            piece = Piece.of(cu, n, first, log)
-            entering = jnp.where(piece.continuing, carried, states.load("initial_state", "loaded", n, ~piece.continuing))
-            from_states = from_states + jnp.where(piece.inside, matmul(q, entering, operands) * piece.query, 0.0)
-            leaving = advance_state(entering, k, v, piece)
-            states.store("final_state", "leaving", n, leaving, piece.ending & ~piece.is_empty)
-            return from_states, jnp.where(rows >= piece.start, piece.start, segment_start), leaving
+        def boundary(n, carry, q=q, keys=keys, v=v, log=log, gates=gates, entering=entering, first=first):
+            """Sequence ``n``'s start and end inside the chunk: its initial state's terms where it starts, its final state
+            where it ends. Every decay is a masked exp of a difference of ``b`` inside the chunk with no reset between."""
+            o, state = carry
+            start, end = cu[n] - first, cu[n + 1] - first
+            starts_here, ends_here = (start >= 0) & (end > start), (end <= C) & (end > start)
+            start_log, start_resets = _at_lane(log.row, start), _at_lane(log.resets_row, start)
+            # b from just before the sequence's first token, whose own decay the reset gate replaced by -inf.
+            first_gate = _at_lane(first_gates, n)
+            since_start = first_gate - start_log
+            initial = states.load("initial_state", "loaded", n, starts_here)
+            # exp(b_i - b_r) on the sequence's rows: the decays' column r (a masked lane sum: cheaper than exponentiating a
+            # (C, 1) column, one register per 8 rows).
+            from_start = jnp.sum(jnp.where(lanes == start, gates.decays, 0.0), axis=1, keepdims=True)
+            o = o + scale * matmul(q, initial, operands) * (jnp.where(starts_here, jnp.exp(first_gate), 0.0) * from_start)
+            total_log, total_resets = log.row[:, -1:], log.resets_row[:, -1:]
+            state = state + masked_exp(total_log + since_start, starts_here & (end > C) & (total_resets == start_resets)) * initial
+            last = end - 1
+            last_log, last_resets = _at_lane(log.row, last), _at_lane(log.resets_row, last)
+            if along_lanes:
+                to_last = masked_exp(last_log - log.row, (log.resets_row == last_resets) & (lanes <= last))
+                written = matmul(keys.astype(_F32) * to_last, v, operands)
+            else:
+                to_last = masked_exp(last_log - log.column, (log.resets_column == last_resets) & (rows <= last))
+                written = matmul(keys.astype(_F32) * to_last, v, operands, COLUMNS_BY_COLUMNS)
+            carried = masked_exp(last_log, (start < 0) & (last_resets == 0)) * entering
+            own = masked_exp(last_log + since_start, starts_here & (last_resets == start_resets)) * initial
+            states.store("final_state", "leaving", n, carried + written + own, ends_here)
+            return o, state
 
-        # The last segment's leaving state is the chunk's last sequence's, carried into the next chunk.
-        from_states, segment_start, state = lax.fori_loop(
-            refs["first_sequence"][number], refs["last_sequence"][number] + 1, segment,
-            (jnp.zeros((C, Vb), _F32), jnp.zeros((C, 1), jnp.int32), state),
-        )
-        same_sequence = (rows >= columns) & (columns >= segment_start)
-        attention = jnp.where(same_sequence, matmul(q, k, operands, ROWS_BY_ROWS) * gates.decays, 0.0)
-        o = scale * (matmul(attention, v, operands) + from_states)
+        # Only the sequences with a boundary inside the chunk: the first one when it starts or ends here, and every later
+        # one (each starts here).
+        first_sequence = refs["first_sequence"][number]
+        passing = (cu[first_sequence] < first) & (cu[first_sequence + 1] > first + C)
+        o, state = lax.fori_loop(first_sequence + passing.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary, (o, state))
         refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
 
@@ -241,9 +237,10 @@ def reset_gates(g, cu_seqlens: jax.Array, shape: tuple[int, int, int]) -> jax.Ar
 
 
 def unpacked_config(config: VarlenConfig) -> fused.FusedConfig:
-    """The fused kernels' config for a packed call without states: the fields set away from varlen's defaults, and
-    fused's own defaults for the rest (its chunk and step per chip, where varlen's are the packed kernel's: at B=2
-    T=4096 H=8 with g, fused's defaults issue 52 us on v6e, varlen's chunk of 128 and 8 chunks per step 82 us)."""
+    """The fused kernels' config for a packed forward, and a packed backward without states: the fields set away from
+    varlen's defaults, and fused's own defaults for the rest (its chunk and step per chip, where varlen's are the packed
+    backward's: at B=2 T=4096 H=8 with g, fused's defaults issue 52 us on v6e, varlen's chunk of 128 and 8 chunks per
+    step 82 us)."""
     defaults = VarlenConfig()
     fields = dataclasses.fields(fused.FusedConfig)
     return fused.FusedConfig(**{f.name: getattr(config, f.name) for f in fields if getattr(config, f.name) != getattr(defaults, f.name)})
@@ -251,8 +248,8 @@ def unpacked_config(config: VarlenConfig) -> fused.FusedConfig:
 
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: VarlenConfig, ssm_state_indices=None):
     """The ``Forward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given),
-    a state pool served in place (``Implementation.serves_pools``). Without states, ``fused.forward`` on ``reset_gates``:
-    the packed kernel's loop over each chunk's sequences costs it 2.3x its HBM floor on v5e (modelled), fused 1.0x."""
+    a state pool served in place (``Implementation.serves_pools``). Without states, ``fused.forward`` on ``reset_gates``;
+    with them, fused's kernel on the same gates with each sequence's start and end added (``_kernel``)."""
     if without_states(initial_state, output_final_state, ssm_state_indices):
         return fused.forward(
             q, k, v, g=reset_gates(g, cu_seqlens, q.shape[:3]), g_gamma=g_gamma, scale=scale, initial_state=None,
@@ -262,11 +259,25 @@ def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, config=config, ssm_state_indices=ssm_state_indices)
 
 
+def forward_config(config: VarlenConfig, key_dim: int, chip: str | None) -> fused.FusedConfig:
+    """The config a packed forward runs at, with states or without: fused's (``unpacked_config``), resolved for the
+    chip it is lowered for (``fused.resolved``)."""
+    return fused.resolved(unpacked_config(config), key_dim, chip)
+
+
 def _forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: VarlenConfig, ssm_state_indices):
+    chip = launch.Target.lowered_for().chip
+    unpacked = forward_config(config, q.shape[-1], chip)
+    gates = reset_gates(g, cu_seqlens, q.shape[:3])
+    operands = {
+        **fused.gates_as_rows(gates, unpacked.chunk_size), **boundary_operands(cu_seqlens, q.shape[1], unpacked.chunk_size),
+        "first_gates": first_gates(g, g_gamma, cu_seqlens, q.shape[:3]),
+    }
+    kernel = functools.partial(_kernel, operands=fused.operands_of(unpacked, q.dtype), resets_dtype=fused.resets_dtype(chip))
     o, final_state = grid.run(
-        _kernel, functools.partial(plans, num_seqs=cu_seqlens.shape[0] - 1), q, k, v, g=g, g_gamma=g_gamma, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, config=config,
-        operands=boundary_operands(cu_seqlens, q.shape[1], config.chunk_size), ssm_state_indices=ssm_state_indices,
+        kernel, functools.partial(plans, num_seqs=cu_seqlens.shape[0] - 1), q, k, v, g=gates, g_gamma=g_gamma, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, config=unpacked, operands=operands,
+        ssm_state_indices=ssm_state_indices,
     )
     if final_state is None or ssm_state_indices is not None:  # a pool: an empty sequence's row is as it was
         return o, final_state
