@@ -255,8 +255,7 @@ KDA_VARLEN = tops_core.Implementation(
     forward=kda.varlen.forward,
     backward=kda.backward.backward,
     capabilities=_capabilities(
-        # VMEM hardly depends on N (boundaries in SMEM, states in HBM, the forward's first gates N floats a head): one
-# sequence's plans stand for any N.
+        # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
         _fits_vmem(
             KDA_FUSED_CONFIG, (kda.varlen.geometry_of, functools.partial(kda.varlen.plans, num_seqs=1)),
             (kda.backward.geometry_of, functools.partial(kda.backward.plans, num_seqs=1)), op_inputs=_kda_inputs,

@@ -4,7 +4,7 @@ The grid, segments, blocks and reverse index maps of ``backward_fused`` over the
 (``(1, head, 1, segment)``, all of ``V`` per block), with the boundaries of the forward: ``cu_seqlens``
 and each chunk's first and last sequence as SMEM scalars, traced under ``jit`` (one compile for
 every packing of the same ``T`` and ``N``). A chunk holds one or more *pieces* (``Piece``,
-the part of one sequence inside it), as in the forward.
+the part of one sequence inside it).
 
 1. **checkpoints** walks time forwards and writes the float32 state entering every segment. Only
    a chunk's *last* piece leaves a state that goes on, so a chunk advances the state through that
@@ -50,11 +50,6 @@ _F32 = jnp.float32
 geometry_of = backward_fused.geometry_of  # the fused backward's segment (backward_num_steps, or backward_fused.SEGMENT_TOKENS' worth)
 
 
-def _at_row(column: jax.Array, rows: jax.Array, row: jax.Array) -> jax.Array:
-    """``column[row]`` as ``(1, 1)`` by a masked sum (exact: one term), 0 when ``row`` is outside the chunk."""
-    return jnp.sum(jnp.where(rows == row, column, 0.0), axis=0, keepdims=True)
-
-
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """The rows ``[start, end)`` of one chunk that packed sequence ``sequence`` covers, and the decays they apply.
@@ -82,13 +77,13 @@ class Piece:
         begins, ends = cu_seqlens[sequence], cu_seqlens[sequence + 1]
         start, end = jnp.clip(begins - first, 0, C), jnp.clip(ends - first, 0, C)
         inside = (rows >= start) & (rows < end)
-        before, last = (_at_row(log.column, rows, row) for row in (start - 1, end - 1))
+        before, last = (varlen.value_at(log.column, row, 0) for row in (start - 1, end - 1))
         if log.resets_column is None:
             # No gate can be -inf (no g): masked before and after exp, the form this kernel schedules best without resets.
             query, key = (jnp.where(inside, jnp.exp(jnp.where(inside, x, 0.0)), 0.0) for x in (log.column - before, last - log.column))
             chunk = jnp.exp(last - before)
         else:
-            resets_before, resets_last = (_at_row(log.resets_column, rows, row) for row in (start - 1, end - 1))
+            resets_before, resets_last = (varlen.value_at(log.resets_column, row, 0) for row in (start - 1, end - 1))
             query = masked_exp(log.column - before, inside & unreset(log.resets_column, resets_before))
             key = masked_exp(last - log.column, inside & unreset(log.resets_column, resets_last))
             chunk = masked_exp(last - before, unreset(resets_last, resets_before))

@@ -145,9 +145,10 @@ def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Tar
     return grid.fitted_plans(functools.partial(plans, num_seqs=num_seqs), geometry, dtype, target=target, **inputs)
 
 
-def _at_lane(row: jax.Array, lane: jax.Array) -> jax.Array:
-    """``row[0, lane]`` as ``(1, 1)`` by a masked sum (exact: one term), 0 when ``lane`` is outside the row."""
-    return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, row.shape, 1) == lane, row, 0.0), axis=1, keepdims=True)
+def value_at(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """``x``'s slice at a traced ``index`` along ``axis``, kept as a size-1 axis (a row's or a column's entry as ``(1, 1)``,
+    a matrix's column as ``(C, 1)``), by a masked sum: exact (one term), and 0 where ``index`` is outside ``x``."""
+    return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, axis) == index, x, 0.0), axis=axis, keepdims=True)
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands, resets_dtype):
@@ -182,19 +183,19 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
             o, state = carry
             start, end = cu[n] - first, cu[n + 1] - first
             starts_here, ends_here = (start >= 0) & (end > start), (end <= C) & (end > start)
-            start_log, start_resets = _at_lane(log.row, start), _at_lane(log.resets_row, start)
+            start_log, start_resets = value_at(log.row, start, 1), value_at(log.resets_row, start, 1)
             # b from just before the sequence's first token, whose own decay the reset gate replaced by -inf.
-            first_gate = _at_lane(first_gates, n)
+            first_gate = value_at(first_gates, n, 1)
             since_start = first_gate - start_log
             initial = states.load("initial_state", "loaded", n, starts_here)
             # exp(b_i - b_r) on the sequence's rows: the decays' column r (a masked lane sum: cheaper than exponentiating a
             # (C, 1) column, one register per 8 rows).
-            from_start = jnp.sum(jnp.where(lanes == start, gates.decays, 0.0), axis=1, keepdims=True)
+            from_start = value_at(gates.decays, start, 1)
             o = o + scale * matmul(q, initial, operands) * (jnp.where(starts_here, jnp.exp(first_gate), 0.0) * from_start)
             total_log, total_resets = log.row[:, -1:], log.resets_row[:, -1:]
             state = state + masked_exp(total_log + since_start, starts_here & (end > C) & (total_resets == start_resets)) * initial
             last = end - 1
-            last_log, last_resets = _at_lane(log.row, last), _at_lane(log.resets_row, last)
+            last_log, last_resets = value_at(log.row, last, 1), value_at(log.resets_row, last, 1)
             if along_lanes:
                 to_last = masked_exp(last_log - log.row, (log.resets_row == last_resets) & (lanes <= last))
                 written = matmul(keys.astype(_F32) * to_last, v, operands)
