@@ -269,6 +269,9 @@ def test_layout_around_the_kernels_on_v6e(worker, kernel):
     assert in_a_layer["hbm_bytes"] == in_a_layer["kernel_cost"]["bytes_accessed"]
 
 
+# With -m slow (10 s): the default run's `tops bench` models the same fused kernels (on v6e), and
+# tests/test_bench.py checks the modelled section's place in the CLI's output.
+@pytest.mark.slow
 def test_bench_models_both_kernels_on_tpu(worker):
     # fused and xla.chunk (which has no kernel to model); chunk's kernels model the same way, 8 s more.
     request = {"shape": [2, 512, 4, 128, 128], "dtype": "bfloat16", "features": ["g_gamma"], "generation": "v5e",
