@@ -400,6 +400,27 @@ def test_a_modelled_section_with_nothing_to_model_is_one_line():
     assert "no implementation supports it natively on TPU" in tpu_model.format_model(no_candidate)
 
 
+def kernel_issuing(cycles: int, busiest: tuple[str, int], **issued):
+    from tops_core.tpu import llo
+    from tops_core.tpu import model as tpu_model
+
+    return tpu_model.KernelModel(
+        name="k.1", grid_steps=1, hbm_bytes=0, cycles=cycles, counts=llo.UnitCounts(), issued=llo.Issued(**issued),
+        hbm_seconds=0.0, issue_seconds=1.0, mxu_seconds=0.0, busiest_unit=busiest[0], busiest_unit_cycles=busiest[1],
+    )
+
+
+def test_a_limit_on_loads_or_stores_says_how_much_of_it_is_register_spills():
+    spilling = dict(stores=200, spill_stores=150, loads=90, spill_loads=90)
+    assert kernel_issuing(1000, ("store", 200), **spilling).describe_limit() == (
+        "issue: dependency chains (5.0x the store slots' need; 75% of them register spills)")
+    assert kernel_issuing(250, ("store", 200), **spilling).describe_limit() == "issue: store slots (75% of them register spills)"
+    assert kernel_issuing(250, ("load", 200), **spilling).describe_limit() == "issue: load slots (100% of them register spills)"
+    # Spills are named only for the unit that binds, and only when there are any.
+    assert kernel_issuing(1000, ("vector ALU", 200), **spilling).describe_limit() == "issue: dependency chains (5.0x the vector ALU slots' need)"
+    assert kernel_issuing(250, ("store", 200), stores=200).describe_limit() == "issue: store slots"
+
+
 @pytest.mark.parametrize("budget", ["0", "-1", "nan", "inf", "soon"])
 def test_cli_bench_budget_must_be_a_positive_number_of_seconds(installed, capsys, budget):
     with pytest.raises(SystemExit) as raised:

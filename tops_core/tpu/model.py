@@ -94,9 +94,19 @@ class KernelModel:
     def describe_limit(self) -> str:
         if self.limit != "issue":
             return self.limit
+        spills = self.spill_share()
+        spilled = f"{spills:.0%} of them register spills" if spills else None
         if self.cycles > CHAINS * self.busiest_unit_cycles:
-            return f"issue: dependency chains ({self.cycles / max(self.busiest_unit_cycles, 1):.1f}x the {self.busiest_unit} slots' need)"
-        return f"issue: {self.busiest_unit} slots"
+            need = f"{self.cycles / max(self.busiest_unit_cycles, 1):.1f}x the {self.busiest_unit} slots' need"
+            return f"issue: dependency chains ({'; '.join(filter(None, (need, spilled)))})"
+        return f"issue: {self.busiest_unit} slots" + (f" ({spilled})" if spilled else "")
+
+    def spill_share(self) -> float | None:
+        """The share of the busiest unit's instructions that move register spills, when that unit is the loads' or the
+        stores' (None otherwise): a large share says the register allocator's traffic, not the kernel's own, fills it."""
+        issued = self.issued
+        moved = {"load": (issued.spill_loads, issued.loads), "store": (issued.spill_stores, issued.stores)}.get(self.busiest_unit)
+        return moved[0] / moved[1] if moved and moved[1] else None
 
 
 @dataclasses.dataclass(frozen=True)
