@@ -339,3 +339,38 @@ def test_kda_grouped_backward_faithful_interpreter_matches_reference(packing, ra
     for name in inputs:
         measurement = measure(f"d{name}", got[name], want[name], tolerance("float32", gradient=True))
         assert measurement.passed, measurement.describe()
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "kda"])
+def test_packed_prefill_into_pool_rows_under_the_faithful_interpreter(op, race_reports, make_inputs, make_kda_inputs, assert_matches):
+    # A packed prefill that reads and writes its sequences' pool rows by DMA, the next sequence's row read ahead while the
+    # kernel works and each final row written while it goes on: an empty sequence (its row passes through), a padding
+    # slot (no row), several sequences in one chunk, sequences across grid steps, two simulated cores, NaN-filled memory.
+    seed, seqlens, indices, pool_rows = SEEDS[0], (70, 0, 1, 57, 3, 119), (4, 0, 6, -1, 2, 5), 8
+    T, H = sum(seqlens), 2
+    if op == "simple_gla":
+        arrays = make_inputs(1, T, H, 128, 128, jnp.float32, seed=seed, g=True)[0]
+    else:
+        arrays = make_kda_inputs(1, T, H, 128, 128, jnp.float32, seed=seed, initial_state=False)
+    pool = jnp.asarray(np.random.default_rng(seed).standard_normal((pool_rows, H, 128, 128)), jnp.float32)
+    cu_seqlens, indices = jnp.asarray(np.cumsum((0, *seqlens)), jnp.int32), jnp.asarray(indices, jnp.int32)
+
+    def prefill(arrays, pool, implementation):
+        return tops_core.op(op).forward(
+            **arrays, initial_state=pool, cu_seqlens=cu_seqlens, ssm_state_indices=indices, output_final_state=True,
+            implementation=implementation,
+        )
+
+    with tops_core.use(interpret=True, strict=True):
+        config = {"chunk_size": 64, "num_steps": 2, "interpret": faithful(seed)}
+        o, updated = jax.block_until_ready(prefill(arrays, pool, ("tpu_pallas.varlen", config)))
+    assert race_reports and not any(report.races_found for report in race_reports)
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        as_float64 = {name: jnp.asarray(np.asarray(x, np.float64)) for name, x in arrays.items()}
+        o_ref, updated_ref = (np.asarray(x) for x in prefill(as_float64, jnp.asarray(np.asarray(pool, np.float64)), "ref.recurrent"))
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+    assert_matches("o", o, o_ref, jnp.float32)
+    assert_matches("pool", updated, updated_ref, jnp.float32)

@@ -19,7 +19,7 @@ from tops_core.ops import pool
 
 from tops_plugins_tpu_pallas import blocks, launch
 from tops_plugins_tpu_pallas.layout import LANES, Geometry, caller_output, caller_state, kernel_operands
-from tops_plugins_tpu_pallas.plan import Blocked, InHbm, LaunchPlan, Relayout, Scalars, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, InHbm, LaunchPlan, Relayout, ScalarScratch, Scalars, Scratch
 
 _F32 = jnp.float32
 
@@ -203,7 +203,8 @@ def start_sequence(refs: dict, step: jax.Array, from_initial_state: bool = True)
 
         @pl.when(step == 0)
         def _start():
-            refs["state"][...] = states.load("initial_state", "loaded", sequence, True)
+            states.begin()
+            refs["state"][...] = states.load("initial_state", sequence, True)
 
         return
     _start_carry(refs, step, "state", "initial_state" if from_initial_state else None)
@@ -233,12 +234,40 @@ def finish_sequence(refs: dict, step: jax.Array, geometry: Geometry) -> None:
     if "final_state" not in refs:
         return
     if "state_rows" in refs:
-        _pooled(refs).store("final_state", "leaving", pl.program_id(0), refs["state"][...], step == geometry.time_steps - 1)
+        states, sequence = _pooled(refs), pl.program_id(0)
+
+        @pl.when(step == geometry.time_steps - 1)
+        def _finish():
+            states.begin()
+            states.store("final_state", sequence, refs["state"][...], True)
+            states.finish()
+
         return
 
     @pl.when(step == geometry.time_steps - 1)
     def _finish():
         refs["final_state"][...] = refs["state"][...]
+
+
+STATE_BUFFERS = 2
+"""VMEM buffers per per-sequence state array that copies stay in flight through (``state_buffers``): one sequence's copy
+moves while the kernel works with another's. One more buffer takes the copies waited on where they start."""
+
+SPARE = STATE_BUFFERS
+"""The buffer of the copies waited on where they start (a load nothing read ahead); no copy is ever in flight through it."""
+
+READ_ARRAYS = ("initial_state", "dht")
+"""The per-sequence arrays a kernel reads (copied into VMEM); the others (``final_state``, ``dinitial_state``) it writes."""
+
+
+def state_buffers(name: str, shape: tuple[int, int], dtype) -> tuple[Scratch, DmaSemaphores, ScalarScratch]:
+    """The scratch through which a kernel moves the regions of the per-sequence array ``name`` (``SequenceStates``):
+    ``STATE_BUFFERS`` VMEM buffers of ``shape`` and the spare, a DMA semaphore each, and in SMEM the sequence whose copy
+    is in flight through each of the first ``STATE_BUFFERS`` (-1: none)."""
+    return (
+        Scratch(f"{name}_buffers", (STATE_BUFFERS + 1, *shape), dtype), DmaSemaphores(f"{name}_copies", STATE_BUFFERS + 1),
+        ScalarScratch(f"{name}_in_flight", (STATE_BUFFERS,), jnp.int32),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +278,13 @@ class SequenceStates:
     the boundaries are traced, and a region of every sequence per grid step would be most of the traffic.
     With ``state_rows`` among the refs (a pool call), the states are a pool and sequence ``n``'s region is
     in row ``state_rows[n]``; a negative row is a padding slot, which loads zeros and stores nothing.
+
+    Copies overlap the kernel's work (``state_buffers``). A store starts its copy through buffer ``n % 2`` and is waited
+    on only when that buffer is needed again. With ``read_ahead`` (a kernel that loads each sequence's state where it
+    starts, walking forward in time), a load starts copying the next non-empty sequence's region through its buffer,
+    and that sequence's load waits for it there; any other load copies through the spare buffer and waits at once. The
+    copies may stay in flight from one grid step to the next of the same (head, value block): a kernel calls ``begin``
+    before its first load or store at the first time step and ``finish`` after its last at the last.
     """
 
     refs: dict
@@ -256,6 +292,7 @@ class SequenceStates:
     block: jax.Array
     value_block: int
     shape: tuple[int, int]  # (K_pad, value block)
+    read_ahead: bool = False
 
     def has(self, name: str) -> bool:
         """Whether the call has the state array ``name``."""
@@ -265,47 +302,109 @@ class SequenceStates:
     def pooled(self) -> bool:
         return "state_rows" in self.refs
 
+    def begin(self, when: jax.Array | bool = True) -> None:
+        """Mark every buffer free (``when``): SMEM scratch holds whatever the core's last grid point left."""
+
+        @pl.when(when)
+        def _begin():
+            for name in self._moved():
+                for slot in range(STATE_BUFFERS):
+                    self.refs[f"{name}_in_flight"][slot] = -1
+
+    def finish(self, when: jax.Array | bool = True) -> None:
+        """Wait for every copy still in flight (``when``): none outlives the grid points of its (head, value block)."""
+
+        @pl.when(when)
+        def _finish():
+            for name in self._moved():
+                for slot in range(STATE_BUFFERS):
+                    sequence = self.refs[f"{name}_in_flight"][slot]
+                    self._wait(name, slot, sequence, sequence >= 0)
+
+    def load(self, name: str, sequence: jax.Array, when: jax.Array, read_ahead: bool | None = None) -> jax.Array:
+        """``refs[name][sequence]`` as float32 (copied into VMEM only ``when``), or zeros where not ``when``, when the call
+        has no ``name`` or when the sequence is a padding slot. ``read_ahead``: this load's, where not the kernel's
+        (False for a sequence loaded again, whose successor its first load read ahead)."""
+        if not self.has(name):
+            return jnp.zeros(self.shape, _F32)
+        row, slot = self._row(sequence), sequence % STATE_BUFFERS
+        copied = when & (row >= 0) if self.pooled else when
+        arrived = copied & (self.refs[f"{name}_in_flight"][slot] == sequence)
+        self._wait(name, slot, sequence, arrived)
+
+        @pl.when(copied & ~arrived)
+        def _copy_now():
+            dma = self._dma(name, SPARE, sequence)
+            dma.start()
+            dma.wait()
+
+        # Where not copied, read the spare buffer: no copy is in flight through it.
+        buffer = self.refs[f"{name}_buffers"][jnp.where(arrived, slot, SPARE)]
+        loaded = jnp.where(copied, buffer.astype(_F32), 0.0)
+        if self.read_ahead if read_ahead is None else read_ahead:
+            self._read_ahead(name, sequence + 1, copied)
+        return loaded
+
+    def store(self, name: str, sequence: jax.Array, value: jax.Array, when: jax.Array) -> None:
+        """Start writing ``value`` to ``refs[name][sequence]``, only ``when`` (nothing when the call has no ``name`` or the
+        sequence is a padding slot)."""
+        if not self.has(name):
+            return
+        row, slot = self._row(sequence), sequence % STATE_BUFFERS
+        stored = when & (row >= 0) if self.pooled else when
+        in_flight = self.refs[f"{name}_in_flight"]
+        going = in_flight[slot]
+        self._wait(name, slot, going, stored & (going >= 0))
+
+        @pl.when(stored)
+        def _store():
+            buffers = self.refs[f"{name}_buffers"]
+            buffers[slot] = value.astype(buffers.dtype)
+            self._dma(name, slot, sequence).start()
+            in_flight[slot] = sequence
+
+    def _read_ahead(self, name: str, sequence: jax.Array, when: jax.Array) -> None:
+        """Start copying ``sequence``'s region through its buffer (``when``), unless it is past the last sequence, empty
+        (no load waits for it), a padding slot or already on its way."""
+        cu_seqlens = self.refs["cu_seqlens"]
+        count = cu_seqlens.shape[0] - 1
+        slot, in_range = sequence % STATE_BUFFERS, sequence < count
+        sequence = jnp.minimum(sequence, count - 1)  # SMEM reads stay in bounds; in_range says whether it counts
+        in_flight = self.refs[f"{name}_in_flight"]
+        coming = in_flight[slot]
+        start = when & in_range & (cu_seqlens[sequence + 1] > cu_seqlens[sequence]) & (coming != sequence)
+        start = start & (self._row(sequence) >= 0) if self.pooled else start
+        self._wait(name, slot, coming, start & (coming >= 0))  # one no load took (kernels walk forward: none)
+
+        @pl.when(start)
+        def _start():
+            self._dma(name, slot, sequence).start()
+            in_flight[slot] = sequence
+
+    def _wait(self, name: str, slot, sequence: jax.Array, when: jax.Array) -> None:
+        """Wait (``when``) for the copy of ``sequence`` in flight through buffer ``slot``, and mark the buffer free."""
+
+        @pl.when(when)
+        def _wait():
+            self._dma(name, slot, sequence).wait()
+            self.refs[f"{name}_in_flight"][slot] = -1
+
+    def _dma(self, name: str, slot, sequence: jax.Array):
+        """The copy of ``sequence``'s region of ``name`` through buffer ``slot``: into VMEM for an array the kernel reads."""
+        region, buffer = self._region(name, self._row(sequence)), self.refs[f"{name}_buffers"].at[slot]
+        source, destination = (region, buffer) if name in READ_ARRAYS else (buffer, region)
+        return pltpu.make_async_copy(source, destination, self.refs[f"{name}_copies"].at[slot])
+
+    def _moved(self) -> list[str]:
+        """The state arrays this kernel moves through ``state_buffers``."""
+        return [name for name in (*READ_ARRAYS, "final_state", "dinitial_state") if f"{name}_in_flight" in self.refs]
+
     def _row(self, sequence: jax.Array) -> jax.Array:
         return self.refs["state_rows"][sequence] if self.pooled else sequence
 
     def _region(self, name: str, row: jax.Array):
         Vb = self.value_block
         return self.refs[name].at[row, self.head, :, pl.ds(pl.multiple_of(self.block * Vb, Vb), Vb)]
-
-    def load(self, name: str, buffer: str, sequence: jax.Array, when: jax.Array) -> jax.Array:
-        """``refs[name][sequence]`` as float32 (copied into VMEM ``buffer`` only ``when``), or zeros when the call has no ``name``
-        or the sequence is a padding slot.
-
-        Where not ``when`` the buffer holds an earlier copy (or nothing yet): the caller selects the value away.
-        """
-        if not self.has(name):
-            return jnp.zeros(self.shape, _F32)
-        row = self._row(sequence)
-
-        @pl.when(when & (row >= 0) if self.pooled else when)
-        def _load():
-            _copy(self._region(name, row), self.refs[buffer], self.refs["copies"].at[0])
-
-        loaded = self.refs[buffer][...].astype(_F32)
-        return jnp.where(row >= 0, loaded, 0.0) if self.pooled else loaded
-
-    def store(self, name: str, buffer: str, sequence: jax.Array, value: jax.Array, when: jax.Array) -> None:
-        """Write ``value`` to ``refs[name][sequence]`` through VMEM ``buffer``, only ``when`` (nothing when the call has no ``name``
-        or the sequence is a padding slot)."""
-        if not self.has(name):
-            return
-        row = self._row(sequence)
-
-        @pl.when(when & (row >= 0) if self.pooled else when)
-        def _store():
-            self.refs[buffer][...] = value.astype(self.refs[buffer].dtype)
-            _copy(self.refs[buffer], self._region(name, row), self.refs["copies"].at[1])
-
-
-def _copy(source, destination, semaphore) -> None:
-    dma = pltpu.make_async_copy(source, destination, semaphore)
-    dma.start()
-    dma.wait()
 
 
 def sequence_states(name: str, geometry: Geometry, num_seqs: int, dtype, moves: int = 1, pool_rows: int | None = None) -> InHbm:

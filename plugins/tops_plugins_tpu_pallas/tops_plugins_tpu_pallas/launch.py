@@ -24,7 +24,7 @@ from tops_core.lowering import per_platform
 from tops_core.tpu.generations import GENERATIONS, vmem_budget
 
 from tops_plugins_tpu_pallas import traffic
-from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, InHbm, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, InHbm, LaunchPlan, ScalarScratch, Scratch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +154,9 @@ def _block_spec(x: Blocked | InHbm) -> pl.BlockSpec:
     return pl.BlockSpec(x.block_shape, x.index_map)
 
 
-def _scratch_shape(s: Scratch | DmaSemaphores) -> Any:
+def _scratch_shape(s: Scratch | DmaSemaphores | ScalarScratch) -> Any:
     if isinstance(s, DmaSemaphores):
         return pltpu.SemaphoreType.DMA((s.count,))
+    if isinstance(s, ScalarScratch):
+        return pltpu.SMEM(s.shape, s.dtype)
     return pltpu.VMEM(s.shape, s.dtype)

@@ -96,6 +96,12 @@ class DmaSemaphores:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScalarScratch(_Array):
+    """Scalars in SMEM that live for the whole launch, one set per core: bookkeeping the kernel keeps across its own
+    branches and loops (which sequence's DMA is in flight into which buffer, ``grid.SequenceStates``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Scalars(_Array):
     """A small array copied whole into SMEM before the grid starts (scalar prefetch)."""
 
@@ -124,7 +130,7 @@ class LaunchPlan:
     scalars: tuple[Scalars, ...]
     inputs: tuple[Blocked | InHbm, ...]
     outputs: tuple[Blocked | InHbm, ...]
-    scratch: tuple[Scratch | DmaSemaphores, ...] = ()
+    scratch: tuple[Scratch | DmaSemaphores | ScalarScratch, ...] = ()
     body_vmem: int = 0
     flops: int = 0
     transcendentals: int = 0

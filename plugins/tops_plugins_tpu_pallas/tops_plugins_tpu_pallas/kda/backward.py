@@ -51,9 +51,9 @@ from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_dtype, row_and_column_iotas
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
-from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.recurrence import Recurrence
-from tops_plugins_tpu_pallas.grid import SequenceStates, sequence_states
+from tops_plugins_tpu_pallas.grid import SequenceStates, sequence_states, state_buffers
 from tops_plugins_tpu_pallas.simple_gla.varlen import with_empty_sequences
 
 __all__ = ["backward", "geometry_of", "gradients", "plans"]
@@ -124,12 +124,11 @@ def plans(
         if initial_state_dtype is not None:
             inputs.append(sequence_states("initial_state", geometry, num_seqs, initial_state_dtype, moves=2))
             outputs.append(sequence_states("dinitial_state", geometry, num_seqs, initial_state_dtype))
-            scratch += [Scratch("loaded", state_block, initial_state_dtype), Scratch("initial_gradient", state_block, initial_state_dtype)]
+            scratch += [*state_buffers("initial_state", state_block, initial_state_dtype),
+                        *state_buffers("dinitial_state", state_block, initial_state_dtype)]
         if output_final_state:
             inputs.append(sequence_states("dht", geometry, num_seqs, _F32, moves=2))
-            scratch.append(Scratch("final_gradient", state_block, _F32))
-        if len(scratch) > 1:
-            scratch.append(DmaSemaphores("copies", 2))
+            scratch += state_buffers("dht", state_block, _F32)
     if with_A_log:
         outputs.append(_per_head_sums("dA_log", geometry, 1))
     if dt_bias_dtype is not None:
@@ -285,6 +284,10 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
     start_state_gradient(refs, step, from_final_state=not packed)
     state_block = (geometry.padded_key_dim, geometry.value_block)
     states = SequenceStates(refs, head, block, geometry.value_block, state_block) if packed else None
+    # A group's value heads take turns at every time step (the innermost grid axis): their copies settle at each.
+    first, last = (True, True) if G > 1 else (step == 0, step == geometry.time_steps - 1)
+    if packed:
+        states.begin(first)
     sums = [name for name in ("dA_log", "ddt_bias") if name in refs]
 
     @pl.when(step == 0)
@@ -326,7 +329,9 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
                 refs[name][...] = refs[f"{name}_sum"][...].astype(refs[name].dtype)
 
     refs["dstate"][...] = dstate
-    if not packed:  # packed, each sequence's dinitial_state is written where it starts
+    if packed:  # each sequence's dinitial_state is written where it starts
+        states.finish(last)
+    else:
         finish_state_gradient(refs, step, geometry)
 
 

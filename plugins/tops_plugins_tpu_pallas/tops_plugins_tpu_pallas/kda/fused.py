@@ -43,12 +43,13 @@ from tops_core.packing import sequence_starts
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
-    Chunk, Work, chunks_of_the_grid, finish_sequence, geometry_of, pool_aliases, pool_states, sequence_states, start_sequence, state_rows,
+    Chunk, Work, chunks_of_the_grid, finish_sequence, geometry_of, pool_aliases, pool_states, sequence_states, start_sequence,
+    state_buffers, state_rows,
     step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import KDA, chunk_steps
-from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Relayout, Scalars, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Relayout, Scalars
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
 from tops_plugins_tpu_pallas.recurrence import Recurrence
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
@@ -155,12 +156,10 @@ def plans(
             # Read once where its sequence starts and, when it also ends in that chunk, again for its final state.
             moves = 2 if output_final_state and num_seqs is not None else 1
             inputs.append(sequence_states("initial_state", geometry, sequences, initial_state_dtype, moves, pool_rows))
-            scratch.append(Scratch("loaded", state_block, initial_state_dtype))
+            scratch += state_buffers("initial_state", state_block, initial_state_dtype)
         if output_final_state:
             outputs.append(sequence_states("final_state", geometry, sequences, jnp.float32, pool_rows=pool_rows))
-            scratch.append(Scratch("leaving", state_block, jnp.float32))
-        if len(scratch) > 1:
-            scratch.append(DmaSemaphores("copies", 2))
+            scratch += state_buffers("final_state", state_block, jnp.float32)
     bound, packed = activations.decay_lower_bound, num_seqs is not None
     chunk = recurrence.chunk_work(geometry, use_qk_l2norm, bound, packed) + activation_work(activations, geometry)
     work = chunk * chunks_of_the_grid(geometry)
@@ -219,7 +218,9 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
     packed = "cu_seqlens" in refs
     # Packed, the carried state starts as zeros (decays of 0 times unset memory could be NaN); initial states enter per sequence.
     start_sequence(refs, step, from_initial_state=not packed)
-    states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape) if packed else None
+    states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape, read_ahead=True) if packed else None
+    if packed:
+        states.begin(step == 0)
 
     A_log = refs["A_log"][head] if "A_log" in refs else None  # a scalar, broadcast by gate
     dt_bias = refs["dt_bias"][...] if "dt_bias" in refs else None
@@ -241,7 +242,9 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
         if "o" in refs:
             refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
-    if not packed:  # packed, each sequence's final state left where it ended
+    if packed:  # each sequence's final state left where it ended
+        states.finish(step == geometry.time_steps - 1)
+    else:
         finish_sequence(refs, step, geometry)
 
 

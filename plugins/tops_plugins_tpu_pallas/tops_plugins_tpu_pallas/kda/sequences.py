@@ -123,7 +123,7 @@ class PackedChunk:
 
     def _final_gradient(self, sequence: jax.Array, ends_here: jax.Array) -> jax.Array:
         """``dht[sequence]`` (copied only ``ends_here``), zeros elsewhere."""
-        return jnp.where(ends_here, self.states.load("dht", "final_gradient", sequence, ends_here), 0.0)
+        return jnp.where(ends_here, self.states.load("dht", sequence, ends_here), 0.0)
 
     def entering(self, q: jax.Array, k: jax.Array, g: jax.Array, operands) -> tuple[jax.Array, ...] | None:
         """The initial states' terms ``(keys, queries, leaving)`` for ``chunkwise.through_state`` (``q``, ``k`` as the chunk math
@@ -136,7 +136,7 @@ class PackedChunk:
 
         def add(n, terms):
             start, end = self._rows_of(n)
-            initial = self.states.load("initial_state", "loaded", n, True)
+            initial = self.states.load("initial_state", n, True)
             added = _entering_terms(start, end, n == self.last_sequence, q, k, g, initial, operands)
             return tuple(term + more for term, more in zip(terms, added))
 
@@ -152,11 +152,12 @@ class PackedChunk:
         def write(n, unused):
             start, end = self._rows_of(n)
             begun = self._begins_before(n)
-            # A sequence that began in this chunk reads its initial state a second time (``entering``'s copy is gone).
-            entering = jnp.where(begun, carried, self.states.load("initial_state", "loaded", n, ~begun))
+            # A sequence that began in this chunk reads its initial state a second time (``entering``'s copy is gone); its
+            # first read read its successor's ahead.
+            entering = jnp.where(begun, carried, self.states.load("initial_state", n, ~begun, read_ahead=False))
             final = _carried_through(start, end, g, entering) + _writes(start, end, k, g, delta, operands)
             # An empty sequence covers no row of any chunk: its final state is set around the kernel.
-            self.states.store("final_state", "leaving", n, final, end > start)
+            self.states.store("final_state", n, final, end > start)
             return unused
 
         lax.fori_loop(*self._ending(), write, 0)
@@ -190,7 +191,7 @@ class PackedChunk:
 
         def add(n, sums):
             start, end = self._rows_of(n)
-            initial = self.states.load("initial_state", "loaded", n, True)
+            initial = self.states.load("initial_state", n, True)
             cotangents = tuple(dentering)
 
             def terms(q, k, g, initial):
@@ -202,7 +203,7 @@ class PackedChunk:
             _, vjp = jax.vjp(terms, q, k, g, initial)
             dq, dk, dg, dinitial = vjp(cotangents)
             # An empty sequence's gradient (dht[n] or zeros: its final state is its initial state) is set around the kernel.
-            self.states.store("dinitial_state", "initial_gradient", n, dinitial, end > start)
+            self.states.store("dinitial_state", n, dinitial, end > start)
             return tuple(total + more for total, more in zip(sums, (dq, dk, dg)))
 
         return lax.fori_loop(*self._starting(), add, tuple(jnp.zeros(x.shape, _F32) for x in (q, k, g)))

@@ -42,7 +42,7 @@ from tops_plugins_tpu_pallas.grid import Work, step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     LogDecays, advance_state, advance_state_work, chunk_gates, constant_decay, constant_gates, gates_work, log_decays, unreset,
 )
-from tops_plugins_tpu_pallas.plan import DmaSemaphores, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.plan import LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -122,10 +122,10 @@ def plans(
     last_piece = advance_state_work(g) + Work(transcendentals=2 * C + 1)
 
     checkpoint_inputs = list(gradients.token_inputs(g, dtype, gate_dtype, ("k", "v")))
-    checkpoint_scratch = [blocks.running_state(g), DmaSemaphores("copies", 1)]
+    checkpoint_scratch = [blocks.running_state(g)]
     if initial_state_dtype is not None:
         checkpoint_inputs.append(grid.sequence_states("initial_state", g, num_seqs, initial_state_dtype))
-        checkpoint_scratch.append(Scratch("loaded", (K, V), initial_state_dtype))
+        checkpoint_scratch += grid.state_buffers("initial_state", (K, V), initial_state_dtype)
     checkpoint_work = (last_piece + cumulative_decays) * heads_chunks
     checkpoints = grid.grid_plan(
         "simple_gla_varlen_backward_checkpoints", g, scalars, checkpoint_inputs, (grid.state_checkpoints(g, every_chunk=False),),
@@ -138,15 +138,16 @@ def plans(
     outputs = [steps(blocks.key_rows("dq", g, dtype)), steps(blocks.key_rows("dk", g, dtype)), steps(blocks.value_rows("dv", g, dtype))]
     if decayed:
         outputs.append(steps(gradients.decay_gradients(g)))
-    scratch = [grid.state_gradient(g), Scratch("states", (g.chunks_per_step, K, V), _F32), DmaSemaphores("copies", 2)]
+    scratch = [grid.state_gradient(g), Scratch("states", (g.chunks_per_step, K, V), _F32)]
     if initial_state_dtype is not None:
         # Read when a sequence starts in a chunk, and again by the recomputation when it is a chunk's last piece: twice at most.
         inputs.append(grid.sequence_states("initial_state", g, num_seqs, initial_state_dtype, moves=2))
         outputs.append(grid.sequence_states("dinitial_state", g, num_seqs, initial_state_dtype))
-        scratch += [Scratch("loaded", (K, V), initial_state_dtype), Scratch("initial_gradient", (K, V), initial_state_dtype)]
+        scratch += [*grid.state_buffers("initial_state", (K, V), initial_state_dtype),
+                    *grid.state_buffers("dinitial_state", (K, V), initial_state_dtype)]
     if output_final_state:
         inputs.append(grid.sequence_states("dht", g, num_seqs, _F32))
-        scratch.append(Scratch("final_gradient", (K, V), _F32))
+        scratch += grid.state_buffers("dht", (K, V), _F32)
     per_chunk = (
         last_piece  # the recomputed state (every chunk but a segment's last: counted for all)
         + gradients.attention_work(g)
@@ -165,15 +166,19 @@ def plans(
     )
 
 
-def _sequence_states(refs: dict, head, geometry: Geometry) -> grid.SequenceStates:
-    return grid.SequenceStates(refs, head, 0, geometry.padded_value_dim, (geometry.padded_key_dim, geometry.padded_value_dim))
+def _sequence_states(refs: dict, head, step, geometry: Geometry, read_ahead: bool) -> grid.SequenceStates:
+    """The kernel's per-sequence states (``SequenceStates``), every buffer free at its first step."""
+    shape = (geometry.padded_key_dim, geometry.padded_value_dim)
+    states = grid.SequenceStates(refs, head, 0, geometry.padded_value_dim, shape, read_ahead)
+    states.begin(step == 0)
+    return states
 
 
 def _advance(refs: dict, states: grid.SequenceStates, chunk, number, state, head, decay) -> jax.Array:
     """The state leaving chunk ``number``: its last piece's, the only one whose state goes on past the chunk."""
     log = log_decays(chunk, refs, head, decay)
     piece = Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * chunk.rows.size, log)
-    entering = jnp.where(piece.continuing, state, states.load("initial_state", "loaded", piece.sequence, ~piece.continuing))
+    entering = jnp.where(piece.continuing, state, states.load("initial_state", piece.sequence, ~piece.continuing))
     k = chunk.read(refs["k"])
     return advance_state(entering, k, chunk.read(refs["v"]), piece, gradients.decay_gradient_operands(k.dtype))
 
@@ -181,7 +186,8 @@ def _advance(refs: dict, states: grid.SequenceStates, chunk, number, state, head
 def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
-    states, decay = _sequence_states(refs, head, geometry), constant_decay(refs, head)
+    # Walking forward, each sequence's initial state is loaded where it starts: read ahead.
+    states, decay = _sequence_states(refs, head, step, geometry, read_ahead=True), constant_decay(refs, head)
 
     @pl.when(step == 0)
     def _start():  # the first sequence starts at token 0 and never reads it; zeros keep the first checkpoint finite
@@ -192,6 +198,7 @@ def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     for chunk in step_chunks(geometry, step):
         state = _advance(refs, states, chunk, step * geometry.chunks_per_step + chunk.index, state, head, decay)
     refs["state"][...] = state
+    states.finish(step == geometry.time_steps - 1)
 
 
 def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
@@ -199,7 +206,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
     head, step = pl.program_id(1), pl.program_id(3)
     C, K, V = geometry.chunk_size, geometry.padded_key_dim, geometry.padded_value_dim
     cu = refs["cu_seqlens"]
-    states = _sequence_states(refs, head, geometry)
+    states = _sequence_states(refs, head, step, geometry, read_ahead=False)  # walked both ways in a step
     with_decay = "da" in refs
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     columns = lax.broadcasted_iota(jnp.int32, (C, C), 1)
@@ -232,15 +239,15 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
             reads, writes, values, across, piece_start, piece_end, dleaving = carry
             piece = Piece.of(cu, last - i, first, log)
             n = piece.sequence
-            entering = jnp.where(piece.continuing, entering_chunk, states.load("initial_state", "loaded", n, ~piece.continuing))
-            dleaving = jnp.where(piece.ending, states.load("dht", "final_gradient", n, piece.ending), dleaving)
+            entering = jnp.where(piece.continuing, entering_chunk, states.load("initial_state", n, ~piece.continuing))
+            dleaving = jnp.where(piece.ending, states.load("dht", n, piece.ending), dleaving)
             reads = reads + jnp.where(piece.inside, gradients.state_reads(piece, do, entering), 0.0)
             writes = writes + jnp.where(piece.inside, gradients.state_writes(piece, v, dleaving), 0.0)
             values = values + jnp.where(piece.inside, gradients.state_value_gradient(piece, k, dleaving), 0.0)
             if with_decay:  # the state carried across the piece: every token of the piece decays it
                 across = across + jnp.where((lanes >= piece.start) & (lanes < piece.end), piece.chunk * jnp.sum(entering * dleaving), 0.0)
             dentering = gradients.state_gradient_entering(piece, q, do, dleaving, scale)
-            states.store("dinitial_state", "initial_gradient", n, dentering, ~piece.continuing & ~piece.is_empty)
+            states.store("dinitial_state", n, dentering, ~piece.continuing & ~piece.is_empty)
             piece_start = jnp.where(piece.inside, piece.start, piece_start)
             piece_end = jnp.where(piece.inside, piece.end, piece_end)
             return reads, writes, values, across, piece_start, piece_end, dentering
@@ -266,6 +273,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
         if da is not None:
             refs["da"][chunk.index : chunk.index + 1, :] = da
     refs["dstate"][...] = dstate
+    states.finish(step == geometry.time_steps - 1)
 
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):

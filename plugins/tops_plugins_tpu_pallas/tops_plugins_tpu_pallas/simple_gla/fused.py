@@ -21,7 +21,8 @@ from tops_core.tpu.generations import GENERATIONS
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
-    chunks_of_the_grid, finish_sequence, pool_aliases, pool_states, sequence_states, start_sequence, state_rows, step_chunks,
+    chunks_of_the_grid, finish_sequence, pool_aliases, pool_states, sequence_states, start_sequence, state_buffers, state_rows,
+    step_chunks,
 )
 from tops_plugins_tpu_pallas.mxu import SPLIT_BFLOAT16, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
@@ -29,7 +30,7 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     decayed_scores, gate_computations, gates_work, intra_chunk_output, output_from_state, step_gates,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES as COMMON_CHUNK_SIZES, check_common_fields
-from tops_plugins_tpu_pallas.plan import DmaSemaphores, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.plan import LaunchPlan
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 
 
@@ -110,8 +111,8 @@ def plans(
     if pool_rows is not None:  # each sequence's row moved by DMA at its first and last step (grid.start_sequence)
         scalars.append(state_rows(geometry.batch))
         block = (geometry.padded_key_dim, geometry.value_block)
-        scratch = [blocks.running_state(geometry), DmaSemaphores("copies", 2), Scratch("loaded", block, initial_state_dtype)]
-        scratch += [Scratch("leaving", block, jnp.float32)] if output_final_state else []
+        scratch = [blocks.running_state(geometry), *state_buffers("initial_state", block, initial_state_dtype)]
+        scratch += state_buffers("final_state", block, jnp.float32) if output_final_state else []
     if initial_state_dtype is not None:
         inputs.append(state("initial_state", initial_state_dtype))
     outputs = [blocks.value_rows("o", geometry, dtype)]

@@ -38,14 +38,16 @@ from tops_core.packing import sequence_of, sequence_starts
 
 from tops_plugins_tpu_pallas import grid, launch
 from tops_plugins_tpu_pallas.exponents import masked_exp
-from tops_plugins_tpu_pallas.grid import Work, pool_aliases, pool_states, sequence_states, start_sequence, state_rows, step_chunks
+from tops_plugins_tpu_pallas.grid import (
+    Work, pool_aliases, pool_states, sequence_states, start_sequence, state_buffers, state_rows, step_chunks,
+)
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     advance_state, constant_gates, intra_chunk_output, log_decays, output_from_state, step_gates,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES
 from tops_plugins_tpu_pallas.simple_gla import fused
-from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, LaunchPlan, Scalars, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scalars
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -101,12 +103,13 @@ def plans(
     g = geometry
     state_block = (g.padded_key_dim, g.value_block)
     inputs, outputs = [*plan.inputs, first_gates_block(g, num_seqs)], list(plan.outputs)
-    scratch = [*plan.scratch, Scratch("leaving", state_block, _F32), DmaSemaphores("copies", 2)]
+    scratch = list(plan.scratch)
     if initial_state_dtype is not None:
         inputs.append(sequence_states("initial_state", g, num_seqs, initial_state_dtype, pool_rows=pool_rows))
-        scratch.append(Scratch("loaded", state_block, initial_state_dtype))
+        scratch += state_buffers("initial_state", state_block, initial_state_dtype)
     if output_final_state:
         outputs.append(sequence_states("final_state", g, num_seqs, _F32, pool_rows=pool_rows))
+        scratch += state_buffers("final_state", state_block, _F32)
     # Every sequence starts and ends once: its initial state's product with the chunk's queries, its keys' product into
     # its final state, and the decays of both (2 C + 1 exps).
     C, K, Vb = g.chunk_size, g.padded_key_dim, g.value_block
@@ -159,7 +162,8 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
     cu = refs["cu_seqlens"]
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     lanes = lax.broadcasted_iota(jnp.int32, (1, C), 1)
-    states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape)
+    states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape, read_ahead=True)
+    states.begin(step == 0)
     along_lanes = fused.gates_along_lanes(True, C)
     chunks = step_chunks(geometry, step)
     constant = constant_gates(refs, head, geometry)
@@ -187,7 +191,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
             # b from just before the sequence's first token, whose own decay the reset gate replaced by -inf.
             first_gate = value_at(first_gates, n, 1)
             since_start = first_gate - start_log
-            initial = states.load("initial_state", "loaded", n, starts_here)
+            initial = states.load("initial_state", n, starts_here)
             # exp(b_i - b_r) on the sequence's rows: the decays' column r (a masked lane sum: cheaper than exponentiating a
             # (C, 1) column, one register per 8 rows).
             from_start = value_at(gates.decays, start, 1)
@@ -204,7 +208,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
                 written = matmul(keys.astype(_F32) * to_last, v, operands, COLUMNS_BY_COLUMNS)
             carried = masked_exp(last_log, (start < 0) & (last_resets == 0)) * entering
             own = masked_exp(last_log + since_start, starts_here & (last_resets == start_resets)) * initial
-            states.store("final_state", "leaving", n, carried + written + own, ends_here)
+            states.store("final_state", n, carried + written + own, ends_here)
             return o, state
 
         # Only the sequences with a boundary inside the chunk: the first one when it starts or ends here, and every later
@@ -214,6 +218,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
         o, state = lax.fori_loop(first_sequence + passing.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary, (o, state))
         refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
+    states.finish(step == geometry.time_steps - 1)
 
 
 def sequences_of_chunks(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> tuple[jax.Array, jax.Array]:
