@@ -262,10 +262,11 @@ READ_ARRAYS = ("initial_state", "dht")
 
 def state_buffers(name: str, shape: tuple[int, int], dtype) -> tuple[Scratch, DmaSemaphores, ScalarScratch]:
     """The scratch through which a kernel moves the regions of the per-sequence array ``name`` (``SequenceStates``):
-    ``STATE_BUFFERS`` VMEM buffers of ``shape`` and the spare, a DMA semaphore each, and in SMEM the sequence whose copy
-    is in flight through each of the first ``STATE_BUFFERS`` (-1: none)."""
+    ``STATE_BUFFERS`` VMEM buffers of ``shape`` (and the spare, for an array the kernel reads), a DMA semaphore each,
+    and in SMEM the sequence whose copy is in flight through each of the first ``STATE_BUFFERS`` (-1: none)."""
+    buffers = STATE_BUFFERS + (name in READ_ARRAYS)
     return (
-        Scratch(f"{name}_buffers", (STATE_BUFFERS + 1, *shape), dtype), DmaSemaphores(f"{name}_copies", STATE_BUFFERS + 1),
+        Scratch(f"{name}_buffers", (buffers, *shape), dtype), DmaSemaphores(f"{name}_copies", buffers),
         ScalarScratch(f"{name}_in_flight", (STATE_BUFFERS,), jnp.int32),
     )
 
