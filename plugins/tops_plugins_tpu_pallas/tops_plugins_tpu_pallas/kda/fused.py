@@ -44,8 +44,7 @@ from tops_core.packing import sequence_starts
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
     Chunk, Work, chunks_of_the_grid, finish_sequence, geometry_of, pool_aliases, pool_states, sequence_states, start_sequence,
-    state_buffers, state_rows,
-    step_chunks,
+    state_buffers, state_rows, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import KDA, chunk_steps
