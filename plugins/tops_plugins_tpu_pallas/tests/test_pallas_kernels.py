@@ -268,6 +268,9 @@ def test_a_steps_gates_at_once_are_each_chunks_gates_alone(attention, key_column
             assert (got is None) == (want is None), name
             if want is not None:
                 np.testing.assert_array_equal(got, want, err_msg=f"chunk {index}: {name}")
+        if not attention:  # a walk's log decays as rows (the packed backward's checkpoints add terms of their own)
+            np.testing.assert_array_equal(gates.log.row, alone.log.row, err_msg=f"chunk {index}: log")
+            np.testing.assert_array_equal(gates.log.resets_row, alone.log.resets_row, err_msg=f"chunk {index}: resets")
 
 
 def test_gates_go_along_lanes_with_per_token_gates_from_chunk_128():

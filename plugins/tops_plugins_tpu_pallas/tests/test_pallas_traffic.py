@@ -221,25 +221,29 @@ def test_varlen_with_states_moves_what_fused_moves_on_reset_gates_whatever_the_n
 
 
 @pytest.mark.parametrize("num_seqs", [1, 16, 256])
-def test_varlen_backward_moves_what_the_fused_backward_moves_whatever_the_number_of_sequences(num_seqs):
-    # B = 1, T = 8192 packed, H = 16, K = V = 128, bf16, g_gamma, the default config (its segments):
-    # both kernels of each backward move the same blocks; varlen's two add the SMEM boundaries, N + 1 of them
-    # and two sequence numbers per chunk, each.
-    T, H = 8192, 16
+def test_varlen_backward_moves_what_the_fused_backward_moves_and_every_chunks_state_whatever_the_number_of_sequences(num_seqs):
+    # B = 1, T = 8192 packed, H = 16, K = V = 128, bf16, g_gamma, the default config (its segments): the packed
+    # backward's kernels move the fused backward's blocks, the SMEM boundaries (N + 1 of them and two sequence numbers
+    # per chunk, each kernel), the state entering every chunk rather than every segment (written by the checkpoints
+    # walk, read by the gradients kernel: no state recomputed), and the walk's reset gates along lanes (every head's
+    # row of a step, fetched by each head).
+    T, H, K, V = 8192, 16, 128, 128
     config = varlen.VarlenConfig()
-    geometry = backward_fused.geometry_of(1, T, H, 128, 128, config)
-    packed = traffic.figures(backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), T * H)
+    geometry = backward_fused.geometry_of(1, T, H, K, V, config)
+    plans = backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs)
+    packed = traffic.figures(plans, T * H)
     alone = traffic.figures(backward_fused.fitted_plans(geometry, jnp.bfloat16), T * H)
-    assert packed.kernel_bytes == alone.kernel_bytes + 2 * ((num_seqs + 1) * 4 + 2 * (T // 128) * 4)
-    assert packed.kernel_per_token <= 1.10 * alone.kernel_per_token
+    chunks, segments = T // config.chunk_size, plans[0].grid[3]
+    scalars = 2 * ((num_seqs + 1) * 4 + 2 * chunks * 4)
+    every_chunk = 2 * (chunks - segments) * H * K * V * 4
+    assert packed.kernel_bytes == alone.kernel_bytes + scalars + every_chunk + H * T * H * 4
     assert packed.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
-    # With states: initial_state read by the checkpoints (once) and the gradients kernel (at most twice:
-    # where its sequence starts, and where a segment's states are recomputed), dht read and dinitial_state
-    # written once; float32, N of each.
+    # With states: initial_state read by the checkpoints walk and the gradients kernel (once each, where its sequence
+    # starts), dht read and dinitial_state written once, float32, N of each; the walk's first gate of every sequence.
     stateful = traffic.figures(
         backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H,
     )
-    assert stateful.kernel_bytes - packed.kernel_bytes == (1 + 2 + 1 + 1) * num_seqs * H * 128 * 128 * 4
+    assert stateful.kernel_bytes - packed.kernel_bytes == (1 + 1 + 1 + 1) * num_seqs * H * K * V * 4 + H * num_seqs * 4
 
 
 @pytest.mark.parametrize("chunk_size", [64, 128])

@@ -6,13 +6,15 @@ and each chunk's first and last sequence as SMEM scalars, traced under ``jit`` (
 every packing of the same ``T`` and ``N``). A chunk holds one or more *pieces* (``Piece``,
 the part of one sequence inside it).
 
-1. **checkpoints** walks time forwards and writes the float32 state entering every segment. Only
-   a chunk's *last* piece leaves a state that goes on, so a chunk advances the state through that
-   piece alone: the carried state if its sequence started before the chunk, else
-   ``initial_state[n]`` (one DMA, when given) or zeros.
-2. **gradients** walks the segments from the last to the first. It recomputes the states entering
-   its chunks from the checkpoint as the first kernel does, then walks its chunks backwards and
-   each chunk's pieces backwards, carrying the float32 ``dS`` in VMEM. A piece's ``dS`` leaving is
+1. **checkpoints** walks time forwards and writes the float32 state entering every chunk (so the gradients kernel
+   recomputes none). With chunks of 128 or more it is fused's walk (gates along lanes) on the reset gates
+   (``varlen.reset_gates``), which drop every state where a sequence starts, plus the initial state (one DMA, when
+   given) of a sequence that starts inside a chunk and goes on past it, ``exp(b_C - b_r + g_r) h0``, as the packed
+   forward adds it (``_entering_state``). With chunks of 64 (gates as columns) a chunk advances the state through its
+   *last* piece alone, the only one whose state goes on: from the carried state if its sequence started before the
+   chunk, else from ``initial_state[n]`` or zeros.
+2. **gradients** walks the segments from the last to the first, its chunks backwards (each entering state read from
+   the checkpoints) and each chunk's pieces backwards, carrying the float32 ``dS`` in VMEM. A piece's ``dS`` leaving is
    ``dht[n]`` (one DMA, when given; else zeros) when its sequence ends inside the chunk, else the
    ``dS`` carried from the next chunk; the ``dS`` entering a piece whose sequence starts inside the
    chunk is ``dinitial_state[n]`` (one DMA), else it is carried to the previous chunk. A piece adds
@@ -37,13 +39,14 @@ from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.exponents import masked_exp
-from tops_plugins_tpu_pallas.simple_gla import backward_fused, gradients, varlen
+from tops_plugins_tpu_pallas.simple_gla import backward_fused, fused, gradients, varlen
 from tops_plugins_tpu_pallas.grid import Work, step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    LogDecays, advance_state, advance_state_work, chunk_gates, constant_decay, constant_gates, gates_work, log_decays, unreset,
+    LogDecays, advance_state, advance_state_work, chunk_gates, constant_decay, constant_gates, gates_work, log_decays,
+    step_gates, unreset,
 )
-from tops_plugins_tpu_pallas.plan import LaunchPlan, Scratch
-from tops_plugins_tpu_pallas.layout import Geometry
+from tops_plugins_tpu_pallas.plan import LaunchPlan
+from tops_plugins_tpu_pallas.layout import Geometry, kernel_operands
 
 _F32 = jnp.float32
 
@@ -117,31 +120,34 @@ def plans(
     scalars = (blocks.decay(g), *varlen.boundaries(g, num_seqs))
     gated = gate_dtype is not None
     heads_chunks = g.heads * g.num_chunks
-    # A chunk's log decays are its g's cumulative sum (the flops of gates_work, none of its exps), and its last piece's exps.
+    # A chunk's log decays in the gradients kernel: its g's cumulative sum (the flops of gates_work, none of its exps).
     cumulative_decays = Work(flops=gates_work(g, gated).flops)
-    last_piece = advance_state_work(g) + Work(transcendentals=2 * C + 1)
 
-    checkpoint_inputs = list(gradients.token_inputs(g, dtype, gate_dtype, ("k", "v")))
+    # The checkpoints walk writes the state entering every chunk (_checkpoints_kernel).
+    along_lanes = walks_along_lanes(C)
+    checkpoint_inputs = list(gradients.token_inputs(g, dtype, _F32 if along_lanes else gate_dtype, ("k", "v"), along_lanes))
     checkpoint_scratch = [blocks.running_state(g)]
+    entering = Work()
     if initial_state_dtype is not None:
+        checkpoint_inputs += [varlen.first_gates_block(g, num_seqs)] if along_lanes else []
         checkpoint_inputs.append(grid.sequence_states("initial_state", g, num_seqs, initial_state_dtype))
         checkpoint_scratch += grid.state_buffers("initial_state", (K, V), initial_state_dtype)
-    checkpoint_work = (last_piece + cumulative_decays) * heads_chunks
+        entering = Work(flops=2 * K * V, transcendentals=1) * (g.heads * num_seqs)
+    checkpoint_work = (advance_state_work(g) + gates_work(g, True, attention=False)) * heads_chunks + entering
     checkpoints = grid.grid_plan(
-        "simple_gla_varlen_backward_checkpoints", g, scalars, checkpoint_inputs, (grid.state_checkpoints(g, every_chunk=False),),
+        "simple_gla_varlen_backward_checkpoints", g, scalars, checkpoint_inputs, (grid.state_checkpoints(g, every_chunk=True),),
         checkpoint_work, 4 * (3 * K * V + C * K), scratch=checkpoint_scratch,
     )
 
     steps = functools.partial(grid.reversed_in_time, geometry=g)
     inputs = [steps(x) for x in gradients.token_inputs(g, dtype, gate_dtype, ("q", "k", "v", "do"))]
-    inputs.append(steps(grid.state_checkpoints(g, every_chunk=False)))
+    inputs.append(steps(grid.state_checkpoints(g, every_chunk=True)))
     outputs = [steps(blocks.key_rows("dq", g, dtype)), steps(blocks.key_rows("dk", g, dtype)), steps(blocks.value_rows("dv", g, dtype))]
     if decayed:
         outputs.append(steps(gradients.decay_gradients(g)))
-    scratch = [grid.state_gradient(g), Scratch("states", (g.chunks_per_step, K, V), _F32)]
+    scratch = [grid.state_gradient(g)]
     if initial_state_dtype is not None:
-        # Read when a sequence starts in a chunk, and again by the recomputation when it is a chunk's last piece: twice at most.
-        inputs.append(grid.sequence_states("initial_state", g, num_seqs, initial_state_dtype, moves=2))
+        inputs.append(grid.sequence_states("initial_state", g, num_seqs, initial_state_dtype))
         outputs.append(grid.sequence_states("dinitial_state", g, num_seqs, initial_state_dtype))
         scratch += [*grid.state_buffers("initial_state", (K, V), initial_state_dtype),
                     *grid.state_buffers("dinitial_state", (K, V), initial_state_dtype)]
@@ -149,8 +155,7 @@ def plans(
         inputs.append(grid.sequence_states("dht", g, num_seqs, _F32))
         scratch += grid.state_buffers("dht", (K, V), _F32)
     per_chunk = (
-        last_piece  # the recomputed state (every chunk but a segment's last: counted for all)
-        + gradients.attention_work(g)
+        gradients.attention_work(g)
         + gradients.value_gradient_work(g)
         + gradients.query_key_gradients_work(g, decayed)
         + gradients.state_gradient_work(g)
@@ -174,31 +179,59 @@ def _sequence_states(refs: dict, head, step, geometry: Geometry, read_ahead: boo
     return states
 
 
-def _advance(refs: dict, states: grid.SequenceStates, chunk, number, state, head, decay) -> jax.Array:
-    """The state leaving chunk ``number``: its last piece's, the only one whose state goes on past the chunk."""
-    log = log_decays(chunk, refs, head, decay)
-    piece = Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * chunk.rows.size, log)
-    entering = jnp.where(piece.continuing, state, states.load("initial_state", piece.sequence, ~piece.continuing))
-    k = chunk.read(refs["k"])
-    return advance_state(entering, k, chunk.read(refs["v"]), piece, gradients.decay_gradient_operands(k.dtype))
+def walks_along_lanes(chunk_size: int) -> bool:
+    """Whether the checkpoints walk is fused's on the reset gates, along lanes (``fused.gates_along_lanes``: chunks of
+    128 and more), with each sequence's initial state added where it starts; else it advances each chunk's last piece
+    from its columns of ``g`` (chunks of 64, whose rows would not fill 128 lanes; fused's walk on columns of the reset
+    gates, tried, left the CPU interpreter's gradients one ulp apart between segment lengths)."""
+    return fused.gates_along_lanes(True, chunk_size)
 
 
 def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
-    # Walking forward, each sequence's initial state is loaded where it starts: read ahead.
-    states, decay = _sequence_states(refs, head, step, geometry, read_ahead=True), constant_decay(refs, head)
+    states = _sequence_states(refs, head, step, geometry, read_ahead=True)  # walking forward: read ahead
 
     @pl.when(step == 0)
-    def _start():  # the first sequence starts at token 0 and never reads it; zeros keep the first checkpoint finite
+    def _start():  # the first sequence starts at token 0: zeros keep the first checkpoint finite
         refs["state"][...] = jnp.zeros(refs["state"].shape, _F32)
 
+    C = geometry.chunk_size
+    chunks = step_chunks(geometry, step)
     state = refs["state"][...]
-    refs["checkpoints"][0] = state
-    for chunk in step_chunks(geometry, step):
-        state = _advance(refs, states, chunk, step * geometry.chunks_per_step + chunk.index, state, head, decay)
+    if walks_along_lanes(C):
+        every_gates = step_gates(chunks, refs, head, None, attention=False, along_lanes=True)
+        for chunk, gates in zip(chunks, every_gates):
+            refs["checkpoints"][chunk.index] = state
+            k = chunk.read(refs["k"])
+            state = advance_state(state, k.T, chunk.read(refs["v"]), gates, gradients.decay_gradient_operands(k.dtype), True)
+            if states.has("initial_state"):
+                state = state + _entering_state(refs, states, step * geometry.chunks_per_step + chunk.index, C, gates.log)
+    else:
+        decay = constant_decay(refs, head)
+        for chunk in chunks:
+            refs["checkpoints"][chunk.index] = state
+            number = step * geometry.chunks_per_step + chunk.index
+            # Only the chunk's last piece leaves a state that goes on: its sequence's carried state or initial state.
+            piece = Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * C, log_decays(chunk, refs, head, decay))
+            entering = jnp.where(piece.continuing, state, states.load("initial_state", piece.sequence, ~piece.continuing))
+            k = chunk.read(refs["k"])
+            state = advance_state(entering, k, chunk.read(refs["v"]), piece, gradients.decay_gradient_operands(k.dtype))
     refs["state"][...] = state
     states.finish(step == geometry.time_steps - 1)
+
+
+def _entering_state(refs: dict, states: grid.SequenceStates, number: jax.Array, chunk_size: int, log: LogDecays) -> jax.Array:
+    """What the initial state of chunk ``number``'s last sequence adds to the state leaving the chunk, where that sequence
+    starts inside the chunk (at row ``r``, whose reset gate dropped it) and goes on past it: ``exp(b_C - b_r + g_r) h0``,
+    ``g_r`` its first token's own log decay (``varlen.first_gates``)."""
+    cu, last = refs["cu_seqlens"], refs["last_sequence"][number]
+    start, end = cu[last] - number * chunk_size, cu[last + 1] - number * chunk_size
+    enters = (start >= 0) & (end > chunk_size)
+    initial = states.load("initial_state", last, enters)
+    start_log, start_resets = varlen.value_at(log.row, start, 1), varlen.value_at(log.resets_row, start, 1)
+    since_start = varlen.value_at(refs["first_gates"][...], last, 1) - start_log
+    return masked_exp(log.row[:, -1:] + since_start, enters & (log.resets_row[:, -1:] == start_resets)) * initial
 
 
 def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
@@ -219,12 +252,6 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
     def number_of(chunk) -> jax.Array:
         return forward_step * geometry.chunks_per_step + chunk.index
 
-    state = refs["checkpoints"][0]
-    refs["states"][0] = state
-    for chunk in chunks[:-1]:
-        state = _advance(refs, states, chunk, number_of(chunk), state, head, decay)
-        refs["states"][chunk.index + 1] = state
-
     # dS entering the next segment's first piece: unset at the first reverse step, whose last piece ends at T and takes dht.
     dstate = refs["dstate"][...]
     for chunk in reversed(chunks):
@@ -235,7 +262,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
         last = refs["last_sequence"][number]
 
-        def piece_gradients(i, carry, q=q, k=k, v=v, do=do, log=log, first=first, last=last, entering_chunk=refs["states"][chunk.index]):
+        def piece_gradients(i, carry, q=q, k=k, v=v, do=do, log=log, first=first, last=last, entering_chunk=refs["checkpoints"][chunk.index]):
             reads, writes, values, across, piece_start, piece_end, dleaving = carry
             piece = Piece.of(cu, last - i, first, log)
             n = piece.sequence
@@ -296,7 +323,13 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
         **gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry),
         **varlen.boundary_operands(cu_seqlens, T, config.chunk_size),
     }
-    checkpoints = run(checkpoints_plan, _checkpoints_kernel, arrays)
+    walk_arrays = arrays
+    if walks_along_lanes(geometry.chunk_size):  # the gates with each sequence's first one -inf, as the forward takes them
+        reset = varlen.reset_gates(g, cu_seqlens, q.shape[:3])
+        walk_arrays = {**arrays, **gradients.with_gate_rows(kernel_operands(q, k, v, reset, g_gamma, None, geometry), reset, geometry)}
+        if initial_state is not None:
+            walk_arrays["first_gates"] = varlen.first_gates(g, g_gamma, cu_seqlens, q.shape[:3])
+    checkpoints = run(checkpoints_plan, _checkpoints_kernel, walk_arrays)
     results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale)
     grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)
     if initial_state is None:

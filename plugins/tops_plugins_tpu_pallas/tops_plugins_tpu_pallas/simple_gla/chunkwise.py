@@ -247,7 +247,12 @@ class ChunkGates:
         if not attention:
             # exp(b_C), the last token's query decay: one lane of each row.
             whole = masked_exp(rows[:, -1:], resets[:, -1:] == 0)
-            return [cls(decays=None, query=None, key=None, chunk=whole[i : i + 1], walk_keys=keys[i : i + 1]) for i in range(n)]
+            # The log decays as rows alone, for a walk that adds terms of its own (the packed backward's checkpoints).
+            return [
+                cls(decays=None, query=None, key=None, chunk=whole[i : i + 1], walk_keys=keys[i : i + 1],
+                    log=LogDecays(column=None, row=rows[i : i + 1], resets_column=None, resets_row=resets[i : i + 1]))
+                for i in range(n)
+            ]
         pieces = {"query": masked_exp(rows, resets == 0), "log": rows, "resets": resets}
         if key_column:
             pieces["key"] = keys
@@ -278,7 +283,7 @@ class ChunkGates:
         built with the step's gates -> where used: the fused forward v6e 4220 -> 4166, v5e 5893 -> 5264; the backward's
         gradients kernel v6e 4776 -> 4694, v5e 5906 -> 5674.
         """
-        if self.log is None:
+        if self.log is None or self.walk_keys is not None:  # built, or a walk's gates, which have no decays
             return self
         return dataclasses.replace(self, decays=causal_decays(self.log), log=None)
 
