@@ -213,6 +213,7 @@ def test_gated_delta_rule_packed_backward_takes_chunks_of_64_only_where_128_does
     assert chunk("v4") == chunk("v6e") == chunk(None) == 128
 
 
+@pytest.mark.slow  # the rule itself is checked above by default; this runs it end to end in the interpreter
 def test_lowered_for_v5e_the_packed_bf16_backward_with_initial_states_runs_chunks_of_64_and_matches_the_reference(monkeypatch):
     """The rule above as the backward applies it (a v5e target in the interpreter): the kit's packed bfloat16 case,
     forward at 128 and backward at 64, every gradient against the float64 reference."""
