@@ -398,7 +398,7 @@ class SequenceStates:
 
     def _moved(self) -> list[str]:
         """The state arrays this kernel moves through ``state_buffers``."""
-        return [name for name in (*READ_ARRAYS, "final_state", "dinitial_state") if f"{name}_in_flight" in self.refs]
+        return [name.removesuffix("_in_flight") for name in self.refs if name.endswith("_in_flight")]
 
     def _row(self, sequence: jax.Array) -> jax.Array:
         return self.refs["state_rows"][sequence] if self.pooled else sequence

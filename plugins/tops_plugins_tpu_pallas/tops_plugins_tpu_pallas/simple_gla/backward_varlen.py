@@ -229,9 +229,8 @@ def _entering_state(refs: dict, states: grid.SequenceStates, number: jax.Array, 
     start, end = cu[last] - number * chunk_size, cu[last + 1] - number * chunk_size
     enters = (start >= 0) & (end > chunk_size)
     initial = states.load("initial_state", last, enters)
-    start_log, start_resets = varlen.value_at(log.row, start, 1), varlen.value_at(log.resets_row, start, 1)
-    since_start = varlen.value_at(refs["first_gates"][...], last, 1) - start_log
-    return masked_exp(log.row[:, -1:] + since_start, enters & (log.resets_row[:, -1:] == start_resets)) * initial
+    since, start_resets = varlen.since_start(log, varlen.value_at(refs["first_gates"][...], last, 1), start)
+    return varlen.to_chunk_end(log, since, start_resets, enters) * initial
 
 
 def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):

@@ -43,7 +43,7 @@ from tops_plugins_tpu_pallas.grid import (
 )
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    advance_state, constant_gates, intra_chunk_output, log_decays, output_from_state, step_gates,
+    LogDecays, advance_state, constant_gates, intra_chunk_output, log_decays, output_from_state, step_gates,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES
 from tops_plugins_tpu_pallas.simple_gla import fused
@@ -154,6 +154,19 @@ def value_at(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
     return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, axis) == index, x, 0.0), axis=axis, keepdims=True)
 
 
+def since_start(log: LogDecays, first_gate: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(g_r - b_r, R_r)`` of a sequence whose first token is row ``start`` of a chunk with log decays ``log`` (rows), its
+    own log decay there ``first_gate`` (``first_gates``; the reset gate put ``-inf`` in its place): added to ``b_i`` with
+    no reset between (``R_i == R_r``), the log decay from just before its first token to row ``i``."""
+    return first_gate - value_at(log.row, start, 1), value_at(log.resets_row, start, 1)
+
+
+def to_chunk_end(log: LogDecays, since: jax.Array, start_resets: jax.Array, when: jax.Array) -> jax.Array:
+    """``exp(b_C - b_r + g_r)`` (``since_start``'s terms) where ``when``: how a sequence's initial state decays from before its
+    first token to the end of the chunk, where it goes on past it (the carried state's share)."""
+    return masked_exp(log.row[:, -1:] + since, when & (log.resets_row[:, -1:] == start_resets))
+
+
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands, resets_dtype):
     refs = plan.bind(refs)
     head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -187,17 +200,14 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
             o, state = carry
             start, end = cu[n] - first, cu[n + 1] - first
             starts_here, ends_here = (start >= 0) & (end > start), (end <= C) & (end > start)
-            start_log, start_resets = value_at(log.row, start, 1), value_at(log.resets_row, start, 1)
-            # b from just before the sequence's first token, whose own decay the reset gate replaced by -inf.
             first_gate = value_at(first_gates, n, 1)
-            since_start = first_gate - start_log
+            since, start_resets = since_start(log, first_gate, start)
             initial = states.load("initial_state", n, starts_here)
             # exp(b_i - b_r) on the sequence's rows: the decays' column r (a masked lane sum: cheaper than exponentiating a
             # (C, 1) column, one register per 8 rows).
             from_start = value_at(gates.decays, start, 1)
             o = o + scale * matmul(q, initial, operands) * (jnp.where(starts_here, jnp.exp(first_gate), 0.0) * from_start)
-            total_log, total_resets = log.row[:, -1:], log.resets_row[:, -1:]
-            state = state + masked_exp(total_log + since_start, starts_here & (end > C) & (total_resets == start_resets)) * initial
+            state = state + to_chunk_end(log, since, start_resets, starts_here & (end > C)) * initial
             last = end - 1
             last_log, last_resets = value_at(log.row, last, 1), value_at(log.resets_row, last, 1)
             if along_lanes:
@@ -207,7 +217,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
                 to_last = masked_exp(last_log - log.column, (log.resets_column == last_resets) & (rows <= last))
                 written = matmul(keys.astype(_F32) * to_last, v, operands, COLUMNS_BY_COLUMNS)
             carried = masked_exp(last_log, (start < 0) & (last_resets == 0)) * entering
-            own = masked_exp(last_log + since_start, starts_here & (last_resets == start_resets)) * initial
+            own = masked_exp(last_log + since, starts_here & (last_resets == start_resets)) * initial
             states.store("final_state", n, carried + written + own, ends_here)
             return o, state
 
