@@ -225,8 +225,8 @@ def test_varlen_backward_moves_what_the_fused_backward_moves_and_every_chunks_st
     # B = 1, T = 8192 packed, H = 16, K = V = 128, bf16, g_gamma, the default config (its segments): the packed
     # backward's kernels move the fused backward's blocks, the SMEM boundaries (N + 1 of them and two sequence numbers
     # per chunk, each kernel), the state entering every chunk rather than every segment (written by the checkpoints
-    # walk, read by the gradients kernel: no state recomputed), and the walk's reset gates along lanes (every head's
-    # row of a step, fetched by each head).
+    # walk, read by the gradients kernel: no state recomputed), and the reset gates along lanes that both kernels read
+    # (every head's row of a step, fetched by each head).
     T, H, K, V = 8192, 16, 128, 128
     config = varlen.VarlenConfig()
     geometry = backward_fused.geometry_of(1, T, H, K, V, config)
@@ -236,14 +236,14 @@ def test_varlen_backward_moves_what_the_fused_backward_moves_and_every_chunks_st
     chunks, segments = T // config.chunk_size, plans[0].grid[3]
     scalars = 2 * ((num_seqs + 1) * 4 + 2 * chunks * 4)
     every_chunk = 2 * (chunks - segments) * H * K * V * 4
-    assert packed.kernel_bytes == alone.kernel_bytes + scalars + every_chunk + H * T * H * 4
+    assert packed.kernel_bytes == alone.kernel_bytes + scalars + every_chunk + 2 * H * T * H * 4
     assert packed.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
     # With states: initial_state read by the checkpoints walk and the gradients kernel (once each, where its sequence
-    # starts), dht read and dinitial_state written once, float32, N of each; the walk's first gate of every sequence.
+    # starts), dht read and dinitial_state written once, float32, N of each; both kernels' first gate of every sequence.
     stateful = traffic.figures(
         backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs, initial_state_dtype=jnp.float32, output_final_state=True), T * H,
     )
-    assert stateful.kernel_bytes - packed.kernel_bytes == (1 + 1 + 1 + 1) * num_seqs * H * K * V * 4 + H * num_seqs * 4
+    assert stateful.kernel_bytes - packed.kernel_bytes == (1 + 1 + 1 + 1) * num_seqs * H * K * V * 4 + 2 * H * num_seqs * 4
 
 
 @pytest.mark.parametrize("chunk_size", [64, 128])

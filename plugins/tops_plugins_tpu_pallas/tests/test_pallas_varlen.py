@@ -99,7 +99,7 @@ def _cotangents(inputs, seed=7):
     return do, jnp.asarray(rng.standard_normal((N, H, K, V)), jnp.float32)
 
 
-def _packed_gradients(inputs, cu_seqlens, do, dht, **config):
+def _packed_gradients(inputs, cu_seqlens, do, dht, compiler_options=None, **config):
     def call(inputs, cu_seqlens):
         with tops_core.use(interpret=True, strict=True):
             _, vjp = jax.vjp(
@@ -108,7 +108,7 @@ def _packed_gradients(inputs, cu_seqlens, do, dht, **config):
             )
             return vjp((do, dht))[0]
 
-    return jax.jit(call)(inputs, jnp.asarray(cu_seqlens))
+    return jax.jit(call, compiler_options=compiler_options)(inputs, jnp.asarray(cu_seqlens))
 
 
 def _gradients_separately(inputs, cu_seqlens, do, dht, implementation="tpu_pallas.fused"):
@@ -177,12 +177,14 @@ def test_bf16_decay_gradient_under_a_weak_decay(kernel, reference_gradients):
 
 
 @pytest.mark.slow  # 10 s; the fused backward's segments are checked bit for bit by default (test_pallas_backward.py)
-def test_backward_segments_do_not_change_a_bit():
-    # The backward's segment (1 or 5 chunks of 64 here) changes where states are checkpointed, not one result.
+@pytest.mark.parametrize(("chunk_size", "chunks"), [(64, 5), (128, 3)])
+def test_backward_segments_do_not_change_a_bit(chunk_size, chunks, default_cpu_emitters):
+    # The backward's segment (1 chunk or several) changes where states are checkpointed, not one result. Chunks of 64
+    # walk pieces of g's columns, chunks of 128 fused's walk on the reset gates' rows.
     inputs, cu_seqlens = _packed(PACKINGS["anywhere"], jnp.float32, seed=2)
     do, dht = _cotangents(inputs)
-    one = _packed_gradients(inputs, cu_seqlens, do, dht, chunk_size=64, backward_num_steps=1)
-    for name, x in _packed_gradients(inputs, cu_seqlens, do, dht, chunk_size=64, backward_num_steps=5).items():
+    one = _packed_gradients(inputs, cu_seqlens, do, dht, default_cpu_emitters, chunk_size=chunk_size, backward_num_steps=1)
+    for name, x in _packed_gradients(inputs, cu_seqlens, do, dht, default_cpu_emitters, chunk_size=chunk_size, backward_num_steps=chunks).items():
         np.testing.assert_array_equal(x, one[name], err_msg=name)
 
 

@@ -106,7 +106,7 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     )
     work = per_chunk * (geometry.batch * geometry.heads * geometry.num_chunks) + gradients.gating_work(geometry, gated)
     gradients_plan = grid.grid_plan(
-        "simple_gla_fused_backward", geometry, (blocks.decay(geometry),), inputs, outputs, work, _segment_vmem(geometry),
+        "simple_gla_fused_backward", geometry, (blocks.decay(geometry),), inputs, outputs, work, segment_vmem(geometry),
         scratch=(grid.state_gradient(geometry), Scratch("states", (geometry.chunks_per_step, K, V), _F32)),
     )
     # Transposed-LHS products fed to the MXU as they are: with g (gates along lanes) the gradients kernel issues 4% fewer
@@ -114,7 +114,7 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     return checkpoints, dataclasses.replace(gradients_plan, fuse_transposed_lhs=along_lanes)
 
 
-def _segment_vmem(geometry: Geometry) -> int:
+def segment_vmem(geometry: Geometry) -> int:
     """One chunk's values (``gradients.body_vmem``, which holds one ``dS``) and what the segment keeps for each of its
     chunks until that chunk's gradients: its gates (``C x C`` decays and two columns) and the ``dS`` leaving it."""
     C, K, V = geometry.chunk_size, geometry.padded_key_dim, geometry.padded_value_dim

@@ -3,8 +3,7 @@
 The grid, segments, blocks and reverse index maps of ``backward_fused`` over the packed ``T``
 (``(1, head, 1, segment)``, all of ``V`` per block), with the boundaries of the forward: ``cu_seqlens``
 and each chunk's first and last sequence as SMEM scalars, traced under ``jit`` (one compile for
-every packing of the same ``T`` and ``N``). A chunk holds one or more *pieces* (``Piece``,
-the part of one sequence inside it).
+every packing of the same ``T`` and ``N``). A chunk holds one or more *pieces*, the part of one sequence inside it.
 
 1. **checkpoints** walks time forwards and writes the float32 state entering every chunk (so the gradients kernel
    recomputes none). With chunks of 128 or more it is fused's walk (gates along lanes) on the reset gates
@@ -13,15 +12,15 @@ the part of one sequence inside it).
    forward adds it (``_entering_state``). With chunks of 64 (gates as columns) a chunk advances the state through its
    *last* piece alone, the only one whose state goes on: from the carried state if its sequence started before the
    chunk, else from ``initial_state[n]`` or zeros.
-2. **gradients** walks the segments from the last to the first, its chunks backwards (each entering state read from
-   the checkpoints) and each chunk's pieces backwards, carrying the float32 ``dS`` in VMEM. A piece's ``dS`` leaving is
-   ``dht[n]`` (one DMA, when given; else zeros) when its sequence ends inside the chunk, else the
-   ``dS`` carried from the next chunk; the ``dS`` entering a piece whose sequence starts inside the
-   chunk is ``dinitial_state[n]`` (one DMA), else it is carried to the previous chunk. A piece adds
-   its state terms (``gradients.state_reads``, ``state_writes``, ``state_value_gradient``) to its
-   own rows; the intra-chunk terms run once per chunk, with fused's decay matrix masked to pairs
-   of one sequence; ``dg`` sums a token's products only within its own piece, so the cumulative
-   sums restart at every sequence start (``gradients.query_key_gradients_of``).
+2. **gradients** is fused's gradients kernel on the same reset gates, its segments walked from the last to the first
+   and each chunk's entering state read from the checkpoints: its ``dS`` chain stops where a sequence starts, and its
+   decay matrix holds no pair of two sequences. What the reset gates leave out is added only where a sequence starts
+   or ends inside a chunk (a loop over those sequences alone, ``Boundary``): where it starts, its initial state's
+   reads (into ``dq``) and ``dinitial_state[n]`` (one DMA out); where it ends, ``dht[n]`` (one DMA in, when given)
+   reaching its keys and values (into ``dk``, ``dv``); and the state carried across its piece (into ``dg``). The
+   ``dS`` chain itself gains ``dht[n]`` where a sequence that started before the chunk ends in it. ``dg`` sums a
+   token's products only within its own piece (``gradients.query_key_gradients_of``), so its sums restart at every
+   sequence start; a sequence's first token, whose reset gate scales nothing, gets its initial state's terms alone.
 
 Empty sequences cover no token: their ``dinitial_state`` (``dht[n]`` or zeros: their final state
 is their initial state) is set around the kernels.
@@ -42,10 +41,9 @@ from tops_plugins_tpu_pallas.exponents import masked_exp
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, fused, gradients, varlen
 from tops_plugins_tpu_pallas.grid import Work, step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    LogDecays, advance_state, advance_state_work, chunk_gates, constant_decay, constant_gates, gates_work, log_decays,
-    step_gates, unreset,
+    ChunkGates, LogDecays, advance_state, advance_state_work, constant_decay, gates_work, log_decays, step_gates, unreset,
 )
-from tops_plugins_tpu_pallas.plan import LaunchPlan
+from tops_plugins_tpu_pallas.plan import LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry, kernel_operands
 
 _F32 = jnp.float32
@@ -55,20 +53,13 @@ geometry_of = backward_fused.geometry_of  # the fused backward's segment (backwa
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """The rows ``[start, end)`` of one chunk that packed sequence ``sequence`` covers, and the decays they apply.
-
-    ``query``, ``key`` and ``chunk`` are what ``ChunkGates``' fields are for a whole chunk, for the
-    piece alone, so ``chunkwise.advance_state`` and the ``gradients`` state terms take a piece where
-    they take a chunk's gates. Exponents are masked to the piece's rows before ``exp``.
-    """
+    """The last piece of a chunk (the part of sequence ``sequence`` inside it) in the checkpoints walk at chunks of 64, and
+    the decays that advance the state through it: ``key`` and ``chunk`` are ``ChunkGates``' fields for the piece alone,
+    so ``chunkwise.advance_state`` takes a piece where it takes a chunk's gates. Exponents are masked to the piece's rows
+    before ``exp``."""
 
     sequence: jax.Array
-    start: jax.Array  # first row (0 when the sequence started before the chunk)
-    end: jax.Array  # end row (the chunk size when the sequence goes on past the chunk)
     continuing: jax.Array  # the sequence started before the chunk: its state is carried in
-    ending: jax.Array  # the sequence ends inside the chunk (at its last row at the latest): its final state leaves here
-    inside: jax.Array  # (C, 1): the piece's rows
-    query: jax.Array  # (C, 1): exp(b_i - b_{start-1}) on the piece's rows, 0 elsewhere (and after a reset)
     key: jax.Array  # (C, 1): exp(b_{end-1} - b_j) on the piece's rows, 0 elsewhere (and before a reset)
     chunk: jax.Array  # (1, 1): exp(b_{end-1} - b_{start-1}), the decay over the whole piece
 
@@ -83,21 +74,57 @@ class Piece:
         before, last = (varlen.value_at(log.column, row, 0) for row in (start - 1, end - 1))
         if log.resets_column is None:
             # No gate can be -inf (no g): masked before and after exp, the form this kernel schedules best without resets.
-            query, key = (jnp.where(inside, jnp.exp(jnp.where(inside, x, 0.0)), 0.0) for x in (log.column - before, last - log.column))
+            key = jnp.where(inside, jnp.exp(jnp.where(inside, last - log.column, 0.0)), 0.0)
             chunk = jnp.exp(last - before)
         else:
             resets_before, resets_last = (varlen.value_at(log.resets_column, row, 0) for row in (start - 1, end - 1))
-            query = masked_exp(log.column - before, inside & unreset(log.resets_column, resets_before))
             key = masked_exp(last - log.column, inside & unreset(log.resets_column, resets_last))
             chunk = masked_exp(last - before, unreset(resets_last, resets_before))
-        return cls(
-            sequence=sequence, start=start, end=end, continuing=begins < first, ending=ends <= first + C,
-            inside=inside, query=query, key=key, chunk=chunk,
-        )
+        return cls(sequence=sequence, continuing=begins < first, key=key, chunk=chunk)
 
-    @property
-    def is_empty(self) -> jax.Array:
-        return self.end <= self.start
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """Sequence ``sequence``'s piece of a chunk it starts or ends in, and the decays of its state terms, from the chunk's
+    reset gates (``varlen.reset_gates``: the state dropped where every sequence starts).
+
+    ``query``, ``key`` and ``chunk`` are what ``ChunkGates``' fields are for a whole chunk, for the piece's own state
+    terms, which the reset gates leave out, so the ``gradients`` state terms take a boundary where they take a chunk's
+    gates: ``query`` is how its initial state decays to each of its rows (from before its first token, whose own log
+    decay ``g_r`` the reset replaced: ``exp(b_i - b_r + g_r)``; 0 where it started before the chunk), ``key`` how each
+    of its rows' products decays to its last row (``exp(b_e - b_j)``; 0 where it goes on past the chunk), ``chunk`` how
+    the state entering the piece decays to the state leaving it.
+    """
+
+    sequence: jax.Array
+    start: jax.Array  # first row (0 when the sequence started before the chunk)
+    end: jax.Array  # end row (the chunk size when the sequence goes on past the chunk)
+    starts: jax.Array  # the sequence starts in the chunk: its initial state enters here
+    ends: jax.Array  # the sequence ends in the chunk: its final state's gradient enters here
+    query: jax.Array  # (C, 1)
+    key: jax.Array  # (C, 1)
+    chunk: jax.Array  # (1, 1)
+
+    @classmethod
+    def of(cls, cu_seqlens, sequence: jax.Array, first: jax.Array, log: LogDecays, first_gate: jax.Array) -> Boundary:
+        """Sequence ``sequence``'s boundary in the chunk whose first token is ``first`` and log decays ``log`` (of the reset
+        gates); ``first_gate``: the sequence's first log decay (``varlen.first_gates``)."""
+        C = log.column.shape[0]
+        begins, ends = cu_seqlens[sequence] - first, cu_seqlens[sequence + 1] - first
+        starts, ends_here = (begins >= 0) & (ends > begins), (ends <= C) & (ends > begins)
+        since, start_resets = varlen.since_start(log, first_gate, begins)
+        last = jnp.minimum(ends, C) - 1
+        last_log, last_resets = varlen.value_at(log.row, last, 1), varlen.value_at(log.resets_row, last, 1)
+        rows, resets = lax.broadcasted_iota(jnp.int32, (C, 1), 0), log.resets_column.astype(_F32)
+        query = masked_exp(log.column + since, starts & (resets == start_resets))
+        key = masked_exp(last_log - log.column, ends_here & (resets == last_resets) & (rows <= last))
+        whole = jnp.where(
+            starts, masked_exp(last_log + since, last_resets == start_resets), masked_exp(last_log, last_resets == 0),
+        )
+        return cls(
+            sequence=sequence, start=jnp.maximum(begins, 0), end=jnp.minimum(ends, C), starts=starts, ends=ends_here,
+            query=query, key=key, chunk=whole,
+        )
 
 
 def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
@@ -105,49 +132,51 @@ def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Tar
     return launch.fit(functools.partial(plans, num_seqs=num_seqs), geometry, dtype, target, **inputs)[1]
 
 
-def _piece_work(geometry: Geometry) -> Work:
-    """A piece's own state terms in the gradients kernel: reads, writes, dv's state part and dS entering, and its 2 C + 1 exps."""
+def _boundary_work(geometry: Geometry) -> Work:
+    """A sequence's start or end in the gradients kernel: its initial state's reads and gradient, its final state's
+    gradient into keys and values (four ``C x K x V`` products), the exps of its key decays and of the state carried."""
     C, K, V = geometry.chunk_size, geometry.padded_key_dim, geometry.padded_value_dim
-    return Work(flops=4 * 2 * C * K * V, transcendentals=2 * C + 1)
+    return Work(flops=4 * 2 * C * K * V, transcendentals=C + 3)
 
 
 def plans(
     geometry: Geometry, dtype, num_seqs: int, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True,
 ) -> tuple[LaunchPlan, LaunchPlan]:
-    """The checkpoints and gradients plans for ``num_seqs`` packed sequences; the other arguments as ``backward_fused.plans``."""
+    """The checkpoints and gradients plans for ``num_seqs`` packed sequences; the other arguments as ``backward_fused.plans``
+    (``gate_dtype``: the caller's ``g``, which the checkpoints walk reads at chunks of 64; else both kernels read the
+    float32 reset gates)."""
     g = geometry = grid.backward_geometry(geometry)
     K, V, C = g.padded_key_dim, g.padded_value_dim, g.chunk_size
     scalars = (blocks.decay(g), *varlen.boundaries(g, num_seqs))
-    gated = gate_dtype is not None
     heads_chunks = g.heads * g.num_chunks
-    # A chunk's log decays in the gradients kernel: its g's cumulative sum (the flops of gates_work, none of its exps).
-    cumulative_decays = Work(flops=gates_work(g, gated).flops)
+    along_lanes = walks_along_lanes(C)
+    first_gates = [varlen.first_gates_block(g, num_seqs)] if initial_state_dtype is not None else []
 
     # The checkpoints walk writes the state entering every chunk (_checkpoints_kernel).
-    along_lanes = walks_along_lanes(C)
-    checkpoint_inputs = list(gradients.token_inputs(g, dtype, _F32 if along_lanes else gate_dtype, ("k", "v"), along_lanes))
+    walk_gates = _F32 if along_lanes else gate_dtype
+    checkpoint_inputs = list(gradients.token_inputs(g, dtype, walk_gates, ("k", "v"), along_lanes))
     checkpoint_scratch = [blocks.running_state(g)]
     entering = Work()
     if initial_state_dtype is not None:
-        checkpoint_inputs += [varlen.first_gates_block(g, num_seqs)] if along_lanes else []
+        checkpoint_inputs += first_gates if along_lanes else []
         checkpoint_inputs.append(grid.sequence_states("initial_state", g, num_seqs, initial_state_dtype))
         checkpoint_scratch += grid.state_buffers("initial_state", (K, V), initial_state_dtype)
         entering = Work(flops=2 * K * V, transcendentals=1) * (g.heads * num_seqs)
-    checkpoint_work = (advance_state_work(g) + gates_work(g, True, attention=False)) * heads_chunks + entering
+    checkpoint_work = (advance_state_work(g) + gates_work(g, walk_gates is not None, attention=False)) * heads_chunks + entering
     checkpoints = grid.grid_plan(
         "simple_gla_varlen_backward_checkpoints", g, scalars, checkpoint_inputs, (grid.state_checkpoints(g, every_chunk=True),),
         checkpoint_work, 4 * (3 * K * V + C * K), scratch=checkpoint_scratch,
     )
 
     steps = functools.partial(grid.reversed_in_time, geometry=g)
-    inputs = [steps(x) for x in gradients.token_inputs(g, dtype, gate_dtype, ("q", "k", "v", "do"))]
+    inputs = [steps(x) for x in gradients.token_inputs(g, dtype, _F32, ("q", "k", "v", "do"), along_lanes)]
     inputs.append(steps(grid.state_checkpoints(g, every_chunk=True)))
     outputs = [steps(blocks.key_rows("dq", g, dtype)), steps(blocks.key_rows("dk", g, dtype)), steps(blocks.value_rows("dv", g, dtype))]
     if decayed:
         outputs.append(steps(gradients.decay_gradients(g)))
-    scratch = [grid.state_gradient(g)]
+    scratch = [grid.state_gradient(g), *_boundary_scratch(g, decayed)]
     if initial_state_dtype is not None:
-        inputs.append(grid.sequence_states("initial_state", g, num_seqs, initial_state_dtype))
+        inputs += [*first_gates, grid.sequence_states("initial_state", g, num_seqs, initial_state_dtype)]
         outputs.append(grid.sequence_states("dinitial_state", g, num_seqs, initial_state_dtype))
         scratch += [*grid.state_buffers("initial_state", (K, V), initial_state_dtype),
                     *grid.state_buffers("dinitial_state", (K, V), initial_state_dtype)]
@@ -159,14 +188,12 @@ def plans(
         + gradients.value_gradient_work(g)
         + gradients.query_key_gradients_work(g, decayed)
         + gradients.state_gradient_work(g)
-        + Work(transcendentals=2 * C + 1)  # the exps of a chunk's first piece; its products are the four counted above
     )
-    # Pieces beyond one per chunk: one per sequence starting inside a chunk, at most N - 1 per head.
-    work = per_chunk * heads_chunks + _piece_work(g) * (g.heads * (num_seqs - 1))
-    work = work + gradients.gating_work(g, gated) + cumulative_decays * heads_chunks
-    # The body: the backward chunk's values, plus what the piece loop carries: reads, writes (C x K), dv's state part (C x V).
+    # Every sequence starts and ends once: at most two boundaries each.
+    work = per_chunk * heads_chunks + _boundary_work(g) * (2 * g.heads * num_seqs) + gradients.gating_work(g, True)
+    # The body: fused's segment, plus what the boundary loop carries: dq, dk (C x K), dv (C x V), with reads and writes.
     return checkpoints, grid.grid_plan(
-        "simple_gla_varlen_backward", g, scalars, inputs, outputs, work, gradients.body_vmem(g) + 4 * (2 * C * K + C * V),
+        "simple_gla_varlen_backward", g, scalars, inputs, outputs, work, backward_fused.segment_vmem(g) + 4 * (4 * C * K + C * V),
         scratch=scratch,
     )
 
@@ -233,73 +260,118 @@ def _entering_state(refs: dict, states: grid.SequenceStates, number: jax.Array, 
     return varlen.to_chunk_end(log, since, start_resets, enters) * initial
 
 
-def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
+def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
-    C, K, V = geometry.chunk_size, geometry.padded_key_dim, geometry.padded_value_dim
+    C = geometry.chunk_size
     cu = refs["cu_seqlens"]
+    grid.start_state_gradient(refs, step, from_final_state=False)  # the last sequence's dht enters where it ends
     states = _sequence_states(refs, head, step, geometry, read_ahead=False)  # walked both ways in a step
     with_decay = "da" in refs
-    rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-    columns = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    lanes = lax.broadcasted_iota(jnp.int32, (1, C), 1)
 
     forward_step = geometry.time_steps - 1 - step
-    constant, decay = constant_gates(refs, head, geometry), constant_decay(refs, head)
     chunks = step_chunks(geometry, forward_step)
+    if walks_along_lanes(C):
+        every_gates = step_gates(chunks, refs, head, None, along_lanes=True, key_column=True)
+        every_log = [gates.log for gates in every_gates]
+    else:
+        decay = constant_decay(refs, head)
+        every_log = [log_decays(chunk, refs, head, decay) for chunk in chunks]
+        every_gates = [ChunkGates.of(log) for log in every_log]
 
     def number_of(chunk) -> jax.Array:
         return forward_step * geometry.chunks_per_step + chunk.index
 
-    # dS entering the next segment's first piece: unset at the first reverse step, whose last piece ends at T and takes dht.
-    dstate = refs["dstate"][...]
+    # The dS chain, as fused's (the reset gates stop it where a sequence starts), plus the dht of a chunk's first
+    # sequence where it started before the chunk and ends in it: the one boundary the chain carries past.
+    dstate, leaving, first_dht = refs["dstate"][...], [None] * len(chunks), [None] * len(chunks)
     for chunk in reversed(chunks):
-        number = number_of(chunk)
-        first = number * C  # the chunk's first token in the packed sequence
-        log = log_decays(chunk, refs, head, decay)
-        gates = chunk_gates(chunk, refs, head, constant, log)
-        q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
-        last = refs["last_sequence"][number]
-
-        def piece_gradients(i, carry, q=q, k=k, v=v, do=do, log=log, first=first, last=last, entering_chunk=refs["checkpoints"][chunk.index]):
-            reads, writes, values, across, piece_start, piece_end, dleaving = carry
-            piece = Piece.of(cu, last - i, first, log)
-            n = piece.sequence
-            entering = jnp.where(piece.continuing, entering_chunk, states.load("initial_state", n, ~piece.continuing))
-            dleaving = jnp.where(piece.ending, states.load("dht", n, piece.ending), dleaving)
-            reads = reads + jnp.where(piece.inside, gradients.state_reads(piece, do, entering), 0.0)
-            writes = writes + jnp.where(piece.inside, gradients.state_writes(piece, v, dleaving), 0.0)
-            values = values + jnp.where(piece.inside, gradients.state_value_gradient(piece, k, dleaving), 0.0)
-            if with_decay:  # the state carried across the piece: every token of the piece decays it
-                across = across + jnp.where((lanes >= piece.start) & (lanes < piece.end), piece.chunk * jnp.sum(entering * dleaving), 0.0)
-            dentering = gradients.state_gradient_entering(piece, q, do, dleaving, scale)
-            states.store("dinitial_state", n, dentering, ~piece.continuing & ~piece.is_empty)
-            piece_start = jnp.where(piece.inside, piece.start, piece_start)
-            piece_end = jnp.where(piece.inside, piece.end, piece_end)
-            return reads, writes, values, across, piece_start, piece_end, dentering
-
-        start = (
-            jnp.zeros((C, K), _F32), jnp.zeros((C, K), _F32), jnp.zeros((C, V), _F32), jnp.zeros((1, C), _F32),
-            jnp.zeros((C, 1), jnp.int32), jnp.full((C, 1), C, jnp.int32), dstate,
-        )
-        # The pieces from the chunk's last sequence back to its first; the last dS is the first piece's entering one.
-        reads, writes, values, across, piece_start, piece_end, dstate = lax.fori_loop(
-            0, last - refs["first_sequence"][number] + 1, piece_gradients, start,
-        )
-        same_sequence = (rows >= columns) & (columns >= piece_start)
-        decays = jnp.where(same_sequence, gates.decays, 0.0)
-        attention = gradients.attention(decays, q, k)
-        dv = gradients.attention_value_gradient(attention, do, scale) + values
-        dq, dk, da = gradients.query_key_gradients_of(
-            decays, attention, gradients.output_by_value(do, v), q, k, reads, writes, across if with_decay else None, scale, (piece_start, piece_end),
-        )
-        refs["dv"][chunk.rows, :] = dv.astype(refs["dv"].dtype)
-        refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
-        refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)
-        if da is not None:
-            refs["da"][chunk.index : chunk.index + 1, :] = da
+        leaving[chunk.index] = dstate
+        q, do = chunk.read(refs["q"]), chunk.read(refs["do"])
+        gates = every_gates[chunk.index]
+        dstate = gradients.state_gradient_entering(gates, q, do, dstate, scale, operands)
+        if states.has("dht"):
+            number = number_of(chunk)
+            first, n = number * C, refs["first_sequence"][number]
+            end = cu[n + 1] - first
+            ends = (cu[n] < first) & (end <= C)
+            first_dht[chunk.index] = states.load("dht", n, ends)
+            dstate = dstate + jnp.where(ends, varlen.value_at(gates.query, end - 1, 0), 0.0) * first_dht[chunk.index]
     refs["dstate"][...] = dstate
+
+    # What the reset gates leave out, where a sequence starts or ends inside a chunk, into VMEM: a loop apart from the
+    # chunks' other terms, which the scheduler then interleaves as in fused's kernel.
+    for chunk in chunks:
+        number = number_of(chunk)
+        first_sequence = refs["first_sequence"][number]
+        boundary_terms = functools.partial(
+            _boundary_terms, refs=refs, states=states, chunk=chunk, log=every_log[chunk.index], first=number * C,
+            first_sequence=first_sequence, entering=refs["checkpoints"][chunk.index], dleaving=leaving[chunk.index],
+            dht_carried=first_dht[chunk.index], scale=scale,
+        )
+        K, V = geometry.padded_key_dim, geometry.padded_value_dim
+        start = (jnp.zeros((C, K), _F32), jnp.zeros((C, K), _F32), jnp.zeros((C, V), _F32), jnp.zeros((1, C), _F32))
+        # Only the sequences with a boundary inside the chunk: the first one when it starts or ends here, and every later
+        # one (each starts here).
+        passing = (cu[first_sequence] < number * C) & (cu[first_sequence + 1] > (number + 1) * C)
+        dq, dk, dv, dg = lax.fori_loop(first_sequence + passing.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary_terms, start)
+        refs["boundary_dq"][chunk.index], refs["boundary_dk"][chunk.index], refs["boundary_dv"][chunk.index] = dq, dk, dv
+        if with_decay:
+            refs["boundary_dg"][chunk.index : chunk.index + 1, :] = dg
+
+    # Fused's gradients of every chunk, with the boundaries' terms added.
+    for chunk in reversed(chunks):
+        gates, dleaving, entering = every_gates[chunk.index].with_decays(), leaving[chunk.index], refs["checkpoints"][chunk.index]
+        q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
+        attention = gradients.attention(gates.decays, q, k)
+        dv = gradients.value_gradient(gates, attention, k, do, dleaving, scale) + refs["boundary_dv"][chunk.index]
+        dq, dk, da = gradients.query_key_gradients(gates, attention, q, k, v, do, entering, dleaving, scale, with_decay)
+        refs["dv"][chunk.rows, :] = dv.astype(refs["dv"].dtype)
+        refs["dq"][chunk.rows, :] = (dq + refs["boundary_dq"][chunk.index]).astype(refs["dq"].dtype)
+        refs["dk"][chunk.rows, :] = (dk + refs["boundary_dk"][chunk.index]).astype(refs["dk"].dtype)
+        if da is not None:
+            refs["da"][chunk.index : chunk.index + 1, :] = da + refs["boundary_dg"][chunk.index : chunk.index + 1, :]
     states.finish(step == geometry.time_steps - 1)
+
+
+def _boundary_scratch(geometry: Geometry, decayed: bool) -> list[Scratch]:
+    """The gradients kernel's float32 VMEM of every chunk's boundary terms in a grid step (``_boundary_terms``)."""
+    n, C, K, V = geometry.chunks_per_step, geometry.chunk_size, geometry.padded_key_dim, geometry.padded_value_dim
+    scratch = [Scratch("boundary_dq", (n, C, K), _F32), Scratch("boundary_dk", (n, C, K), _F32), Scratch("boundary_dv", (n, C, V), _F32)]
+    return scratch + [Scratch("boundary_dg", (n, C), _F32)] if decayed else scratch
+
+
+def _boundary_terms(n, terms, *, refs, states, chunk, log, first, first_sequence, entering, dleaving, dht_carried, scale):
+    """Sequence ``n``'s terms that the reset gates leave out of ``chunk`` (``Boundary``), added to ``terms`` (``dq``, ``dk``,
+    ``dv``, ``dg``): its initial state's reads and gradient where it starts, its final state's gradient reaching its keys
+    and values where it ends, and the decay gradient of these and of the state carried across its piece. ``entering``,
+    ``dleaving``: the chunk's state entering and ``dS`` leaving; ``dht_carried``: the first sequence's ``dht``, loaded for
+    the ``dS`` chain where it started before the chunk and ends in it."""
+    dq, dk, dv, dg = terms
+    q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
+    first_gate = varlen.value_at(refs["first_gates"][...], n, 1) if "first_gates" in refs else jnp.zeros((1, 1), _F32)
+    edge = Boundary.of(refs["cu_seqlens"], n, first, log, first_gate)
+    initial = states.load("initial_state", n, edge.starts)
+    dpiece = dleaving  # dS leaving the piece
+    reads = writes = jnp.zeros_like(dq)
+    if states.has("initial_state"):
+        reads = gradients.state_reads(edge, do, initial)
+    if states.has("dht"):
+        reused = (n == first_sequence) & ~edge.starts
+        dht = jnp.where(reused, dht_carried, states.load("dht", n, edge.ends & ~reused))
+        dpiece = jnp.where(edge.ends, dht, dleaving)
+        writes = gradients.state_writes(edge, v, dht)
+        dv = dv + gradients.state_value_gradient(edge, k, dht)
+    states.store("dinitial_state", n, gradients.state_gradient_entering(edge, q, do, dpiece, scale), edge.starts)
+    if "boundary_dg" in refs:  # the decay gradient is wanted
+        C = q.shape[0]
+        rows, tokens = (lax.broadcasted_iota(jnp.int32, (C, C), axis) for axis in (0, 1))
+        later, earlier = gradients.state_decay_gradients(
+            q, k, reads, writes, scale, (rows >= tokens) & (tokens >= edge.start), (rows < tokens) & (tokens < edge.end),
+        )
+        carried = edge.chunk * jnp.sum(jnp.where(edge.starts, initial, entering) * dpiece)
+        dg = dg + later + earlier + jnp.where((tokens[:1] >= edge.start) & (tokens[:1] < edge.end), carried, 0.0)
+    return dq + scale * reads, dk + writes, dv, dg
 
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):
@@ -318,18 +390,16 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
         functools.partial(plans, num_seqs=num_seqs), geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
     )
-    arrays = {
-        **gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry),
-        **varlen.boundary_operands(cu_seqlens, T, config.chunk_size),
-    }
-    walk_arrays = arrays
-    if walks_along_lanes(geometry.chunk_size):  # the gates with each sequence's first one -inf, as the forward takes them
-        reset = varlen.reset_gates(g, cu_seqlens, q.shape[:3])
-        walk_arrays = {**arrays, **gradients.with_gate_rows(kernel_operands(q, k, v, reset, g_gamma, None, geometry), reset, geometry)}
-        if initial_state is not None:
-            walk_arrays["first_gates"] = varlen.first_gates(g, g_gamma, cu_seqlens, q.shape[:3])
+    boundaries = varlen.boundary_operands(cu_seqlens, T, config.chunk_size)
+    # Both kernels take the gates with each sequence's first one -inf, as the forward does, and that first one apart.
+    reset = varlen.reset_gates(g, cu_seqlens, q.shape[:3])
+    arrays = {**gradients.with_gate_rows(gradients.operands(q, k, v, do, reset, g_gamma, initial_state, dht, geometry), reset, geometry), **boundaries}
+    if initial_state is not None:
+        arrays["first_gates"] = varlen.first_gates(g, g_gamma, cu_seqlens, q.shape[:3])
+    walk_arrays = arrays if walks_along_lanes(geometry.chunk_size) else {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **boundaries}
     checkpoints = run(checkpoints_plan, _checkpoints_kernel, walk_arrays)
-    results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale)
+    operands = gradients.stacked_operands(q.dtype, launch.Target.lowered_for().chip)
+    results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale, operands=operands)
     grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)
     if initial_state is None:
         return grads

@@ -226,16 +226,13 @@ def output_by_value(do, v) -> jax.Array:
 
 
 def query_key_gradients_of(
-    decays, attention, output_by_value, q, k, reads, writes, across, scale: float, pieces: tuple[jax.Array, jax.Array] | None = None
+    decays, attention, output_by_value, q, k, reads, writes, across, scale: float
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``dq``, ``dk`` and the decay gradient row (None when ``across`` is) from the state's terms of every row.
 
     ``output_by_value`` is ``output_by_value(do, v)``; ``reads`` and ``writes`` are ``state_reads``
-    and ``state_writes`` of each row's own entering and leaving state; ``across`` the decay of the
-    state carried across, times ``sum(S * dS)``, for each token (a ``(1, 1)`` for the whole chunk,
-    or a ``(1, C)`` row). ``pieces``: where the chunk holds pieces of several sequences, the first
-    row and the end row of each row's piece (``(C, 1)`` int32 each); a token's decay then reaches
-    only the rows of its own piece.
+    and ``state_writes`` of the chunk's entering and leaving state; ``across`` the decay of the
+    state carried across the whole chunk, times ``sum(S * dS)`` (``(1, 1)``).
     """
     operands = mxu_operand_dtype(q.dtype)
     C = q.shape[0]
@@ -247,19 +244,23 @@ def query_key_gradients_of(
 
     rows = lax.broadcasted_iota(jnp.int32, (C, C), 0)  # i (or j) along sublanes
     tokens = lax.broadcasted_iota(jnp.int32, (C, C), 1)  # t along lanes
-    later, earlier = rows >= tokens, rows < tokens
-    if pieces is not None:
-        piece_start, piece_end = pieces
-        later, earlier = later & (tokens >= piece_start), earlier & (tokens < piece_end)
-    pairs = scale * attention * output_by_value  # (i, j); 0 between pieces, where decays is 0
+    pairs = scale * attention * output_by_value  # (i, j)
     # (i, t): sum over j < t of pairs; then over i >= t. The 0/1 matrix is exact in bf16.
     keys_before = matmul(pairs, (rows < tokens).astype(jnp.bfloat16), decay_gradient_operands(q.dtype))
     within = jnp.sum(jnp.where(rows >= tokens, keys_before, 0.0), axis=0, keepdims=True)
+    later_queries, earlier_keys = state_decay_gradients(q, k, reads, writes, scale, rows >= tokens, rows < tokens)
+    return dq, dk, within + later_queries + earlier_keys + across
+
+
+def state_decay_gradients(q, k, reads, writes, scale: float, later, earlier) -> tuple[jax.Array, jax.Array]:
+    """The decay gradient rows ``(1, C)`` of a state's reads and of its writes: token ``t``'s decay scales query ``i``'s
+    read of the state entering where ``later[i, t]`` (``i >= t``), and key ``j``'s way to the state leaving where
+    ``earlier[j, t]`` (``j < t``); ``reads`` and ``writes`` are ``state_reads`` and ``state_writes``."""
     query_reads_state = scale * jnp.sum(q.astype(_F32) * reads, axis=1, keepdims=True)  # (C, 1), i
     key_reaches_end = jnp.sum(k.astype(_F32) * writes, axis=1, keepdims=True)  # (C, 1), j
     later_queries = jnp.sum(jnp.where(later, query_reads_state, 0.0), axis=0, keepdims=True)
     earlier_keys = jnp.sum(jnp.where(earlier, key_reaches_end, 0.0), axis=0, keepdims=True)
-    return dq, dk, within + later_queries + earlier_keys + across
+    return later_queries, earlier_keys
 
 
 def state_gradient_entering(gates: ChunkGates, q, do, dstate, scale: float, operands=None) -> jax.Array:
