@@ -281,9 +281,10 @@ class SequenceStates:
     in row ``state_rows[n]``; a negative row is a padding slot, which loads zeros and stores nothing.
 
     Copies overlap the kernel's work (``state_buffers``). A store starts its copy through buffer ``n % 2`` and is waited
-    on only when that buffer is needed again. With ``read_ahead`` (a kernel that loads each sequence's state where it
-    starts, walking forward in time), a load starts copying the next non-empty sequence's region through its buffer,
-    and that sequence's load waits for it there; any other load copies through the spare buffer and waits at once. The
+    on only when that buffer is needed again. With ``read_ahead`` (the order a kernel loads its sequences' states in:
+    1 ascending, a kernel that walks forward in time; -1 descending, a backward), a load starts copying the next
+    sequence's region in that order through its buffer, unless it is empty, and that sequence's load waits for it
+    there; any other load copies through the spare buffer and waits at once. The
     copies may stay in flight from one grid step to the next of the same (head, value block): a kernel calls ``begin``
     before its first load or store at the first time step and ``finish`` after its last at the last.
     """
@@ -293,7 +294,7 @@ class SequenceStates:
     block: jax.Array
     value_block: int
     shape: tuple[int, int]  # (K_pad, value block)
-    read_ahead: bool = False
+    read_ahead: int = 0  # 1, -1: the order of the loads (ascending, descending sequences); 0: none
 
     def has(self, name: str) -> bool:
         """Whether the call has the state array ``name``."""
@@ -322,10 +323,10 @@ class SequenceStates:
                     sequence = self.refs[f"{name}_in_flight"][slot]
                     self._wait(name, slot, sequence, sequence >= 0)
 
-    def load(self, name: str, sequence: jax.Array, when: jax.Array, read_ahead: bool | None = None) -> jax.Array:
+    def load(self, name: str, sequence: jax.Array, when: jax.Array, read_ahead: int | None = None) -> jax.Array:
         """``refs[name][sequence]`` as float32 (copied into VMEM only ``when``), or zeros where not ``when``, when the call
         has no ``name`` or when the sequence is a padding slot. ``read_ahead``: this load's, where not the kernel's
-        (False for a sequence loaded again, whose successor its first load read ahead)."""
+        (0 for a sequence loaded again, whose successor its first load read ahead)."""
         if not self.has(name):
             return jnp.zeros(self.shape, _F32)
         row, slot = self._row(sequence), sequence % STATE_BUFFERS
@@ -342,8 +343,9 @@ class SequenceStates:
         # Where not copied, read the spare buffer: no copy is in flight through it.
         buffer = self.refs[f"{name}_buffers"][jnp.where(arrived, slot, SPARE)]
         loaded = jnp.where(copied, buffer.astype(_F32), 0.0)
-        if self.read_ahead if read_ahead is None else read_ahead:
-            self._read_ahead(name, sequence + 1, copied)
+        read_ahead = self.read_ahead if read_ahead is None else read_ahead
+        if read_ahead:
+            self._read_ahead(name, sequence + read_ahead, copied)
         return loaded
 
     def store(self, name: str, sequence: jax.Array, value: jax.Array, when: jax.Array) -> None:
@@ -365,17 +367,18 @@ class SequenceStates:
             in_flight[slot] = sequence
 
     def _read_ahead(self, name: str, sequence: jax.Array, when: jax.Array) -> None:
-        """Start copying ``sequence``'s region through its buffer (``when``), unless it is past the last sequence, empty
+        """Start copying ``sequence``'s region through its buffer (``when``), unless it is not a sequence of the call, empty
         (no load waits for it), a padding slot or already on its way."""
         cu_seqlens = self.refs["cu_seqlens"]
         count = cu_seqlens.shape[0] - 1
-        slot, in_range = sequence % STATE_BUFFERS, sequence < count
-        sequence = jnp.minimum(sequence, count - 1)  # SMEM reads stay in bounds; in_range says whether it counts
+        in_range = (sequence >= 0) & (sequence < count)
+        sequence = jnp.clip(sequence, 0, count - 1)  # SMEM reads stay in bounds; in_range says whether it counts
+        slot = sequence % STATE_BUFFERS
         in_flight = self.refs[f"{name}_in_flight"]
         coming = in_flight[slot]
         start = when & in_range & (cu_seqlens[sequence + 1] > cu_seqlens[sequence]) & (coming != sequence)
         start = start & (self._row(sequence) >= 0) if self.pooled else start
-        self._wait(name, slot, coming, start & (coming >= 0))  # one no load took (kernels walk forward: none)
+        self._wait(name, slot, coming, start & (coming >= 0))  # one no load took (loads in the order read ahead: none)
 
         @pl.when(start)
         def _start():

@@ -217,7 +217,7 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
     packed = "cu_seqlens" in refs
     # Packed, the carried state starts as zeros (decays of 0 times unset memory could be NaN); initial states enter per sequence.
     start_sequence(refs, step, from_initial_state=not packed)
-    states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape, read_ahead=True) if packed else None
+    states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape, read_ahead=1) if packed else None
     if packed:
         states.begin(step == 0)
 

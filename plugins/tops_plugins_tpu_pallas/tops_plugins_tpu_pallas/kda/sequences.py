@@ -154,7 +154,7 @@ class PackedChunk:
             begun = self._begins_before(n)
             # A sequence that began in this chunk reads its initial state a second time (``entering``'s copy is gone); its
             # first read read its successor's ahead.
-            entering = jnp.where(begun, carried, self.states.load("initial_state", n, ~begun, read_ahead=False))
+            entering = jnp.where(begun, carried, self.states.load("initial_state", n, ~begun, read_ahead=0))
             final = _carried_through(start, end, g, entering) + _writes(start, end, k, g, delta, operands)
             # An empty sequence covers no row of any chunk: its final state is set around the kernel.
             self.states.store("final_state", n, final, end > start)

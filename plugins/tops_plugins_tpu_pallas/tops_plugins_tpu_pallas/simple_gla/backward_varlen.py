@@ -198,7 +198,7 @@ def plans(
     )
 
 
-def _sequence_states(refs: dict, head, step, geometry: Geometry, read_ahead: bool) -> grid.SequenceStates:
+def _sequence_states(refs: dict, head, step, geometry: Geometry, read_ahead: int) -> grid.SequenceStates:
     """The kernel's per-sequence states (``SequenceStates``), every buffer free at its first step."""
     shape = (geometry.padded_key_dim, geometry.padded_value_dim)
     states = grid.SequenceStates(refs, head, 0, geometry.padded_value_dim, shape, read_ahead)
@@ -217,7 +217,7 @@ def walks_along_lanes(chunk_size: int) -> bool:
 def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
-    states = _sequence_states(refs, head, step, geometry, read_ahead=True)  # walking forward: read ahead
+    states = _sequence_states(refs, head, step, geometry, read_ahead=1)  # walking forward: the sequences ascending
 
     @pl.when(step == 0)
     def _start():  # the first sequence starts at token 0: zeros keep the first checkpoint finite
@@ -266,7 +266,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
     C = geometry.chunk_size
     cu = refs["cu_seqlens"]
     grid.start_state_gradient(refs, step, from_final_state=False)  # the last sequence's dht enters where it ends
-    states = _sequence_states(refs, head, step, geometry, read_ahead=False)  # walked both ways in a step
+    states = _sequence_states(refs, head, step, geometry, read_ahead=-1)  # walking backward: the sequences descending
     with_decay = "da" in refs
 
     forward_step = geometry.time_steps - 1 - step
@@ -282,42 +282,41 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
     def number_of(chunk) -> jax.Array:
         return forward_step * geometry.chunks_per_step + chunk.index
 
-    # The dS chain, as fused's (the reset gates stop it where a sequence starts), plus the dht of a chunk's first
-    # sequence where it started before the chunk and ends in it: the one boundary the chain carries past.
-    dstate, leaving, first_dht = refs["dstate"][...], [None] * len(chunks), [None] * len(chunks)
+    # The dS chain, as fused's (the reset gates stop it where a sequence starts), and before each chunk's step what the
+    # reset gates leave out where a sequence starts or ends inside it (a loop, into VMEM; the sequences from the last
+    # to the first, so every state is loaded in the order read ahead). The chain gains the dht of a chunk's first
+    # sequence where it started before the chunk and ends in it: the one boundary it carries past.
+    K, V = geometry.padded_key_dim, geometry.padded_value_dim
+    dstate, leaving = refs["dstate"][...], [None] * len(chunks)
     for chunk in reversed(chunks):
         leaving[chunk.index] = dstate
+        number = number_of(chunk)
+        first, first_sequence, last_sequence = number * C, refs["first_sequence"][number], refs["last_sequence"][number]
+        boundary_terms = functools.partial(
+            _boundary_terms, refs=refs, states=states, chunk=chunk, log=every_log[chunk.index], first=first,
+            last_sequence=last_sequence, first_sequence=first_sequence, entering=refs["checkpoints"][chunk.index],
+            dleaving=dstate, scale=scale,
+        )
+        start = (
+            jnp.zeros((C, K), _F32), jnp.zeros((C, K), _F32), jnp.zeros((C, V), _F32), jnp.zeros((1, C), _F32),
+            jnp.zeros((K, V), _F32),
+        )
+        # Only the sequences with a boundary inside the chunk: the first one when it starts or ends here, and every later
+        # one (each starts here).
+        passing = (cu[first_sequence] < first) & (cu[first_sequence + 1] > first + C)
+        dq, dk, dv, dg, first_dht = lax.fori_loop(0, last_sequence - first_sequence + 1 - passing.astype(jnp.int32), boundary_terms, start)
+        refs["boundary_dq"][chunk.index], refs["boundary_dk"][chunk.index], refs["boundary_dv"][chunk.index] = dq, dk, dv
+        if with_decay:
+            refs["boundary_dg"][chunk.index : chunk.index + 1, :] = dg
+
         q, do = chunk.read(refs["q"]), chunk.read(refs["do"])
         gates = every_gates[chunk.index]
         dstate = gradients.state_gradient_entering(gates, q, do, dstate, scale, operands)
         if states.has("dht"):
-            number = number_of(chunk)
-            first, n = number * C, refs["first_sequence"][number]
-            end = cu[n + 1] - first
-            ends = (cu[n] < first) & (end <= C)
-            first_dht[chunk.index] = states.load("dht", n, ends)
-            dstate = dstate + jnp.where(ends, varlen.value_at(gates.query, end - 1, 0), 0.0) * first_dht[chunk.index]
+            end = cu[first_sequence + 1] - first
+            ends = (cu[first_sequence] < first) & (end <= C)
+            dstate = dstate + jnp.where(ends, varlen.value_at(gates.query, end - 1, 0), 0.0) * first_dht
     refs["dstate"][...] = dstate
-
-    # What the reset gates leave out, where a sequence starts or ends inside a chunk, into VMEM: a loop apart from the
-    # chunks' other terms, which the scheduler then interleaves as in fused's kernel.
-    for chunk in chunks:
-        number = number_of(chunk)
-        first_sequence = refs["first_sequence"][number]
-        boundary_terms = functools.partial(
-            _boundary_terms, refs=refs, states=states, chunk=chunk, log=every_log[chunk.index], first=number * C,
-            first_sequence=first_sequence, entering=refs["checkpoints"][chunk.index], dleaving=leaving[chunk.index],
-            dht_carried=first_dht[chunk.index], scale=scale,
-        )
-        K, V = geometry.padded_key_dim, geometry.padded_value_dim
-        start = (jnp.zeros((C, K), _F32), jnp.zeros((C, K), _F32), jnp.zeros((C, V), _F32), jnp.zeros((1, C), _F32))
-        # Only the sequences with a boundary inside the chunk: the first one when it starts or ends here, and every later
-        # one (each starts here).
-        passing = (cu[first_sequence] < number * C) & (cu[first_sequence + 1] > (number + 1) * C)
-        dq, dk, dv, dg = lax.fori_loop(first_sequence + passing.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary_terms, start)
-        refs["boundary_dq"][chunk.index], refs["boundary_dk"][chunk.index], refs["boundary_dv"][chunk.index] = dq, dk, dv
-        if with_decay:
-            refs["boundary_dg"][chunk.index : chunk.index + 1, :] = dg
 
     # Fused's gradients of every chunk, with the boundaries' terms added.
     for chunk in reversed(chunks):
@@ -341,13 +340,15 @@ def _boundary_scratch(geometry: Geometry, decayed: bool) -> list[Scratch]:
     return scratch + [Scratch("boundary_dg", (n, C), _F32)] if decayed else scratch
 
 
-def _boundary_terms(n, terms, *, refs, states, chunk, log, first, first_sequence, entering, dleaving, dht_carried, scale):
-    """Sequence ``n``'s terms that the reset gates leave out of ``chunk`` (``Boundary``), added to ``terms`` (``dq``, ``dk``,
-    ``dv``, ``dg``): its initial state's reads and gradient where it starts, its final state's gradient reaching its keys
-    and values where it ends, and the decay gradient of these and of the state carried across its piece. ``entering``,
-    ``dleaving``: the chunk's state entering and ``dS`` leaving; ``dht_carried``: the first sequence's ``dht``, loaded for
-    the ``dS`` chain where it started before the chunk and ends in it."""
-    dq, dk, dv, dg = terms
+def _boundary_terms(i, terms, *, refs, states, chunk, log, first, last_sequence, first_sequence, entering, dleaving, scale):
+    """The ``i``-th sequence from ``last_sequence`` down, ``n``: its terms that the reset gates leave out of ``chunk``
+    (``Boundary``), added to ``terms`` (``dq``, ``dk``, ``dv``, ``dg``): its initial state's reads and gradient where it
+    starts, its final state's gradient reaching its keys and values where it ends, and the decay gradient of these and
+    of the state carried across its piece; and, as ``terms``' last, its ``dht`` where it is ``first_sequence`` and
+    started before the chunk (for the ``dS`` chain). ``entering``, ``dleaving``: the chunk's state entering and ``dS``
+    leaving."""
+    n = last_sequence - i
+    dq, dk, dv, dg, first_dht = terms
     q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
     first_gate = varlen.value_at(refs["first_gates"][...], n, 1) if "first_gates" in refs else jnp.zeros((1, 1), _F32)
     edge = Boundary.of(refs["cu_seqlens"], n, first, log, first_gate)
@@ -357,8 +358,8 @@ def _boundary_terms(n, terms, *, refs, states, chunk, log, first, first_sequence
     if states.has("initial_state"):
         reads = gradients.state_reads(edge, do, initial)
     if states.has("dht"):
-        reused = (n == first_sequence) & ~edge.starts
-        dht = jnp.where(reused, dht_carried, states.load("dht", n, edge.ends & ~reused))
+        dht = states.load("dht", n, edge.ends)
+        first_dht = jnp.where((n == first_sequence) & ~edge.starts, dht, first_dht)
         dpiece = jnp.where(edge.ends, dht, dleaving)
         writes = gradients.state_writes(edge, v, dht)
         dv = dv + gradients.state_value_gradient(edge, k, dht)
@@ -371,7 +372,7 @@ def _boundary_terms(n, terms, *, refs, states, chunk, log, first, first_sequence
         )
         carried = edge.chunk * jnp.sum(jnp.where(edge.starts, initial, entering) * dpiece)
         dg = dg + later + earlier + jnp.where((tokens[:1] >= edge.start) & (tokens[:1] < edge.end), carried, 0.0)
-    return dq + scale * reads, dk + writes, dv, dg
+    return dq + scale * reads, dk + writes, dv, dg, first_dht
 
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):

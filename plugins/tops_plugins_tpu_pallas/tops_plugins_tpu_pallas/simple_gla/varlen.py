@@ -175,7 +175,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
     cu = refs["cu_seqlens"]
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
     lanes = lax.broadcasted_iota(jnp.int32, (1, C), 1)
-    states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape, read_ahead=True)
+    states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape, read_ahead=1)
     states.begin(step == 0)
     along_lanes = fused.gates_along_lanes(True, C)
     chunks = step_chunks(geometry, step)
