@@ -590,3 +590,37 @@ def test_lowered_for_v6e_the_fused_backward_stacks_its_state_products_and_matche
     finally:
         jax.clear_caches()  # and none traced for v6e stays behind for the tests that follow
     assert chosen == [mxu.SPLIT_BFLOAT16_STACKED]
+
+
+# The kit's g_gamma cases (ragged T = 100, dht; the weak bf16 decay whose dg_gamma nearly cancels; packed over two
+# chunks, with states and without) through every backward that sums the decay gradient.
+SUMMED_DECAY_GRADIENT_CASES = [
+    ("tpu_pallas.fused", "gates=g_gamma", False), ("tpu_pallas.fused", "bfloat16-weak-g_gamma", False),
+    ("tpu_pallas.chunk", "gates=g_gamma", False), ("tpu_pallas.varlen", "strong-g_gamma", False),
+    ("tpu_pallas.varlen", "bfloat16-strong-g_gamma", True),
+]
+
+
+@pytest.mark.parametrize(("name", "case_name", "without_states"), SUMMED_DECAY_GRADIENT_CASES)
+def test_lowered_for_v6e_the_backwards_sum_g_gammas_decay_gradient_and_match_the_reference(monkeypatch, name, case_name, without_states):
+    # gradients.per_token_decay_gradient as the backwards apply it (a v6e target in the interpreter): with g_gamma alone
+    # each chunk's row holds only the sum dg_gamma needs; with g, or on a 128-wide MXU, every token's.
+    assert gradients.per_token_decay_gradient(True, "v6e") and gradients.per_token_decay_gradient(False, "v5e")
+    monkeypatch.setattr(launch.Target, "lowered_for", classmethod(lambda cls: cls.of("v6e")))
+    decided, decide = [], gradients.per_token_decay_gradient
+
+    def recorded(*args):
+        decided.append(decide(*args))
+        return decided[-1]
+
+    monkeypatch.setattr(gradients, "per_token_decay_gradient", recorded)
+    implementation = tops_core.default_registry().get("simple_gla", name)
+    case = next(case for case in grid(implementation).supported if case.name == case_name)
+    if without_states:  # the packed backward without states: fused's on the reset gates
+        case = case.with_features(case.name + "-without-states", case.features - {"initial_state", "output_final_state"})
+    jax.clear_caches()  # the kit's own run of this case may have left its program, traced for no chip, in jit's cache
+    try:
+        checks.run_case(implementation, case)
+    finally:
+        jax.clear_caches()  # and none traced for v6e stays behind for the tests that follow
+    assert decided == [False]

@@ -122,7 +122,7 @@ def segment_vmem(geometry: Geometry) -> int:
     return gradients.body_vmem(geometry) + 4 * (n * (C * C + 2 * C) + (n - 1) * K * V)
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands):
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands, per_token: bool):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     grid.start_state_gradient(refs, step)
@@ -152,7 +152,10 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands)
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
         attention = gradients.attention(gates.decays, q, k)
         refs["dv"][chunk.rows, :] = gradients.value_gradient(gates, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
-        dq, dk, da = gradients.query_key_gradients(gates, attention, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs)
+        dq, dk, da = gradients.query_key_gradients(
+            gates, attention, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs,
+            gradients.summed_tokens(chunk, per_token),
+        )
         refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)
         if da is not None:
@@ -161,8 +164,10 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands)
     grid.finish_state_gradient(refs, step, geometry)
 
 
-def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):
-    """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities)."""
+def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config, caller_gated: bool | None = None):
+    """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities).
+    ``caller_gated``: whether the caller gave ``g`` (None: whether ``g`` is given; a packed call's reset gates stand for a
+    ``g`` the caller may not have given), which decides whether every token's decay gradient is computed."""
     del cu_seqlens
     B, T, H, K = q.shape
     inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
@@ -171,6 +176,8 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     )
     arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
     checkpoints = run(checkpoints_plan, gradients.checkpoints_kernel, arrays, every_chunk=False)
-    operands = gradients.stacked_operands(q.dtype, launch.Target.lowered_for().chip)
-    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, operands=operands)
+    chip = launch.Target.lowered_for().chip
+    operands = gradients.stacked_operands(q.dtype, chip)
+    per_token = gradients.per_token_decay_gradient(g is not None if caller_gated is None else caller_gated, chip)
+    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, operands=operands, per_token=per_token)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

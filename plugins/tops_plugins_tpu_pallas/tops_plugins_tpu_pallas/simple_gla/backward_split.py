@@ -109,7 +109,7 @@ def _state_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: 
     grid.finish_state_gradient(refs, step, geometry)
 
 
-def _query_key_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float):
+def _query_key_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, per_token: bool):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
 
@@ -119,7 +119,8 @@ def _query_key_gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, sca
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
         attention = gradients.attention(gates.decays, q, k)
         dq, dk, da = gradients.query_key_gradients(
-            gates, attention, q, k, v, do, refs["checkpoints"][chunk.index], refs["dstates"][chunk.index], scale, "da" in refs
+            gates, attention, q, k, v, do, refs["checkpoints"][chunk.index], refs["dstates"][chunk.index], scale, "da" in refs,
+            gradients.summed_tokens(chunk, per_token),
         )
         refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)
@@ -138,5 +139,6 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
     states = run(states_plan, gradients.checkpoints_kernel, gradients.with_gate_rows(arrays, g, geometry), every_chunk=True)
     pass1 = run(state_gradients_plan, _state_gradients_kernel, arrays, scale=scale)
-    pass2 = run(query_key_plan, _query_key_gradients_kernel, {**arrays, **states, "dstates": pass1["dstates"]}, scale=scale)
+    per_token = gradients.per_token_decay_gradient(g is not None, launch.Target.lowered_for().chip)
+    pass2 = run(query_key_plan, _query_key_gradients_kernel, {**arrays, **states, "dstates": pass1["dstates"]}, scale=scale, per_token=per_token)
     return gradients.caller_gradients({**pass1, **pass2}, q, k, v, g, g_gamma, initial_state, geometry)

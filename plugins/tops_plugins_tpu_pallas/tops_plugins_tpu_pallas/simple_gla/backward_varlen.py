@@ -260,7 +260,7 @@ def _entering_state(refs: dict, states: grid.SequenceStates, number: jax.Array, 
     return varlen.to_chunk_end(log, since, start_resets, enters) * initial
 
 
-def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands):
+def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands, per_token: bool):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     C = geometry.chunk_size
@@ -324,7 +324,9 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
         attention = gradients.attention(gates.decays, q, k)
         dv = gradients.value_gradient(gates, attention, k, do, dleaving, scale) + refs["boundary_dv"][chunk.index]
-        dq, dk, da = gradients.query_key_gradients(gates, attention, q, k, v, do, entering, dleaving, scale, with_decay)
+        dq, dk, da = gradients.query_key_gradients(
+            gates, attention, q, k, v, do, entering, dleaving, scale, with_decay, gradients.summed_tokens(chunk, per_token),
+        )
         refs["dv"][chunk.rows, :] = dv.astype(refs["dv"].dtype)
         refs["dq"][chunk.rows, :] = (dq + refs["boundary_dq"][chunk.index]).astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = (dk + refs["boundary_dk"][chunk.index]).astype(refs["dk"].dtype)
@@ -382,7 +384,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     if varlen.without_states(initial_state, dht is not None):
         grads = backward_fused.backward(
             q, k, v, do, g=varlen.reset_gates(g, cu_seqlens, q.shape[:3]), g_gamma=g_gamma, scale=scale,
-            initial_state=None, dht=None, cu_seqlens=None, config=varlen.unpacked_config(config),
+            initial_state=None, dht=None, cu_seqlens=None, config=varlen.unpacked_config(config), caller_gated=g is not None,
         )
         return dataclasses.replace(grads, dg=None if g is None else grads.dg.astype(g.dtype))
     B, T, H, K = q.shape
@@ -399,8 +401,9 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
         arrays["first_gates"] = varlen.first_gates(g, g_gamma, cu_seqlens, q.shape[:3])
     walk_arrays = arrays if walks_along_lanes(geometry.chunk_size) else {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **boundaries}
     checkpoints = run(checkpoints_plan, _checkpoints_kernel, walk_arrays)
-    operands = gradients.stacked_operands(q.dtype, launch.Target.lowered_for().chip)
-    results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale, operands=operands)
+    chip = launch.Target.lowered_for().chip
+    operands, per_token = gradients.stacked_operands(q.dtype, chip), gradients.per_token_decay_gradient(g is not None, chip)
+    results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale, operands=operands, per_token=per_token)
     grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)
     if initial_state is None:
         return grads
