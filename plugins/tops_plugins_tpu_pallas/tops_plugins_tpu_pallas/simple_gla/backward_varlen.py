@@ -228,12 +228,17 @@ def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     state = refs["state"][...]
     if walks_along_lanes(C):
         every_gates = step_gates(chunks, refs, head, None, attention=False, along_lanes=True)
+        # Every chunk's initial states before the chain: their loads' branches would cut it into one block per chunk.
+        entering = [
+            _entering_state(refs, states, step * geometry.chunks_per_step + chunk.index, C, gates.log) if states.has("initial_state") else None
+            for chunk, gates in zip(chunks, every_gates)
+        ]
         for chunk, gates in zip(chunks, every_gates):
             refs["checkpoints"][chunk.index] = state
             k = chunk.read(refs["k"])
             state = advance_state(state, k.T, chunk.read(refs["v"]), gates, gradients.decay_gradient_operands(k.dtype), True)
-            if states.has("initial_state"):
-                state = state + _entering_state(refs, states, step * geometry.chunks_per_step + chunk.index, C, gates.log)
+            if entering[chunk.index] is not None:
+                state = state + entering[chunk.index]
     else:
         decay = constant_decay(refs, head)
         for chunk in chunks:
