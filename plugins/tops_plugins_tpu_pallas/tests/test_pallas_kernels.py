@@ -574,22 +574,28 @@ def test_lowered_for_v6e_the_fused_backward_stacks_its_state_products_and_matche
     # every gradient against the float64 reference; on a 128-deep MXU, and for float32 inputs, the products stay split.
     assert gradients.stacked_operands(jnp.bfloat16, "v5e") == mxu.SPLIT_BFLOAT16
     assert gradients.stacked_operands(jnp.float32, "v6e") == jnp.float32
-    monkeypatch.setattr(launch.Target, "lowered_for", classmethod(lambda cls: cls.of("v6e")))
-    chosen, stacked_operands = [], gradients.stacked_operands
-
-    def recorded(*args):
-        chosen.append(stacked_operands(*args))
-        return chosen[-1]
-
-    monkeypatch.setattr(gradients, "stacked_operands", recorded)
     implementation = tops_core.default_registry().get("simple_gla", "tpu_pallas.fused")
     case = next(case for case in grid(implementation).supported if case.name == "bfloat16")
+    assert _choices_running_for_v6e(monkeypatch, "stacked_operands", implementation, case) == [mxu.SPLIT_BFLOAT16_STACKED]
+
+
+def _choices_running_for_v6e(monkeypatch, rule: str, implementation, case) -> list:
+    """Run the kit's ``case`` through ``implementation`` traced for a v6e (in the interpreter), checked against the
+    reference, and return what ``gradients.<rule>`` chose on the way."""
+    monkeypatch.setattr(launch.Target, "lowered_for", classmethod(lambda cls: cls.of("v6e")))
+    chosen, choose = [], getattr(gradients, rule)
+
+    def recorded(*args):
+        chosen.append(choose(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(gradients, rule, recorded)
     jax.clear_caches()  # the kit's own run of this case may have left its program, traced for no chip, in jit's cache
     try:
         checks.run_case(implementation, case)
     finally:
         jax.clear_caches()  # and none traced for v6e stays behind for the tests that follow
-    assert chosen == [mxu.SPLIT_BFLOAT16_STACKED]
+    return chosen
 
 
 # The kit's g_gamma cases (ragged T = 100, dht; the weak bf16 decay whose dg_gamma nearly cancels; packed over two
@@ -606,21 +612,8 @@ def test_lowered_for_v6e_the_backwards_sum_g_gammas_decay_gradient_and_match_the
     # gradients.per_token_decay_gradient as the backwards apply it (a v6e target in the interpreter): with g_gamma alone
     # each chunk's row holds only the sum dg_gamma needs; with g, or on a 128-wide MXU, every token's.
     assert gradients.per_token_decay_gradient(True, "v6e") and gradients.per_token_decay_gradient(False, "v5e")
-    monkeypatch.setattr(launch.Target, "lowered_for", classmethod(lambda cls: cls.of("v6e")))
-    decided, decide = [], gradients.per_token_decay_gradient
-
-    def recorded(*args):
-        decided.append(decide(*args))
-        return decided[-1]
-
-    monkeypatch.setattr(gradients, "per_token_decay_gradient", recorded)
     implementation = tops_core.default_registry().get("simple_gla", name)
     case = next(case for case in grid(implementation).supported if case.name == case_name)
     if without_states:  # the packed backward without states: fused's on the reset gates
         case = case.with_features(case.name + "-without-states", case.features - {"initial_state", "output_final_state"})
-    jax.clear_caches()  # the kit's own run of this case may have left its program, traced for no chip, in jit's cache
-    try:
-        checks.run_case(implementation, case)
-    finally:
-        jax.clear_caches()  # and none traced for v6e stays behind for the tests that follow
-    assert decided == [False]
+    assert _choices_running_for_v6e(monkeypatch, "per_token_decay_gradient", implementation, case) == [False]
