@@ -18,7 +18,9 @@ every packing of the same ``T`` and ``N``). A chunk holds one or more *pieces*, 
    or ends inside a chunk (a loop over those sequences alone, ``Boundary``): where it starts, its initial state's
    reads (into ``dq``) and ``dinitial_state[n]`` (one DMA out); where it ends, ``dht[n]`` (one DMA in, when given)
    reaching its keys and values (into ``dk``, ``dv``); and the state carried across its piece (into ``dg``). The
-   ``dS`` chain itself gains ``dht[n]`` where a sequence that started before the chunk ends in it. ``dg`` sums a
+   ``dS`` chain itself gains ``dht[n]`` where a sequence that started before the chunk ends in it. The loop runs in the
+   chain's pass, before its step through each chunk, over the sequences from the last to the first, so that every
+   state is loaded in descending order and each load reads the next one ahead (``SequenceStates``). ``dg`` sums a
    token's products only within its own piece (``gradients.query_key_gradients_of``), so its sums restart at every
    sequence start; a sequence's first token, whose reset gate scales nothing, gets its initial state's terms alone.
 
@@ -96,7 +98,6 @@ class Boundary:
     the state entering the piece decays to the state leaving it.
     """
 
-    sequence: jax.Array
     start: jax.Array  # first row (0 when the sequence started before the chunk)
     end: jax.Array  # end row (the chunk size when the sequence goes on past the chunk)
     starts: jax.Array  # the sequence starts in the chunk: its initial state enters here
@@ -122,7 +123,7 @@ class Boundary:
             starts, masked_exp(last_log + since, last_resets == start_resets), masked_exp(last_log, last_resets == 0),
         )
         return cls(
-            sequence=sequence, start=jnp.maximum(begins, 0), end=jnp.minimum(ends, C), starts=starts, ends=ends_here,
+            start=jnp.maximum(begins, 0), end=jnp.minimum(ends, C), starts=starts, ends=ends_here,
             query=query, key=key, chunk=whole,
         )
 
