@@ -293,6 +293,11 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
     # to the first, so every state is loaded in the order read ahead). The chain gains the dht of a chunk's first
     # sequence where it started before the chunk and ends in it: the one boundary it carries past.
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
+    # The chain's products first: between the loops, each would have waited on its own.
+    reads = [
+        gradients.state_gradient_of_reads(every_gates[chunk.index], chunk.read(refs["q"]), chunk.read(refs["do"]), scale, operands)
+        for chunk in chunks
+    ]
     dstate, leaving = refs["dstate"][...], [None] * len(chunks)
     for chunk in reversed(chunks):
         leaving[chunk.index] = dstate
@@ -315,9 +320,8 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
         if with_decay:
             refs["boundary_dg"][chunk.index : chunk.index + 1, :] = dg
 
-        q, do = chunk.read(refs["q"]), chunk.read(refs["do"])
         gates = every_gates[chunk.index]
-        dstate = gradients.state_gradient_entering(gates, q, do, dstate, scale, operands)
+        dstate = gates.chunk * dstate + reads[chunk.index]
         if states.has("dht"):
             end = cu[first_sequence + 1] - first
             ends = (cu[first_sequence] < first) & (end <= C)

@@ -302,9 +302,15 @@ def state_decay_gradients(q, k, reads, writes, scale: float, later, earlier) -> 
 
 def state_gradient_entering(gates: ChunkGates, q, do, dstate, scale: float, operands=None) -> jax.Array:
     """The gradient of the state entering the chunk, from the one leaving it; ``operands`` None: ``decay_gradient_operands``."""
+    return gates.chunk * dstate + state_gradient_of_reads(gates, q, do, scale, operands)
+
+
+def state_gradient_of_reads(gates: ChunkGates, q, do, scale: float, operands=None) -> jax.Array:
+    """What the chunk's rows' reads of the entering state add to its gradient, ``scale * sum_i exp(b_i) q_i^T do_i``: the
+    part of ``state_gradient_entering`` that does not wait on the ``dS`` chain."""
     decayed_queries = q.astype(_F32) * gates.query
     operands = decay_gradient_operands(q.dtype) if operands is None else operands
-    return gates.chunk * dstate + scale * matmul(decayed_queries, do, operands, COLUMNS_BY_COLUMNS)
+    return scale * matmul(decayed_queries, do, operands, COLUMNS_BY_COLUMNS)
 
 
 # -- work, counted op by op from the functions above -----------------------------------------------
