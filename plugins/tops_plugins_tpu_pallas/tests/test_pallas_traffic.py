@@ -230,10 +230,10 @@ def test_varlen_backward_moves_what_the_fused_backward_moves_and_every_chunks_st
     T, H, K, V = 8192, 16, 128, 128
     config = varlen.VarlenConfig()
     geometry = backward_fused.geometry_of(1, T, H, K, V, config)
-    plans = backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs)
-    packed = traffic.figures(plans, T * H)
-    alone = traffic.figures(backward_fused.fitted_plans(geometry, jnp.bfloat16), T * H)
-    chunks, segments = T // config.chunk_size, plans[0].grid[3]
+    plans, fused_plans = backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), backward_fused.fitted_plans(geometry, jnp.bfloat16)
+    packed, alone = traffic.figures(plans, T * H), traffic.figures(fused_plans, T * H)
+    # The fused backward checkpoints every segment (its own, which may hold more chunks than the packed one's).
+    chunks, segments = T // config.chunk_size, fused_plans[0].grid[3]
     scalars = 2 * ((num_seqs + 1) * 4 + 2 * chunks * 4)
     every_chunk = 2 * (chunks - segments) * H * K * V * 4
     assert packed.kernel_bytes == alone.kernel_bytes + scalars + every_chunk + 2 * H * T * H * 4

@@ -192,9 +192,11 @@ def plans(
     )
     # Every sequence starts and ends once: at most two boundaries each.
     work = per_chunk * heads_chunks + _boundary_work(g) * (2 * g.heads * num_seqs) + gradients.gating_work(g, True)
-    # The body: fused's segment, plus what the boundary loop carries: dq, dk (C x K), dv (C x V), with reads and writes.
+    # The body: fused's segment, what the boundary loop carries (dq, dk: C x K, dv: C x V, with reads and writes) and
+    # the dS chain's products of every chunk of the segment (K x V each).
+    body = backward_fused.segment_vmem(g) + 4 * (4 * C * K + C * V + g.chunks_per_step * K * V)
     return checkpoints, grid.grid_plan(
-        "simple_gla_varlen_backward", g, scalars, inputs, outputs, work, backward_fused.segment_vmem(g) + 4 * (4 * C * K + C * V),
+        "simple_gla_varlen_backward", g, scalars, inputs, outputs, work, body,
         scratch=scratch,
     )
 
@@ -288,16 +290,16 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
     def number_of(chunk) -> jax.Array:
         return forward_step * geometry.chunks_per_step + chunk.index
 
-    # The dS chain, as fused's (the reset gates stop it where a sequence starts), and before each chunk's step what the
-    # reset gates leave out where a sequence starts or ends inside it (a loop, into VMEM; the sequences from the last
-    # to the first, so every state is loaded in the order read ahead). The chain gains the dht of a chunk's first
-    # sequence where it started before the chunk and ends in it: the one boundary it carries past.
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
-    # The chain's products first: between the loops, each would have waited on its own.
+    # The dS chain's products first: between the loops below, each would have waited on its own.
     reads = [
         gradients.state_gradient_of_reads(every_gates[chunk.index], chunk.read(refs["q"]), chunk.read(refs["do"]), scale, operands)
         for chunk in chunks
     ]
+    # The dS chain, as fused's (the reset gates stop it where a sequence starts), and before each chunk's step what the
+    # reset gates leave out where a sequence starts or ends inside it (a loop, into VMEM; the sequences from the last
+    # to the first, so every state is loaded in the order read ahead). The chain gains the dht of a chunk's first
+    # sequence where it started before the chunk and ends in it: the one boundary it carries past.
     dstate, leaving = refs["dstate"][...], [None] * len(chunks)
     for chunk in reversed(chunks):
         leaving[chunk.index] = dstate
