@@ -251,23 +251,23 @@ def finish_sequence(refs: dict, step: jax.Array, geometry: Geometry) -> None:
 
 STATE_BUFFERS = 2
 """VMEM buffers per per-sequence state array that copies stay in flight through (``state_buffers``): one sequence's copy
-moves while the kernel works with another's. One more buffer takes the copies waited on where they start."""
-
-SPARE = STATE_BUFFERS
-"""The buffer of the copies waited on where they start (a load nothing read ahead); no copy is ever in flight through it."""
+moves while the kernel works with another's. One more buffer, the spare, takes the copies waited on where they start
+(a load nothing read ahead); no copy is ever in flight through it."""
 
 READ_ARRAYS = ("initial_state", "dht")
 """The per-sequence arrays a kernel reads (copied into VMEM); the others (``final_state``, ``dinitial_state``) it writes."""
 
 
-def state_buffers(name: str, shape: tuple[int, int], dtype) -> tuple[Scratch, DmaSemaphores, ScalarScratch]:
+def state_buffers(name: str, shape: tuple[int, int], dtype, in_flight: int = STATE_BUFFERS) -> tuple[Scratch, DmaSemaphores, ScalarScratch]:
     """The scratch through which a kernel moves the regions of the per-sequence array ``name`` (``SequenceStates``):
-    ``STATE_BUFFERS`` VMEM buffers of ``shape`` (and the spare, for an array the kernel reads), a DMA semaphore each,
-    and in SMEM the sequence whose copy is in flight through each of the first ``STATE_BUFFERS`` (-1: none)."""
-    buffers = STATE_BUFFERS + (name in READ_ARRAYS)
+    ``in_flight`` VMEM buffers of ``shape`` that copies stay in flight through (and the spare, for an array the kernel
+    reads), a DMA semaphore each, and in SMEM the sequence whose copy is in flight through each of them (-1: none).
+    A grid point that moves one sequence's region, loaded where it starts and stored at its end (an unpacked call's
+    pool rows), needs none for its loads and one for its store."""
+    buffers = in_flight + (name in READ_ARRAYS)
     return (
         Scratch(f"{name}_buffers", (buffers, *shape), dtype), DmaSemaphores(f"{name}_copies", buffers),
-        ScalarScratch(f"{name}_in_flight", (STATE_BUFFERS,), jnp.int32),
+        ScalarScratch(f"{name}_in_flight", (max(in_flight, 1),), jnp.int32),
     )
 
 
@@ -310,7 +310,7 @@ class SequenceStates:
         @pl.when(when)
         def _begin():
             for name in self._moved():
-                for slot in range(STATE_BUFFERS):
+                for slot in range(self._in_flight(name)):
                     self.refs[f"{name}_in_flight"][slot] = -1
 
     def finish(self, when: jax.Array | bool = True) -> None:
@@ -319,7 +319,7 @@ class SequenceStates:
         @pl.when(when)
         def _finish():
             for name in self._moved():
-                for slot in range(STATE_BUFFERS):
+                for slot in range(self._in_flight(name)):
                     sequence = self.refs[f"{name}_in_flight"][slot]
                     self._wait(name, slot, sequence, sequence >= 0)
 
@@ -329,19 +329,21 @@ class SequenceStates:
         (0 for a sequence loaded again, whose successor its first load read ahead)."""
         if not self.has(name):
             return jnp.zeros(self.shape, _F32)
-        row, slot = self._row(sequence), sequence % STATE_BUFFERS
+        in_flight, row = self._in_flight(name), self._row(sequence)
+        spare, slot = in_flight, sequence % max(in_flight, 1)
         copied = when & (row >= 0) if self.pooled else when
-        arrived = copied & (self.refs[f"{name}_in_flight"][slot] == sequence)
-        self._wait(name, slot, sequence, arrived)
+        arrived = copied & (self.refs[f"{name}_in_flight"][slot] == sequence) if in_flight else jnp.asarray(False)
+        if in_flight:
+            self._wait(name, slot, sequence, arrived)
 
         @pl.when(copied & ~arrived)
         def _copy_now():
-            dma = self._dma(name, SPARE, sequence)
+            dma = self._dma(name, spare, sequence)
             dma.start()
             dma.wait()
 
         # Where not copied, read the spare buffer: no copy is in flight through it.
-        buffer = self.refs[f"{name}_buffers"][jnp.where(arrived, slot, SPARE)]
+        buffer = self.refs[f"{name}_buffers"][jnp.where(arrived, slot, spare)]
         loaded = jnp.where(copied, buffer.astype(_F32), 0.0)
         read_ahead = self.read_ahead if read_ahead is None else read_ahead
         if read_ahead:
@@ -353,7 +355,7 @@ class SequenceStates:
         sequence is a padding slot)."""
         if not self.has(name):
             return
-        row, slot = self._row(sequence), sequence % STATE_BUFFERS
+        row, slot = self._row(sequence), sequence % self._in_flight(name)
         stored = when & (row >= 0) if self.pooled else when
         in_flight = self.refs[f"{name}_in_flight"]
         going = in_flight[slot]
@@ -373,7 +375,7 @@ class SequenceStates:
         count = cu_seqlens.shape[0] - 1
         in_range = (sequence >= 0) & (sequence < count)
         sequence = jnp.clip(sequence, 0, count - 1)  # SMEM reads stay in bounds; in_range says whether it counts
-        slot = sequence % STATE_BUFFERS
+        slot = sequence % self._in_flight(name)
         in_flight = self.refs[f"{name}_in_flight"]
         coming = in_flight[slot]
         start = when & in_range & (cu_seqlens[sequence + 1] > cu_seqlens[sequence]) & (coming != sequence)
@@ -398,6 +400,10 @@ class SequenceStates:
         region, buffer = self._region(name, self._row(sequence)), self.refs[f"{name}_buffers"].at[slot]
         source, destination = (region, buffer) if name in READ_ARRAYS else (buffer, region)
         return pltpu.make_async_copy(source, destination, self.refs[f"{name}_copies"].at[slot])
+
+    def _in_flight(self, name: str) -> int:
+        """How many of ``name``'s buffers copies stay in flight through (``state_buffers``): all but a read array's spare."""
+        return self.refs[f"{name}_buffers"].shape[0] - (name in READ_ARRAYS)
 
     def _moved(self) -> list[str]:
         """The state arrays this kernel moves through ``state_buffers``."""
