@@ -258,12 +258,13 @@ READ_ARRAYS = ("initial_state", "dht")
 """The per-sequence arrays a kernel reads (copied into VMEM); the others (``final_state``, ``dinitial_state``) it writes."""
 
 
-def state_buffers(name: str, shape: tuple[int, int], dtype, in_flight: int = STATE_BUFFERS) -> tuple[Scratch, DmaSemaphores, ScalarScratch]:
+def state_buffers(name: str, shape: tuple[int, int], dtype, keep_in_flight: bool = True) -> tuple[Scratch, DmaSemaphores, ScalarScratch]:
     """The scratch through which a kernel moves the regions of the per-sequence array ``name`` (``SequenceStates``):
-    ``in_flight`` VMEM buffers of ``shape`` that copies stay in flight through (and the spare, for an array the kernel
-    reads), a DMA semaphore each, and in SMEM the sequence whose copy is in flight through each of them (-1: none).
-    A grid point that moves one sequence's region, loaded where it starts and stored at its end (an unpacked call's
-    pool rows), needs none for its loads and one for its store."""
+    VMEM buffers of ``shape`` that copies stay in flight through (``STATE_BUFFERS``, and the spare for an array the
+    kernel reads), a DMA semaphore each, and in SMEM the sequence whose copy is in flight through each of them (-1:
+    none). Without ``keep_in_flight`` (a grid point that moves one sequence's region, loaded at its first step and
+    stored after its last: an unpacked call's pool rows), a read array gets the spare alone and a written one a buffer."""
+    in_flight = STATE_BUFFERS if keep_in_flight else int(name not in READ_ARRAYS)
     buffers = in_flight + (name in READ_ARRAYS)
     return (
         Scratch(f"{name}_buffers", (buffers, *shape), dtype), DmaSemaphores(f"{name}_copies", buffers),
@@ -332,8 +333,9 @@ class SequenceStates:
         in_flight, row = self._in_flight(name), self._row(sequence)
         spare, slot = in_flight, sequence % max(in_flight, 1)
         copied = when & (row >= 0) if self.pooled else when
-        arrived = copied & (self.refs[f"{name}_in_flight"][slot] == sequence) if in_flight else jnp.asarray(False)
+        arrived = jnp.asarray(False)  # no buffer a copy stays in flight through: every load through the spare
         if in_flight:
+            arrived = copied & (self.refs[f"{name}_in_flight"][slot] == sequence)
             self._wait(name, slot, sequence, arrived)
 
         @pl.when(copied & ~arrived)

@@ -43,8 +43,8 @@ from tops_core.packing import sequence_starts
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
-    STATE_BUFFERS, Chunk, Work, chunks_of_the_grid, finish_sequence, geometry_of, pool_aliases, pool_states, sequence_states,
-    start_sequence, state_buffers, state_rows, step_chunks,
+    Chunk, Work, chunks_of_the_grid, finish_sequence, geometry_of, pool_aliases, pool_states, sequence_states, start_sequence,
+    state_buffers, state_rows, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import KDA, chunk_steps
@@ -152,15 +152,15 @@ def plans(
         state_block = (geometry.padded_key_dim, geometry.value_block)
         scratch = [blocks.running_state(geometry)]
         # Unpacked pool rows: one sequence per grid point, its row loaded at once and stored once (no copy in flight).
-        loads, stores = (STATE_BUFFERS, STATE_BUFFERS) if num_seqs is not None else (0, 1)
+        in_flight = num_seqs is not None
         if initial_state_dtype is not None:
             # Read once where its sequence starts and, when it also ends in that chunk, again for its final state.
             moves = 2 if output_final_state and num_seqs is not None else 1
             inputs.append(sequence_states("initial_state", geometry, sequences, initial_state_dtype, moves, pool_rows))
-            scratch += state_buffers("initial_state", state_block, initial_state_dtype, in_flight=loads)
+            scratch += state_buffers("initial_state", state_block, initial_state_dtype, keep_in_flight=in_flight)
         if output_final_state:
             outputs.append(sequence_states("final_state", geometry, sequences, jnp.float32, pool_rows=pool_rows))
-            scratch += state_buffers("final_state", state_block, jnp.float32, in_flight=stores)
+            scratch += state_buffers("final_state", state_block, jnp.float32, keep_in_flight=in_flight)
     bound, packed = activations.decay_lower_bound, num_seqs is not None
     chunk = recurrence.chunk_work(geometry, use_qk_l2norm, bound, packed) + activation_work(activations, geometry)
     work = chunk * chunks_of_the_grid(geometry)

@@ -21,8 +21,8 @@ every packing of the same ``T`` and ``N``). A chunk holds one or more *pieces*, 
    ``dS`` chain itself gains ``dht[n]`` where a sequence that started before the chunk ends in it. The loop runs in the
    chain's pass, before its step through each chunk, over the sequences from the last to the first, so that every
    state is loaded in descending order and each load reads the next one ahead (``SequenceStates``). ``dg`` sums a
-   token's products only within its own piece (``gradients.query_key_gradients_of``), so its sums restart at every
-   sequence start; a sequence's first token, whose reset gate scales nothing, gets its initial state's terms alone.
+   token's products only within its own piece (the decay matrix, and ``_boundary_terms``' token masks), so its sums
+   restart at every sequence start; a sequence's first token, whose reset gate scales nothing, gets its initial state's terms alone.
 
 Empty sequences cover no token: their ``dinitial_state`` (``dht[n]`` or zeros: their final state
 is their initial state) is set around the kernels.

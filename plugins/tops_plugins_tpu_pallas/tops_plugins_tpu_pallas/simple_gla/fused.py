@@ -112,8 +112,8 @@ def plans(
         scalars.append(state_rows(geometry.batch))
         block = (geometry.padded_key_dim, geometry.value_block)
         # One sequence per grid point: its row loaded at once and stored once, with no copy in flight between sequences.
-        scratch = [blocks.running_state(geometry), *state_buffers("initial_state", block, initial_state_dtype, in_flight=0)]
-        scratch += state_buffers("final_state", block, jnp.float32, in_flight=1) if output_final_state else []
+        scratch = [blocks.running_state(geometry), *state_buffers("initial_state", block, initial_state_dtype, keep_in_flight=False)]
+        scratch += state_buffers("final_state", block, jnp.float32, keep_in_flight=False) if output_final_state else []
     if initial_state_dtype is not None:
         inputs.append(state("initial_state", initial_state_dtype))
     outputs = [blocks.value_rows("o", geometry, dtype)]
