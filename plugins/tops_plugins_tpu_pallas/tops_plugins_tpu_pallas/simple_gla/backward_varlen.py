@@ -15,7 +15,7 @@ every packing of the same ``T`` and ``N``). A chunk holds one or more *pieces*, 
 2. **gradients** is fused's gradients kernel on the same reset gates, its segments walked from the last to the first
    and each chunk's entering state read from the checkpoints: its ``dS`` chain stops where a sequence starts, and its
    decay matrix holds no pair of two sequences. What the reset gates leave out is added only where a sequence starts
-   or ends inside a chunk (a loop over those sequences alone, ``Boundary``): where it starts, its initial state's
+   or ends inside a chunk (a loop over those sequences alone, ``varlen.Boundary``): where it starts, its initial state's
    reads (into ``dq``) and ``dinitial_state[n]`` (one DMA out); where it ends, ``dht[n]`` (one DMA in, when given)
    reaching its keys and values (into ``dk``, ``dv``); and the state carried across its piece (into ``dg``). The
    ``dS`` chain itself gains ``dht[n]`` where a sequence that started before the chunk ends in it. The loop runs in the
@@ -83,49 +83,6 @@ class Piece:
             key = masked_exp(last - log.column, inside & unreset(log.resets_column, resets_last))
             chunk = masked_exp(last - before, unreset(resets_last, resets_before))
         return cls(sequence=sequence, continuing=begins < first, key=key, chunk=chunk)
-
-
-@dataclasses.dataclass(frozen=True)
-class Boundary:
-    """Sequence ``sequence``'s piece of a chunk it starts or ends in, and the decays of its state terms, from the chunk's
-    reset gates (``varlen.reset_gates``: the state dropped where every sequence starts).
-
-    ``query``, ``key`` and ``chunk`` are what ``ChunkGates``' fields are for a whole chunk, for the piece's own state
-    terms, which the reset gates leave out, so the ``gradients`` state terms take a boundary where they take a chunk's
-    gates: ``query`` is how its initial state decays to each of its rows (from before its first token, whose own log
-    decay ``g_r`` the reset replaced: ``exp(b_i - b_r + g_r)``; 0 where it started before the chunk), ``key`` how each
-    of its rows' products decays to its last row (``exp(b_e - b_j)``; 0 where it goes on past the chunk), ``chunk`` how
-    the state entering the piece decays to the state leaving it.
-    """
-
-    start: jax.Array  # first row (0 when the sequence started before the chunk)
-    end: jax.Array  # end row (the chunk size when the sequence goes on past the chunk)
-    starts: jax.Array  # the sequence starts in the chunk: its initial state enters here
-    ends: jax.Array  # the sequence ends in the chunk: its final state's gradient enters here
-    query: jax.Array  # (C, 1)
-    key: jax.Array  # (C, 1)
-    chunk: jax.Array  # (1, 1)
-
-    @classmethod
-    def of(cls, cu_seqlens, sequence: jax.Array, first: jax.Array, log: LogDecays, first_gate: jax.Array) -> Boundary:
-        """Sequence ``sequence``'s boundary in the chunk whose first token is ``first`` and log decays ``log`` (of the reset
-        gates); ``first_gate``: the sequence's first log decay (``varlen.first_gates``)."""
-        C = log.column.shape[0]
-        begins, ends = cu_seqlens[sequence] - first, cu_seqlens[sequence + 1] - first
-        starts, ends_here = (begins >= 0) & (ends > begins), (ends <= C) & (ends > begins)
-        since, start_resets = varlen.since_start(log, first_gate, begins)
-        last = jnp.minimum(ends, C) - 1
-        last_log, last_resets = varlen.value_at(log.row, last, 1), varlen.value_at(log.resets_row, last, 1)
-        rows, resets = lax.broadcasted_iota(jnp.int32, (C, 1), 0), log.resets_column.astype(_F32)
-        query = masked_exp(log.column + since, starts & (resets == start_resets))
-        key = masked_exp(last_log - log.column, ends_here & (resets == last_resets) & (rows <= last))
-        whole = jnp.where(
-            starts, masked_exp(last_log + since, last_resets == start_resets), masked_exp(last_log, last_resets == 0),
-        )
-        return cls(
-            start=jnp.maximum(begins, 0), end=jnp.minimum(ends, C), starts=starts, ends=ends_here,
-            query=query, key=key, chunk=whole,
-        )
 
 
 def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
@@ -356,7 +313,7 @@ def _boundary_scratch(geometry: Geometry, decayed: bool) -> list[Scratch]:
 
 def _boundary_terms(i, terms, *, refs, states, chunk, log, first, last_sequence, first_sequence, entering, dleaving, scale):
     """The ``i``-th sequence from ``last_sequence`` down, ``n``: its terms that the reset gates leave out of ``chunk``
-    (``Boundary``), added to ``terms`` (``dq``, ``dk``, ``dv``, ``dg``): its initial state's reads and gradient where it
+    (``varlen.Boundary``), added to ``terms`` (``dq``, ``dk``, ``dv``, ``dg``): its initial state's reads and gradient where it
     starts, its final state's gradient reaching its keys and values where it ends, and the decay gradient of these and
     of the state carried across its piece; and, as ``terms``' last, its ``dht`` where it is ``first_sequence`` and
     started before the chunk (for the ``dS`` chain). ``entering``, ``dleaving``: the chunk's state entering and ``dS``
@@ -365,7 +322,7 @@ def _boundary_terms(i, terms, *, refs, states, chunk, log, first, last_sequence,
     dq, dk, dv, dg, first_dht = terms
     q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
     first_gate = varlen.value_at(refs["first_gates"][...], n, 1) if "first_gates" in refs else jnp.zeros((1, 1), _F32)
-    edge = Boundary.of(refs["cu_seqlens"], n, first, log, first_gate)
+    edge = varlen.Boundary.of(refs["cu_seqlens"], n, first, log, first_gate)
     initial = states.load("initial_state", n, edge.starts)
     dpiece = dleaving  # dS leaving the piece
     reads = writes = jnp.zeros_like(dq)

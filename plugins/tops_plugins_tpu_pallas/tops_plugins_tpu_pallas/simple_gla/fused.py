@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from tops_core.tpu.generations import GENERATIONS
@@ -229,39 +230,53 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     start_sequence(refs, step)
-
-    constant = constant_gates(refs, head, geometry)
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
-    every = step_chunks(geometry, step)
-    every_gates = step_gates(every, refs, head, constant, along_lanes=along_lanes, resets_dtype=resets_dtype)
-    chunks = []
-    for chunk in every:
+    chunks = step_chunks(geometry, step)
+    every_gates = step_gates(chunks, refs, head, constant_gates(refs, head, geometry), along_lanes=along_lanes, resets_dtype=resets_dtype)
+    state_chain(refs, chunks, every_gates, scale=scale, attention_first=attention_first, operands=operands, along_lanes=along_lanes)
+    finish_sequence(refs, step, geometry)
+
+
+def state_chain(
+    refs: dict, chunks: list, every_gates: list, *, scale: float, attention_first: bool, operands, along_lanes: bool,
+    output_terms: Callable[[int], jax.Array | None] | None = None,
+    state_terms: Callable[[int, jax.Array], jax.Array | None] | None = None,
+) -> None:
+    """A grid step's chunks through the state in ``refs["state"]``, in order: each chunk's output written to ``refs["o"]``
+    and the state advanced past it. A packed kernel adds what its resets left out (``varlen``): ``output_terms(index)``
+    to the chunk's output, ``state_terms(index, entering)`` to the state leaving it (``entering``: the state entering
+    the chunk); either may give None, nothing to add."""
+    prepared = []
+    for chunk in chunks:
         q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
         k = k.T if along_lanes else k  # keys transposed: their decays are the decay matrix's last row
         if attention_first:
             every_gates[chunk.index] = every_gates[chunk.index].with_decays()
-        chunks.append((chunk, q, k, v, intra_chunk_output(q, k, v, every_gates[chunk.index], operands, along_lanes) if attention_first else None))
+        prepared.append((chunk, q, k, v, intra_chunk_output(q, k, v, every_gates[chunk.index], operands, along_lanes) if attention_first else None))
     # The attention does not depend on the state. Traced ahead of the chain through the state, the
     # scheduler fills the chain's gaps with it; else beside each link, with the next chunk's scores
     # one link early, so the MXU computes them while this link's products drain.
     def scores_of(index):
-        if index == len(chunks):
+        if index == len(prepared):
             return None
-        _, q, k, _, _ = chunks[index]
+        _, q, k, _, _ = prepared[index]
         every_gates[index] = every_gates[index].with_decays()
         return decayed_scores(q, k, every_gates[index], operands, along_lanes)
 
     state = refs["state"][...]
     scores = None if attention_first else scores_of(0)
-    for index, (chunk, q, k, v, intra) in enumerate(chunks):
+    for index, (chunk, q, k, v, intra) in enumerate(prepared):
         gates = every_gates[index]
         if intra is None:
             current, scores = scores, scores_of(index + 1)
             intra = attend(current, v, operands)
-        refs["o"][chunk.rows, :] = output_from_state(intra, q, state, gates, scale, operands).astype(refs["o"].dtype)
-        state = advance_state(state, k, v, gates, operands, along_lanes)
+        o = output_from_state(intra, q, state, gates, scale, operands)
+        added = output_terms(index) if output_terms is not None else None
+        refs["o"][chunk.rows, :] = (o if added is None else o + added).astype(refs["o"].dtype)
+        entering, state = state, advance_state(state, k, v, gates, operands, along_lanes)
+        added = state_terms(index, entering) if state_terms is not None else None
+        state = state if added is None else state + added
     refs["state"][...] = state
-    finish_sequence(refs, step, geometry)
 
 
 def forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, config: FusedConfig, ssm_state_indices=None):

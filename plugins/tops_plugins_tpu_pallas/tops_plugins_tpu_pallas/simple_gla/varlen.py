@@ -10,8 +10,8 @@ where each sequence starts (``reset_gates``: ``g = -inf`` on its first token), a
 With states it runs fused's kernel on the same reset gates (``forward_config``: fused's chunk and step for the chip),
 and adds what the reset left out only where a sequence starts or ends. The boundaries are scalars in SMEM (scalar
 prefetch): ``cu_seqlens`` and, per chunk, the first and last sequence it overlaps. For each sequence ``n`` with a
-boundary inside a chunk (a loop over those alone), with ``b`` the chunk's cumulative log decays (``LogDecays``: every
-exponent a difference of ``b`` with no reset between, masked before ``exp``):
+boundary inside a chunk (a loop over those alone, ``Boundary``), with ``b`` the chunk's cumulative log decays
+(``LogDecays``: every exponent a difference of ``b`` with no reset between, masked before ``exp``):
 
 - where it starts, at row ``r``: its initial state (one DMA from HBM, when given) enters its rows,
   ``o_i += scale * exp(b_i - b_r + g_r) q_i h0``, where ``g_r`` is its first token's own log decay, which the reset
@@ -19,6 +19,12 @@ exponent a difference of ``b`` with no reset between, masked before ``exp``):
 - where it ends, at row ``e``: its final state (one DMA to HBM) is the state entering the chunk decayed to ``e`` (when
   it started before the chunk), its keys' products decayed to ``e``, and its initial state's term (when it started in
   the chunk).
+
+A grid step runs in three passes. First every chunk's loop (``_boundary_terms``), into VMEM: the initial states' terms
+of the outputs and of the state leaving the chunk, and each final state, stored at once where its sequence started in
+the chunk. Then fused's chain through the state (``fused.state_chain``), which adds those terms; a loop's traced
+bounds and a DMA's branches cut the code into blocks the scheduler cannot overlap, so the chain has neither. Last, the
+final state of each sequence carried into the chunk it ends in, whose term of the carried state the chain gave.
 
 Empty sequences cover no token, so no chunk visits them: their final state (``initial_state[n]`` or zeros) is set
 around the kernel.
@@ -42,12 +48,10 @@ from tops_plugins_tpu_pallas.grid import (
     Work, pool_aliases, pool_states, sequence_states, start_sequence, state_buffers, state_rows, step_chunks,
 )
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul
-from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    LogDecays, advance_state, constant_gates, intra_chunk_output, log_decays, output_from_state, step_gates,
-)
+from tops_plugins_tpu_pallas.simple_gla.chunkwise import LogDecays, constant_gates, log_decays, step_gates
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES
 from tops_plugins_tpu_pallas.simple_gla import fused
-from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scalars
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scalars, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -104,15 +108,17 @@ def plans(
     state_block = (g.padded_key_dim, g.value_block)
     inputs, outputs = [*plan.inputs, first_gates_block(g, num_seqs)], list(plan.outputs)
     scratch = list(plan.scratch)
+    n, C, K, Vb = g.chunks_per_step, g.chunk_size, g.padded_key_dim, g.value_block
+    # Every chunk's boundary terms, computed ahead of the chain (``_boundary_terms``).
     if initial_state_dtype is not None:
         inputs.append(sequence_states("initial_state", g, num_seqs, initial_state_dtype, pool_rows=pool_rows))
         scratch += state_buffers("initial_state", state_block, initial_state_dtype)
+        scratch += [Scratch("initial_outputs", (n, C, Vb), _F32), Scratch("initial_pieces", (n, K, Vb), _F32)]
     if output_final_state:
         outputs.append(sequence_states("final_state", g, num_seqs, _F32, pool_rows=pool_rows))
-        scratch += state_buffers("final_state", state_block, _F32)
+        scratch += [*state_buffers("final_state", state_block, _F32), Scratch("final_pieces", (n, K, Vb), _F32)]
     # Every sequence starts and ends once: its initial state's product with the chunk's queries, its keys' product into
     # its final state, and the decays of both (2 C + 1 exps).
-    C, K, Vb = g.chunk_size, g.padded_key_dim, g.value_block
     boundary = Work(flops=2 * 2 * C * K * Vb, transcendentals=2 * C + 1) * (g.heads * g.value_tiles * num_seqs)
     scalars = (*plan.scalars, *boundaries(g, num_seqs), *([state_rows(num_seqs)] if pool_rows is not None else []))
     return (dataclasses.replace(
@@ -167,68 +173,139 @@ def to_chunk_end(log: LogDecays, since: jax.Array, start_resets: jax.Array, when
     return masked_exp(log.row[:, -1:] + since, when & (log.resets_row[:, -1:] == start_resets))
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands, resets_dtype):
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """Sequence ``sequence``'s piece of a chunk it starts or ends in, and the decays of its state terms, from the chunk's
+    reset gates (``reset_gates``: the state dropped where every sequence starts).
+
+    ``query``, ``key`` and ``chunk`` are what ``ChunkGates``' fields are for a whole chunk, for the piece's own state
+    terms, which the reset gates leave out, so the ``gradients`` state terms take a boundary where they take a chunk's
+    gates: ``query`` is how its initial state decays to each of its rows (from before its first token, whose own log
+    decay ``g_r`` the reset replaced: ``exp(b_i - b_r + g_r)``; 0 where it started before the chunk), ``key`` how each
+    of its rows' products decays to its last row (``exp(b_e - b_j)``; 0 where it goes on past the chunk; a ``(1, C)`` row
+    for keys along lanes, the forward's at chunks of 128 and more), ``chunk`` how the state entering the piece decays to
+    the state leaving it.
+    """
+
+    start: jax.Array  # first row (0 when the sequence started before the chunk)
+    end: jax.Array  # end row (the chunk size when the sequence goes on past the chunk)
+    starts: jax.Array  # the sequence starts in the chunk: its initial state enters here
+    ends: jax.Array  # the sequence ends in the chunk: its final state's gradient enters here
+    query: jax.Array  # (C, 1)
+    key: jax.Array  # (C, 1), or (1, C) along lanes
+    chunk: jax.Array  # (1, 1)
+
+    @classmethod
+    def of(
+        cls, cu_seqlens, sequence: jax.Array, first: jax.Array, log: LogDecays, first_gate: jax.Array, keys_along_lanes: bool = False,
+    ) -> Boundary:
+        """Sequence ``sequence``'s boundary in the chunk whose first token is ``first`` and log decays ``log`` (of the reset
+        gates); ``first_gate``: the sequence's first log decay (``first_gates``)."""
+        C = log.column.shape[0]
+        begins, ends = cu_seqlens[sequence] - first, cu_seqlens[sequence + 1] - first
+        starts, ends_here = (begins >= 0) & (ends > begins), (ends <= C) & (ends > begins)
+        since, start_resets = since_start(log, first_gate, begins)
+        last = jnp.minimum(ends, C) - 1
+        last_log, last_resets = value_at(log.row, last, 1), value_at(log.resets_row, last, 1)
+        rows, resets = lax.broadcasted_iota(jnp.int32, (C, 1), 0), log.resets_column.astype(_F32)
+        query = masked_exp(log.column + since, starts & (resets == start_resets))
+        if keys_along_lanes:
+            lanes = lax.broadcasted_iota(jnp.int32, (1, C), 1)
+            key = masked_exp(last_log - log.row, ends_here & (log.resets_row.astype(_F32) == last_resets) & (lanes <= last))
+        else:
+            key = masked_exp(last_log - log.column, ends_here & (resets == last_resets) & (rows <= last))
+        whole = jnp.where(
+            starts, masked_exp(last_log + since, last_resets == start_resets), masked_exp(last_log, last_resets == 0),
+        )
+        return cls(
+            start=jnp.maximum(begins, 0), end=jnp.minimum(ends, C), starts=starts, ends=ends_here,
+            query=query, key=key, chunk=whole,
+        )
+
+
+
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention_first: bool, operands, resets_dtype):
     refs = plan.bind(refs)
     head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     start_sequence(refs, step, from_initial_state=False)  # every sequence's own initial state enters where it starts
-    C = geometry.chunk_size
-    cu = refs["cu_seqlens"]
-    rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-    lanes = lax.broadcasted_iota(jnp.int32, (1, C), 1)
     states = grid.SequenceStates(refs, head, block, geometry.value_block, refs["state"].shape, read_ahead=1)
     states.begin(step == 0)
-    along_lanes = fused.gates_along_lanes(True, C)
+    along_lanes = fused.gates_along_lanes(True, geometry.chunk_size)
     chunks = step_chunks(geometry, step)
-    constant = constant_gates(refs, head, geometry)
-    every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, resets_dtype=resets_dtype)
-    first_gates = refs["first_gates"][...]  # (1, N)
-    state = refs["state"][...]  # zeros at step 0 (start_sequence)
-    for chunk, gates in zip(chunks, every_gates):
-        log = gates.log if along_lanes else log_decays(chunk, refs, head)
-        gates = gates.with_decays()
-        q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
-        keys = k.T if along_lanes else k
-        # The chunk as fused computes it: the state is reset where a sequence starts (its g is -inf there).
-        o = output_from_state(intra_chunk_output(q, keys, v, gates, operands, along_lanes), q, state, gates, scale, operands)
-        entering, state = state, advance_state(state, keys, v, gates, operands, along_lanes)
-        number = step * geometry.chunks_per_step + chunk.index
-        first = number * C
+    every_gates = step_gates(
+        chunks, refs, head, constant_gates(refs, head, geometry), along_lanes=along_lanes, resets_dtype=resets_dtype,
+    )
+    numbers = [step * geometry.chunks_per_step + chunk.index for chunk in chunks]
+    # Every chunk's boundary terms first: a loop with traced bounds, and each DMA's branches, cut the code around them
+    # into blocks the scheduler cannot overlap, so inside the chain they would stop it at every chunk.
+    carried = [
+        _boundary_terms(refs, states, chunk, number, gates.log if along_lanes else log_decays(chunk, refs, head),
+                        scale=scale, operands=operands, along_lanes=along_lanes)
+        for chunk, number, gates in zip(chunks, numbers, every_gates)
+    ]
+    with_initial, with_final = states.has("initial_state"), states.has("final_state")
 
-        def boundary(n, carry, q=q, keys=keys, v=v, log=log, gates=gates, entering=entering, first=first):
-            """Sequence ``n``'s start and end inside the chunk: its initial state's terms where it starts, its final state
-            where it ends. Every decay is a masked exp of a difference of ``b`` inside the chunk with no reset between."""
-            o, state = carry
-            start, end = cu[n] - first, cu[n + 1] - first
-            starts_here, ends_here = (start >= 0) & (end > start), (end <= C) & (end > start)
-            first_gate = value_at(first_gates, n, 1)
-            since, start_resets = since_start(log, first_gate, start)
-            initial = states.load("initial_state", n, starts_here)
-            # exp(b_i - b_r) on the sequence's rows: the decays' column r (a masked lane sum: cheaper than exponentiating a
-            # (C, 1) column, one register per 8 rows).
-            from_start = value_at(gates.decays, start, 1)
-            o = o + scale * matmul(q, initial, operands) * (jnp.where(starts_here, jnp.exp(first_gate), 0.0) * from_start)
-            state = state + to_chunk_end(log, since, start_resets, starts_here & (end > C)) * initial
-            last = end - 1
-            last_log, last_resets = value_at(log.row, last, 1), value_at(log.resets_row, last, 1)
-            if along_lanes:
-                to_last = masked_exp(last_log - log.row, (log.resets_row == last_resets) & (lanes <= last))
-                written = matmul(keys.astype(_F32) * to_last, v, operands)
-            else:
-                to_last = masked_exp(last_log - log.column, (log.resets_column == last_resets) & (rows <= last))
-                written = matmul(keys.astype(_F32) * to_last, v, operands, COLUMNS_BY_COLUMNS)
-            carried = masked_exp(last_log, (start < 0) & (last_resets == 0)) * entering
-            own = masked_exp(last_log + since, starts_here & (last_resets == start_resets)) * initial
-            states.store("final_state", n, carried + written + own, ends_here)
-            return o, state
+    def state_terms(index, entering):
+        if with_final:  # the chunk's first sequence, carried in, ends in it (else its decay is 0)
+            refs["final_pieces"][index] = refs["final_pieces"][index] + carried[index] * entering
+        return refs["initial_pieces"][index] if with_initial else None
 
-        # Only the sequences with a boundary inside the chunk: the first one when it starts or ends here, and every later
-        # one (each starts here).
-        first_sequence = refs["first_sequence"][number]
-        passing = (cu[first_sequence] < first) & (cu[first_sequence + 1] > first + C)
-        o, state = lax.fori_loop(first_sequence + passing.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary, (o, state))
-        refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
-    refs["state"][...] = state
+    fused.state_chain(
+        refs, chunks, every_gates, scale=scale, attention_first=attention_first, operands=operands, along_lanes=along_lanes,
+        output_terms=lambda index: refs["initial_outputs"][index] if with_initial else None, state_terms=state_terms,
+    )
+    if with_final:  # the final states of the sequences carried into the chunk they end in, now that the chain gave them
+        cu, C = refs["cu_seqlens"], geometry.chunk_size
+        for chunk, number in zip(chunks, numbers):
+            sequence = refs["first_sequence"][number]
+            carried_in = (cu[sequence] < number * C) & (cu[sequence + 1] <= (number + 1) * C)
+            states.store("final_state", sequence, refs["final_pieces"][chunk.index], carried_in)
     states.finish(step == geometry.time_steps - 1)
+
+
+def _boundary_terms(refs, states, chunk, number, log: LogDecays, *, scale, operands, along_lanes: bool) -> jax.Array:
+    """What the reset gates leave out of chunk ``number``, for each sequence with a boundary inside it (a loop over those
+    alone, ``Boundary``), into VMEM for the chain (``_kernel``): where a sequence starts, its initial state's share of
+    the chunk's outputs (``initial_outputs``) and, where it goes on past the chunk, of the state leaving it
+    (``initial_pieces``); where it ends, its final state, stored when it started in the chunk, else kept without the
+    carried state's term (``final_pieces``), whose decay ``exp(b_e)`` this returns ((1, 1), 0 where no sequence is
+    carried into the chunk and ends in it)."""
+    C = chunk.rows.size
+    cu, first = refs["cu_seqlens"], number * C
+    q, k, v = chunk.read(refs["q"]), chunk.read(refs["k"]), chunk.read(refs["v"])
+    keys = k.T.astype(_F32) if along_lanes else k.astype(_F32)
+    first_gates = refs["first_gates"][...]  # (1, N)
+    with_initial, with_final = states.has("initial_state"), states.has("final_state")
+    K, Vb = states.shape
+
+    def boundary(n, terms):
+        outputs, leaving, final_piece, carried = terms
+        edge = Boundary.of(cu, n, first, log, value_at(first_gates, n, 1), keys_along_lanes=along_lanes)
+        initial = states.load("initial_state", n, edge.starts)
+        if with_initial:
+            outputs = outputs + scale * matmul(q, initial, operands) * edge.query
+            leaving = leaving + jnp.where(edge.starts & ~edge.ends, edge.chunk, 0.0) * initial
+        if with_final:
+            written = matmul(keys * edge.key, v, operands) if along_lanes else matmul(keys * edge.key, v, operands, COLUMNS_BY_COLUMNS)
+            states.store("final_state", n, edge.chunk * initial + written if with_initial else written, edge.starts & edge.ends)
+            carried_in = edge.ends & ~edge.starts
+            final_piece = jnp.where(carried_in, written, final_piece)
+            carried = jnp.where(carried_in, edge.chunk, carried)
+        return outputs, leaving, final_piece, carried
+
+    # The chunk's first sequence when it starts or ends here, and every later one (each starts here).
+    first_sequence = refs["first_sequence"][number]
+    passing = (cu[first_sequence] < first) & (cu[first_sequence + 1] > first + C)
+    zeros = (jnp.zeros((C, Vb), _F32), jnp.zeros((K, Vb), _F32), jnp.zeros((K, Vb), _F32), jnp.zeros((1, 1), _F32))
+    outputs, leaving, final_piece, carried = lax.fori_loop(
+        first_sequence + passing.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary, zeros,
+    )
+    if with_initial:
+        refs["initial_outputs"][chunk.index] = outputs
+        refs["initial_pieces"][chunk.index] = leaving
+    if with_final:
+        refs["final_pieces"][chunk.index] = final_piece
+    return carried
 
 
 def sequences_of_chunks(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> tuple[jax.Array, jax.Array]:
@@ -289,7 +366,10 @@ def _forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, c
         **fused.gates_as_rows(gates, unpacked.chunk_size), **boundary_operands(cu_seqlens, q.shape[1], unpacked.chunk_size),
         "first_gates": first_gates(g, g_gamma, cu_seqlens, q.shape[:3]),
     }
-    kernel = functools.partial(_kernel, operands=fused.operands_of(unpacked, q.dtype), resets_dtype=fused.resets_dtype(chip))
+    kernel = functools.partial(
+        _kernel, attention_first=fused.attention_first(unpacked, q.dtype, q.shape[-1], chip),
+        operands=fused.operands_of(unpacked, q.dtype), resets_dtype=fused.resets_dtype(chip),
+    )
     o, final_state = grid.run(
         kernel, functools.partial(plans, num_seqs=cu_seqlens.shape[0] - 1), q, k, v, g=gates, g_gamma=g_gamma, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, config=unpacked, operands=operands,
