@@ -400,13 +400,14 @@ def test_a_modelled_section_with_nothing_to_model_is_one_line():
     assert "no implementation supports it natively on TPU" in tpu_model.format_model(no_candidate)
 
 
-def kernel_issuing(cycles: int, busiest: tuple[str, int], **issued):
+def kernel_issuing(cycles: int, busiest: tuple[str, int], traced_loop_cycles: int = 0, **issued):
     from tops_core.tpu import llo
     from tops_core.tpu import model as tpu_model
 
     return tpu_model.KernelModel(
         name="k.1", grid_steps=1, hbm_bytes=0, cycles=cycles, counts=llo.UnitCounts(), issued=llo.Issued(**issued),
         hbm_seconds=0.0, issue_seconds=1.0, mxu_seconds=0.0, busiest_unit=busiest[0], busiest_unit_cycles=busiest[1],
+        traced_loop_cycles=traced_loop_cycles,
     )
 
 
@@ -419,6 +420,15 @@ def test_a_limit_on_loads_or_stores_says_how_much_of_it_is_register_spills():
     # Spills are named only for the unit that binds, and only when there are any.
     assert kernel_issuing(1000, ("vector ALU", 200), **spilling).describe_limit() == "issue: dependency chains (5.0x the vector ALU slots' need)"
     assert kernel_issuing(250, ("store", 200), stores=200).describe_limit() == "issue: store slots"
+
+
+def test_a_limit_on_issue_says_how_much_of_it_is_in_loops_of_traced_trips():
+    # Such a loop (a packed kernel's over the sequences with a boundary in a chunk) is counted once, whatever it runs.
+    traced = "46% of the cycles in loops of traced trips, each counted once"
+    assert kernel_issuing(1000, ("vector ALU", 200), traced_loop_cycles=460).describe_limit() == (
+        f"issue: dependency chains (5.0x the vector ALU slots' need; {traced})")
+    assert kernel_issuing(250, ("store", 200), traced_loop_cycles=115, stores=200, spill_stores=150).describe_limit() == (
+        f"issue: store slots (75% of them register spills; {traced})")
 
 
 @pytest.mark.parametrize("budget", ["0", "-1", "nan", "inf", "soon"])

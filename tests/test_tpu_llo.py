@@ -103,6 +103,26 @@ def test_counts_the_grid_loops_body_once_per_step_it_computes():
     assert tpu_llo.DumpedKernel("kernel.1", dataclasses.replace(steps, grid=(4,)), schedule).cycles == schedule.cycles
 
 
+# A loop of 3 trips of two bundles, with a loop in it whose trip count is traced (no constant exit test: the compiler
+# compares with a register), of one bundle.
+TRACED = """= control target key start
+LB: loop body
+= control target key end
+
+     0   :  { %7 = vsyncpa [#allocation4], 0 }
+   0x1 LB: > { %s1 = sadd.s32 1, %s0 }
+   0x2 LB: >> { %v2 = vadd.f32 %v1, %v1  ;;  %p2 = scmp.ge.s32.totalorder %s2, %s9 }
+   0x3   : > { %p3 = scmp.ge.s32.totalorder %s1, 3 /* loop exit test */ }
+"""
+
+
+def test_a_loop_of_traced_trips_counts_once_and_says_so():
+    schedule = tpu_llo.read_bundles(TRACED, "kernel.1")
+    assert schedule.loops == ((3, 2), (1, 1))
+    assert (schedule.cycles, schedule.traced_loop_cycles) == (1 + 3 * (2 + 1), 3)
+    assert tpu_llo.read_bundles(BUNDLES).traced_loop_cycles == 0
+
+
 def test_counts_what_the_schedule_issues_by_slot_spills_included():
     kernel = tpu_llo.DumpedKernel("kernel.1", tpu_llo.MosaicKernel("kernel", (3,), tpu_llo.UnitCounts()), tpu_llo.read_bundles(PIPELINED))
     # The body, 3 times: a spilled register reloaded, an MXU result popped, 4 trips of an add and an exp (the mask

@@ -127,6 +127,7 @@ class Schedule:
     cycles: int
     loops: tuple[tuple[int, int], ...]
     issued: Issued = Issued()  # on every trip of every loop, as ``cycles``
+    traced_loop_cycles: int = 0  # of ``cycles``, those inside loops whose trip count is traced (no constant exit test): once each
     body_cycles: int = 0  # one trip of the outermost loop's body: the bundles its largest forward branch skips (``_body``)
     body_issued: Issued = Issued()
 
@@ -254,26 +255,30 @@ def read_bundles(text: str, name: str = "") -> Schedule:
 
     A loop starts at a bundle labelled ``LB`` with one more ``>`` of depth than its surroundings;
     its trip count is the constant of the first ``loop exit test`` at its depth (1 when none is
-    found, so an unrecognised loop counts once).
+    found: a loop whose trip count is traced, such as a packed kernel's loop over the sequences
+    with a boundary in a chunk, counts once, whatever it runs; ``Schedule.traced_loop_cycles``
+    says how much of the total such loops are).
     """
     bundles = []
     for line in text.splitlines():
         match = _BUNDLE.match(line)
         if match:
             bundles.append((match[1], len(match[2]), line))
-    open_loops: dict[int, int] = {}  # depth -> trip count of the innermost loop seen at that depth
+    open_loops: dict[int, int | None] = {}  # depth -> trip count of the innermost loop seen at that depth (None: traced)
     loops: list[list[int]] = []
     current: dict[int, list[int]] = {}
     times = []  # each bundle's cycles: 1 times the trips of its loops
+    traced = 0
     for index, (label, depth, line) in enumerate(bundles):
         if label == "LB":
-            trip = _trip_count(bundles, index, depth)
-            open_loops[depth] = trip
-            current[depth] = [trip, 0]
+            open_loops[depth] = _trip_count(bundles, index, depth)
+            current[depth] = [open_loops[depth] or 1, 0]
             loops.append(current[depth])
         if depth in current:
             current[depth][1] += 1
-        times.append(math.prod(open_loops.get(level, 1) for level in range(1, depth + 1)))
+        enclosing = [open_loops.get(level, 1) for level in range(1, depth + 1)]
+        times.append(math.prod(trip or 1 for trip in enclosing))
+        traced += times[-1] if None in enclosing else 0
     issued = [_issued(line) for _, _, line in bundles]
     hlo = _HLO_NAME.search(text)
     outer = tuple((trip, count) for trip, count in loops)
@@ -281,7 +286,7 @@ def read_bundles(text: str, name: str = "") -> Schedule:
     per_trip = [each // outer[0][0] for each in times[body.start:body.stop]] if outer else []
     return Schedule(
         name or (hlo[1] if hlo else ""), len(bundles), sum(times), outer,
-        issued=sum((counts * each for counts, each in zip(issued, times)), Issued()),
+        issued=sum((counts * each for counts, each in zip(issued, times)), Issued()), traced_loop_cycles=traced,
         body_cycles=sum(per_trip),
         body_issued=sum((counts * each for counts, each in zip(issued[body.start:body.stop], per_trip)), Issued()),
     )
@@ -304,7 +309,7 @@ def _body(bundles: list[tuple[str | None, int, str]], outermost: tuple[int, int]
     return range(start, end) if 2 * (end - start) >= loop_bundles else range(0)
 
 
-def _trip_count(bundles: list[tuple[str | None, int, str]], start: int, depth: int) -> int:
+def _trip_count(bundles: list[tuple[str | None, int, str]], start: int, depth: int) -> int | None:
     for label, level, line in bundles[start:]:
         if level < depth and level != 0:
             break
@@ -312,7 +317,7 @@ def _trip_count(bundles: list[tuple[str | None, int, str]], start: int, depth: i
             test = _EXIT_TEST.search(line)
             if test:
                 return int(test[1])
-    return 1
+    return None
 
 
 # -- a dump directory ---------------------------------------------------------------------------
@@ -332,6 +337,12 @@ class DumpedKernel:
         pipeline trips where the loop's trips are the grid's steps (or half of them, split over two TensorCores)
         and two more; the schedule's as it is otherwise."""
         return self.schedule.cycles - self._pipeline_trips() * self.schedule.body_cycles
+
+    @property
+    def traced_loop_cycles(self) -> int:
+        """Of ``cycles``, those in loops of traced trip counts (each counted once), the pipeline trips taken out in
+        proportion."""
+        return round(self.schedule.traced_loop_cycles * self.cycles / max(self.schedule.cycles, 1))
 
     @property
     def issued(self) -> Issued:

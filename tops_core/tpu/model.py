@@ -33,8 +33,9 @@ writes its gradient; any other gradient, and recomputing the forward's states, i
 The floor time reads ``q``, ``k``, ``v`` and the per-token gates and writes ``o`` once at HBM bandwidth. The per-generation
 constants (bandwidth, peak, clock, MXUs, VLIW slots) and their sources are in
 ``generations``. Not modelled: stalls (a DMA that is late, an MXU result not ready when
-popped), the pipeline's first and last steps beyond their bundles, and anything XLA overlaps across
-ops. An implementation without a Mosaic kernel (jax.numpy) is listed as not modelled; a section with
+popped), the pipeline's first and last steps beyond their bundles, anything XLA overlaps across
+ops, and how often a loop of traced trips runs: it counts once (a packed kernel's loop over the sequences
+with a boundary in a chunk), and the limit says what share of the cycles such loops are. An implementation without a Mosaic kernel (jax.numpy) is listed as not modelled; a section with
 nothing modelled is one line saying why.
 """
 
@@ -81,6 +82,7 @@ class KernelModel:
     mxu_seconds: float
     busiest_unit: str
     busiest_unit_cycles: int  # the cycles the busiest unit's instructions need at its slots per bundle
+    traced_loop_cycles: int = 0  # of ``cycles``, those in loops of traced trip counts, each counted once
 
     @property
     def seconds(self) -> float:
@@ -96,10 +98,13 @@ class KernelModel:
             return self.limit
         spills = self.spill_share()
         spilled = f"{spills:.0%} of them register spills" if spills else None
+        # A loop of traced trips runs as often as the data says (a packed kernel's boundaries), which no compile can count.
+        traced = f"{self.traced_loop_cycles / self.cycles:.0%} of the cycles in loops of traced trips, each counted once" if self.traced_loop_cycles else None
         if self.cycles > CHAINS * self.busiest_unit_cycles:
             need = f"{self.cycles / max(self.busiest_unit_cycles, 1):.1f}x the {self.busiest_unit} slots' need"
-            return f"issue: dependency chains ({'; '.join(filter(None, (need, spilled)))})"
-        return f"issue: {self.busiest_unit} slots" + (f" ({spilled})" if spilled else "")
+            return f"issue: dependency chains ({'; '.join(filter(None, (need, spilled, traced)))})"
+        notes = "; ".join(filter(None, (spilled, traced)))
+        return f"issue: {self.busiest_unit} slots" + (f" ({notes})" if notes else "")
 
     def spill_share(self) -> float | None:
         """The share of the busiest unit's instructions that move register spills, when that unit is the loads' or the
@@ -295,6 +300,7 @@ def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwi
         mxu_seconds=counts.mxu_rows * tpu.mxu_row_flops() / peak,
         busiest_unit=busiest,
         busiest_unit_cycles=round(needs[busiest]),
+        traced_loop_cycles=kernel.traced_loop_cycles,
     )
 
 
@@ -468,7 +474,8 @@ def model_json(model: TpuModel) -> dict[str, Any]:
 def _kernel_json(kernel: KernelModel, tokens: int) -> dict[str, Any]:
     return {
         "kernel": kernel.name, "grid_steps": kernel.grid_steps, "bytes_per_token": kernel.hbm_bytes / tokens,
-        "cycles": kernel.cycles, "counts": dataclasses.asdict(kernel.counts), "issued": dataclasses.asdict(kernel.issued),
+        "cycles": kernel.cycles, "traced_loop_cycles": kernel.traced_loop_cycles,
+        "counts": dataclasses.asdict(kernel.counts), "issued": dataclasses.asdict(kernel.issued),
         "hbm_seconds": kernel.hbm_seconds, "issue_seconds": kernel.issue_seconds, "mxu_seconds": kernel.mxu_seconds,
         "modelled_seconds": kernel.seconds, "limit": kernel.describe_limit(),
     }
