@@ -454,3 +454,21 @@ def test_the_tpu_model_matches_implementations_on_the_chip_it_models():
     assert fused.reasons(tpu_model.tpu_spec(case, "v4"), "backward")
     assert not fused.reasons(tpu_model.tpu_spec(case, "v5e"), "backward")
 
+
+
+@pytest.mark.parametrize("features, num_seqs, final_state", [
+    (["g", "cu_seqlens", "initial_state", "output_final_state"], 3, (3, 2, 8, 8)),
+    (["g", "output_final_state"], None, (2, 2, 8, 8)),
+    (["g", "cu_seqlens", "initial_state"], 3, None),
+])
+def test_the_modelled_backward_takes_the_final_states_cotangent_where_the_workload_outputs_it(features, num_seqs, final_state):
+    # Under grad the final state's cotangent reaches the backward, zeros where nothing uses it; a packed backward adds dht
+    # where each sequence ends, so leaving it out would model less than a training step runs.
+    from tops_core.tpu import model as tpu_model
+
+    B = 1 if num_seqs else 2
+    case = bench.workload("simple_gla", (B, 24, 2, 8, 8), "float32", features, num_seqs)
+    _, arrays, do, *dht = tpu_model.program(bench.case_json(case), "xla.chunk", "backward")
+    assert do.shape == (B, 24, 2, 8)
+    assert [x.shape for x in dht] == ([final_state] if final_state else [])
+    assert all(str(x.dtype) == "float32" for x in dht)

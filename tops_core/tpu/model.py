@@ -26,7 +26,7 @@ them (read off the compiled program) at HBM bandwidth, in two settings:
   and projected, as in a model.
 
 An implementation with its own backward is modelled backward too: its backward alone (``op.backward``,
-its kernels modelled the same way), against the backward's floor, which reads ``q``, ``k``, ``v``,
+with the final state's cotangent ``dht`` when the workload outputs the final state; its kernels modelled the same way), against the backward's floor, which reads ``q``, ``k``, ``v``,
 ``do`` and writes ``dq``, ``dk``, ``dv`` once, and reads each gate given per token (``g``, kda's ``beta``) and
 writes its gradient; any other gradient, and recomputing the forward's states, is above it.
 
@@ -317,7 +317,12 @@ def program(case: dict[str, Any], implementation: str, setting: str) -> tuple[An
         options = {name: value for name, value in static.items() if name != "output_final_state"}
         backward = functools.partial(op(case.op).backward, **options, implementation=implementation)
         do = jax.ShapeDtypeStruct((case.batch, case.seq_len, case.value_heads, case.value_dim), jnp.dtype(case.dtype))
-        return (lambda arrays, do: backward(**arrays, do=do), arrays, do)
+        if not static.get("output_final_state"):
+            return (lambda arrays, do: backward(**arrays, do=do), arrays, do)
+        # The final state is an output: under grad its cotangent reaches the backward (zeros where nothing uses it).
+        num_seqs = case.batch if case.seqlens is None else len(case.seqlens)
+        dht = jax.ShapeDtypeStruct((num_seqs, case.value_heads, case.key_dim, case.value_dim), state_dtype(case.dtype))
+        return (lambda arrays, do, dht: backward(**arrays, do=do, dht=dht), arrays, do, dht)
     forward = functools.partial(op(case.op).forward, **static, implementation=implementation)
     if setting == "alone":
         return (lambda arrays: forward(**arrays), arrays)

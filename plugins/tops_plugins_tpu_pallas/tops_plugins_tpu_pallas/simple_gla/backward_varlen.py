@@ -323,18 +323,19 @@ def _boundary_terms(i, terms, *, refs, states, chunk, log, first, last_sequence,
     q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
     first_gate = varlen.value_at(refs["first_gates"][...], n, 1) if "first_gates" in refs else jnp.zeros((1, 1), _F32)
     edge = varlen.Boundary.of(refs["cu_seqlens"], n, first, log, first_gate)
+    # Both loads first and the store last: each DMA's branches end a block of code the scheduler overlaps within.
     initial = states.load("initial_state", n, edge.starts)
+    dht = states.load("dht", n, edge.ends) if states.has("dht") else None
     dpiece = dleaving  # dS leaving the piece
     reads = writes = jnp.zeros_like(dq)
     if states.has("initial_state"):
         reads = gradients.state_reads(edge, do, initial)
-    if states.has("dht"):
-        dht = states.load("dht", n, edge.ends)
+    if dht is not None:
         first_dht = jnp.where((n == first_sequence) & ~edge.starts, dht, first_dht)
         dpiece = jnp.where(edge.ends, dht, dleaving)
         writes = gradients.state_writes(edge, v, dht)
         dv = dv + gradients.state_value_gradient(edge, k, dht)
-    states.store("dinitial_state", n, gradients.state_gradient_entering(edge, q, do, dpiece, scale), edge.starts)
+    dinitial = gradients.state_gradient_entering(edge, q, do, dpiece, scale)
     if "boundary_dg" in refs:  # the decay gradient is wanted
         C = q.shape[0]
         rows, tokens = (lax.broadcasted_iota(jnp.int32, (C, C), axis) for axis in (0, 1))
@@ -343,6 +344,7 @@ def _boundary_terms(i, terms, *, refs, states, chunk, log, first, last_sequence,
         )
         carried = edge.chunk * jnp.sum(jnp.where(edge.starts, initial, entering) * dpiece)
         dg = dg + later + earlier + jnp.where((tokens[:1] >= edge.start) & (tokens[:1] < edge.end), carried, 0.0)
+    states.store("dinitial_state", n, dinitial, edge.starts)
     return dq + scale * reads, dk + writes, dv, dg, first_dht
 
 
