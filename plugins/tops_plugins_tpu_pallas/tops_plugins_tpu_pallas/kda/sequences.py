@@ -175,12 +175,13 @@ class PackedChunk:
         def add(n, sums):
             start, end = self._rows_of(n)
             begun = self._begins_before(n)
+            dfinal = self._final_gradient(n, end > start)  # loaded before the work: its DMA's branches end a block
 
             def final(k, g, delta, carried):
                 return _carried_through(start, end, g, jnp.where(begun, carried, 0.0)) + _writes(start, end, k, g, delta, operands)
 
             _, vjp = jax.vjp(final, k, g, delta, carried)
-            return tuple(total + more for total, more in zip(sums, vjp(self._final_gradient(n, end > start))))
+            return tuple(total + more for total, more in zip(sums, vjp(dfinal)))
 
         return lax.fori_loop(*self._ending(), add, tuple(jnp.zeros(x.shape, _F32) for x in (k, g, delta, carried)))
 
