@@ -267,15 +267,18 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
             last_sequence=last_sequence, first_sequence=first_sequence, entering=refs["checkpoints"][chunk.index],
             dleaving=dstate, scale=scale,
         )
-        start = (
-            jnp.zeros((C, K), _F32), jnp.zeros((C, K), _F32), jnp.zeros((C, V), _F32), jnp.zeros((1, C), _F32),
-            jnp.zeros((K, V), _F32),
-        )
+        # The terms of dq, dk and dv add up in VMEM, not in the loop's carries: 3 C x K float32 would take most of the
+        # vector registers.
+        refs["boundary_dq"][chunk.index] = jnp.zeros((C, K), _F32)
+        refs["boundary_dk"][chunk.index] = jnp.zeros((C, K), _F32)
+        refs["boundary_dv"][chunk.index] = jnp.zeros((C, V), _F32)
         # Only the sequences with a boundary inside the chunk: the first one when it starts or ends here, and every later
         # one (each starts here).
         passing = (cu[first_sequence] < first) & (cu[first_sequence + 1] > first + C)
-        dq, dk, dv, dg, first_dht = lax.fori_loop(0, last_sequence - first_sequence + 1 - passing.astype(jnp.int32), boundary_terms, start)
-        refs["boundary_dq"][chunk.index], refs["boundary_dk"][chunk.index], refs["boundary_dv"][chunk.index] = dq, dk, dv
+        dg, first_dht = lax.fori_loop(
+            0, last_sequence - first_sequence + 1 - passing.astype(jnp.int32), boundary_terms,
+            (jnp.zeros((1, C), _F32), jnp.zeros((K, V), _F32)),
+        )
         if with_decay:
             refs["boundary_dg"][chunk.index : chunk.index + 1, :] = dg
 
@@ -313,13 +316,14 @@ def _boundary_scratch(geometry: Geometry, decayed: bool) -> list[Scratch]:
 
 def _boundary_terms(i, terms, *, refs, states, chunk, log, first, last_sequence, first_sequence, entering, dleaving, scale):
     """The ``i``-th sequence from ``last_sequence`` down, ``n``: its terms that the reset gates leave out of ``chunk``
-    (``varlen.Boundary``), added to ``terms`` (``dq``, ``dk``, ``dv``, ``dg``): its initial state's reads and gradient where it
-    starts, its final state's gradient reaching its keys and values where it ends, and the decay gradient of these and
-    of the state carried across its piece; and, as ``terms``' last, its ``dht`` where it is ``first_sequence`` and
-    started before the chunk (for the ``dS`` chain). ``entering``, ``dleaving``: the chunk's state entering and ``dS``
-    leaving."""
+    (``varlen.Boundary``), added to the chunk's ``boundary_dq``, ``boundary_dk`` and ``boundary_dv`` in VMEM and to
+    ``terms`` (``dg``, then ``dht``): its initial state's reads and gradient where it starts, its final state's gradient
+    reaching its keys and values where it ends, and the decay gradient of these and of the state carried across its
+    piece; and its ``dht`` where it is ``first_sequence`` and started before the chunk (for the ``dS`` chain).
+    ``entering``, ``dleaving``: the chunk's state entering and ``dS`` leaving."""
     n = last_sequence - i
-    dq, dk, dv, dg, first_dht = terms
+    dg, first_dht = terms
+    index = chunk.index
     q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
     first_gate = varlen.value_at(refs["first_gates"][...], n, 1) if "first_gates" in refs else jnp.zeros((1, 1), _F32)
     edge = varlen.Boundary.of(refs["cu_seqlens"], n, first, log, first_gate)
@@ -327,14 +331,16 @@ def _boundary_terms(i, terms, *, refs, states, chunk, log, first, last_sequence,
     initial = states.load("initial_state", n, edge.starts)
     dht = states.load("dht", n, edge.ends) if states.has("dht") else None
     dpiece = dleaving  # dS leaving the piece
-    reads = writes = jnp.zeros_like(dq)
+    reads = writes = jnp.zeros((q.shape[0], k.shape[1]), _F32)
     if states.has("initial_state"):
         reads = gradients.state_reads(edge, do, initial)
+        refs["boundary_dq"][index] += scale * reads
     if dht is not None:
         first_dht = jnp.where((n == first_sequence) & ~edge.starts, dht, first_dht)
         dpiece = jnp.where(edge.ends, dht, dleaving)
         writes = gradients.state_writes(edge, v, dht)
-        dv = dv + gradients.state_value_gradient(edge, k, dht)
+        refs["boundary_dk"][index] += writes
+        refs["boundary_dv"][index] += gradients.state_value_gradient(edge, k, dht)
     dinitial = gradients.state_gradient_entering(edge, q, do, dpiece, scale)
     if "boundary_dg" in refs:  # the decay gradient is wanted
         C = q.shape[0]
@@ -345,7 +351,7 @@ def _boundary_terms(i, terms, *, refs, states, chunk, log, first, last_sequence,
         carried = edge.chunk * jnp.sum(jnp.where(edge.starts, initial, entering) * dpiece)
         dg = dg + later + earlier + jnp.where((tokens[:1] >= edge.start) & (tokens[:1] < edge.end), carried, 0.0)
     states.store("dinitial_state", n, dinitial, edge.starts)
-    return dq + scale * reads, dk + writes, dv, dg, first_dht
+    return dg, first_dht
 
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):

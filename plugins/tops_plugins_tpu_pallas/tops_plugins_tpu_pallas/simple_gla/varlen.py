@@ -278,33 +278,37 @@ def _boundary_terms(refs, states, chunk, number, log: LogDecays, *, scale, opera
     with_initial, with_final = states.has("initial_state"), states.has("final_state")
     K, Vb = states.shape
 
+    index = chunk.index
+    # The initial states' terms add up in VMEM, not in the loop's carries: C x Vb + K x Vb float32 would take most of
+    # the vector registers.
+    if with_initial:
+        refs["initial_outputs"][index] = jnp.zeros((C, Vb), _F32)
+        refs["initial_pieces"][index] = jnp.zeros((K, Vb), _F32)
+
     def boundary(n, terms):
-        outputs, leaving, final_piece, carried = terms
+        final_piece, carried = terms
         edge = Boundary.of(cu, n, first, log, value_at(first_gates, n, 1), keys_along_lanes=along_lanes)
         initial = states.load("initial_state", n, edge.starts)
         if with_initial:
-            outputs = outputs + scale * matmul(q, initial, operands) * edge.query
-            leaving = leaving + jnp.where(edge.starts & ~edge.ends, edge.chunk, 0.0) * initial
+            refs["initial_outputs"][index] += scale * matmul(q, initial, operands) * edge.query
+            refs["initial_pieces"][index] += jnp.where(edge.starts & ~edge.ends, edge.chunk, 0.0) * initial
         if with_final:
             written = matmul(keys * edge.key, v, operands) if along_lanes else matmul(keys * edge.key, v, operands, COLUMNS_BY_COLUMNS)
             states.store("final_state", n, edge.chunk * initial + written if with_initial else written, edge.starts & edge.ends)
             carried_in = edge.ends & ~edge.starts
             final_piece = jnp.where(carried_in, written, final_piece)
             carried = jnp.where(carried_in, edge.chunk, carried)
-        return outputs, leaving, final_piece, carried
+        return final_piece, carried
 
     # The chunk's first sequence when it starts or ends here, and every later one (each starts here).
     first_sequence = refs["first_sequence"][number]
     passing = (cu[first_sequence] < first) & (cu[first_sequence + 1] > first + C)
-    zeros = (jnp.zeros((C, Vb), _F32), jnp.zeros((K, Vb), _F32), jnp.zeros((K, Vb), _F32), jnp.zeros((1, 1), _F32))
-    outputs, leaving, final_piece, carried = lax.fori_loop(
-        first_sequence + passing.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary, zeros,
+    final_piece, carried = lax.fori_loop(
+        first_sequence + passing.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary,
+        (jnp.zeros((K, Vb), _F32), jnp.zeros((1, 1), _F32)),
     )
-    if with_initial:
-        refs["initial_outputs"][chunk.index] = outputs
-        refs["initial_pieces"][chunk.index] = leaving
     if with_final:
-        refs["final_pieces"][chunk.index] = final_piece
+        refs["final_pieces"][index] = final_piece
     return carried
 
 
