@@ -300,11 +300,13 @@ def _boundary_terms(refs, states, chunk, number, log: LogDecays, *, scale, opera
             carried = jnp.where(carried_in, edge.chunk, carried)
         return final_piece, carried
 
-    # The chunk's first sequence when it starts or ends here, and every later one (each starts here).
+    # The chunk's first sequence when it starts here, or ends here and its final state is wanted; every later one (each
+    # starts here).
     first_sequence = refs["first_sequence"][number]
-    passing = (cu[first_sequence] < first) & (cu[first_sequence + 1] > first + C)
+    carried_in = cu[first_sequence] < first
+    skipped = carried_in & (cu[first_sequence + 1] > first + C) if with_final else carried_in
     final_piece, carried = lax.fori_loop(
-        first_sequence + passing.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary,
+        first_sequence + skipped.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary,
         (jnp.zeros((K, Vb), _F32), jnp.zeros((1, 1), _F32)),
     )
     if with_final:
