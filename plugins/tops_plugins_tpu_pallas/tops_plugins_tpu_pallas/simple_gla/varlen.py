@@ -223,7 +223,6 @@ class Boundary:
         )
 
 
-
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention_first: bool, operands, resets_dtype):
     refs = plan.bind(refs)
     head, block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
@@ -277,7 +276,6 @@ def _boundary_terms(refs, states, chunk, number, log: LogDecays, *, scale, opera
     first_gates = refs["first_gates"][...]  # (1, N)
     with_initial, with_final = states.has("initial_state"), states.has("final_state")
     K, Vb = states.shape
-
     index = chunk.index
     # The initial states' terms add up in VMEM, not in the loop's carries: C x Vb + K x Vb float32 would take most of
     # the vector registers.
