@@ -184,3 +184,40 @@ def test_mxu_rows_of_a_compiled_kernel_match_its_products_on_every_generation(ge
             # The schedule pops each result once, and may first sum several products in the MXU's result buffer
             # (float32's six passes on v6e: half as many pops as Mosaic's results).
             assert 0 < kernel.issued.result_pops <= kernel.mosaic.total.mxu_results
+
+
+def looped_kernel(traced: bool):
+    """A Pallas kernel with a loop of 5 trips, its trip count a constant or read from SMEM (traced) (a ``DumpingCompiler`` factory)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    def kernel(trips_ref, x_ref, o_ref):
+        def one(_, total):
+            return jnp.tanh(total) + x_ref[...]
+
+        o_ref[...] = lax.fori_loop(0, trips_ref[0] if traced else 5, one, jnp.zeros((8, 128), jnp.float32))
+
+    def call(trips, x):
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), grid=(3,),
+            in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec((8, 128), lambda i: (0, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)), name="loops",
+        )(trips, x)
+
+    return call, jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((8, 128), jnp.float32)
+
+
+def test_a_compiled_loop_of_traced_trips_is_told_apart_from_a_constant_one(monkeypatch):
+    # libtpu's bundles give a constant loop its trip count in the exit test; a traced one compares with a register.
+    pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu")
+    from tops_core.tpu import compile_only
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the child imports this module's factory
+    with compile_only.DumpingCompiler() as compiler:
+        (traced,) = compiler.compile("v6e", "test_tpu_llo:looped_kernel", traced=True).kernels
+        (constant,) = compiler.compile("v6e", "test_tpu_llo:looped_kernel", traced=False).kernels
+    assert 0 < traced.traced_loop_cycles < traced.cycles
+    assert constant.traced_loop_cycles == 0
