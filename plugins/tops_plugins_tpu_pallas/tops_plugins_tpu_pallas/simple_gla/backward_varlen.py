@@ -261,7 +261,8 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
     for chunk in reversed(chunks):
         leaving[chunk.index] = dstate
         number = number_of(chunk)
-        first, first_sequence, last_sequence = number * C, refs["first_sequence"][number], refs["last_sequence"][number]
+        first, last_sequence = number * C, refs["last_sequence"][number]
+        first_sequence, carried_in, goes_on = varlen.first_sequence_of(refs, number, C)
         boundary_terms = functools.partial(
             _boundary_terms, refs=refs, states=states, chunk=chunk, log=every_log[chunk.index], first=first,
             last_sequence=last_sequence, first_sequence=first_sequence, entering=refs["checkpoints"][chunk.index],
@@ -274,9 +275,8 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
         refs["boundary_dv"][chunk.index] = jnp.zeros((C, V), _F32)
         # Only the sequences with a boundary inside the chunk: the first one when it starts or ends here, and every later
         # one (each starts here).
-        passing = (cu[first_sequence] < first) & (cu[first_sequence + 1] > first + C)
         dg, first_dht = lax.fori_loop(
-            0, last_sequence - first_sequence + 1 - passing.astype(jnp.int32), boundary_terms,
+            0, last_sequence - first_sequence + 1 - (carried_in & goes_on).astype(jnp.int32), boundary_terms,
             (jnp.zeros((1, C), _F32), jnp.zeros((K, V), _F32)),
         )
         if with_decay:
@@ -286,8 +286,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
         dstate = gates.chunk * dstate + reads[chunk.index]
         if states.has("dht"):
             end = cu[first_sequence + 1] - first
-            ends = (cu[first_sequence] < first) & (end <= C)
-            dstate = dstate + jnp.where(ends, varlen.value_at(gates.query, end - 1, 0), 0.0) * first_dht
+            dstate = dstate + jnp.where(carried_in & ~goes_on, varlen.value_at(gates.query, end - 1, 0), 0.0) * first_dht
     refs["dstate"][...] = dstate
 
     # Fused's gradients of every chunk, with the boundaries' terms added.

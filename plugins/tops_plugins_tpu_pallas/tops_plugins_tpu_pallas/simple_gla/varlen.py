@@ -128,6 +128,13 @@ def plans(
     ),)
 
 
+def first_sequence_of(refs: dict, number: jax.Array, chunk_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Chunk ``number``'s first sequence (``boundaries``), whether it started before the chunk (its state is carried in),
+    and whether it goes on past the chunk (then it has no boundary in it)."""
+    cu, sequence, first = refs["cu_seqlens"], refs["first_sequence"][number], number * chunk_size
+    return sequence, cu[sequence] < first, cu[sequence + 1] > first + chunk_size
+
+
 def first_gates_block(geometry: Geometry, num_seqs: int) -> Blocked:
     """``first_gates`` ``[H, 1, N]``: the grid head's row (fetched again only when the head changes)."""
 
@@ -254,11 +261,9 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
         output_terms=lambda index: refs["initial_outputs"][index] if with_initial else None, state_terms=state_terms,
     )
     if with_final:  # the final states of the sequences carried into the chunk they end in, now that the chain gave them
-        cu, C = refs["cu_seqlens"], geometry.chunk_size
         for chunk, number in zip(chunks, numbers):
-            sequence = refs["first_sequence"][number]
-            carried_in = (cu[sequence] < number * C) & (cu[sequence + 1] <= (number + 1) * C)
-            states.store("final_state", sequence, refs["final_pieces"][chunk.index], carried_in)
+            sequence, carried_in, goes_on = first_sequence_of(refs, number, geometry.chunk_size)
+            states.store("final_state", sequence, refs["final_pieces"][chunk.index], carried_in & ~goes_on)
     states.finish(step == geometry.time_steps - 1)
 
 
@@ -300,9 +305,8 @@ def _boundary_terms(refs, states, chunk, number, log: LogDecays, *, scale, opera
 
     # The chunk's first sequence when it starts here, or ends here and its final state is wanted; every later one (each
     # starts here).
-    first_sequence = refs["first_sequence"][number]
-    carried_in = cu[first_sequence] < first
-    skipped = carried_in & (cu[first_sequence + 1] > first + C) if with_final else carried_in
+    first_sequence, carried_in, goes_on = first_sequence_of(refs, number, C)
+    skipped = carried_in & goes_on if with_final else carried_in
     final_piece, carried = lax.fori_loop(
         first_sequence + skipped.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary,
         (jnp.zeros((K, Vb), _F32), jnp.zeros((1, 1), _F32)),
