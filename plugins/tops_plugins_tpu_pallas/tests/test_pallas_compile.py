@@ -27,6 +27,12 @@ pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu
 
 from tops_core.tpu import compile_only  # noqa: E402
 
+import jax.numpy as jnp  # noqa: E402
+from tops_plugins_tpu_pallas import launch  # noqa: E402
+from tops_plugins_tpu_pallas.simple_gla import backward_fused  # noqa: E402
+from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig  # noqa: E402
+from tops_plugins_tpu_pallas.simple_gla.varlen import VarlenConfig, unpacked_config  # noqa: E402
+
 FACTORS = {
     "kernel": ("fused", "chunk"),
     "generation": ("v4", "v5e", "v5p", "v6e"),
@@ -39,7 +45,24 @@ FACTORS = {
     "final_state": (False, True),
 }
 KERNELS = {"fused": 1, "chunk": 2}  # pallas_calls per forward
-GRADIENT_KERNELS = {"fused": 1 + 2, "chunk": 2 + 3}  # pallas_calls per forward and backward
+
+
+def fused_backward_kernels(call: dict, config=None) -> int:
+    """The fused backward's pallas_calls for a call of ``compile_call``'s B and H on its chip: the gradients kernel, after
+    the checkpoints walk where the sequence spans more than one of the segments that fit (``backward_fused.plans``)."""
+    geometry = backward_fused.geometry_of(call.get("B", 2), call["T"], call.get("H", 3), call["K"], call["V"], config or FusedConfig())
+    plans = backward_fused.fitted_plans(
+        geometry, jnp.dtype(call["dtype"]), target=launch.Target.of(call["generation"]),
+        gate_dtype=jnp.float32 if call["g"] else None, initial_state_dtype=jnp.float32 if call["initial_state"] else None,
+        output_final_state=call["final_state"],
+    )
+    return len(plans)
+
+
+def gradient_kernels(call: dict) -> int:
+    """pallas_calls per forward and backward: the chunk kernel's two and three, the fused one's one and
+    ``fused_backward_kernels``."""
+    return 2 + 3 if call["kernel"] == "chunk" else 1 + fused_backward_kernels(call)
 
 
 def covering_design(factors: dict[str, tuple]) -> list[dict]:
@@ -165,7 +188,7 @@ def _shortest_per_generation(calls) -> list:
 def test_gradient_compiles_the_kernels_forward_and_the_paired_backward(worker, call):
     # jax.grad through the op lowered for TPU: the dispatcher pairs each forward with its backward, in one TPU program.
     facts = compile_call(worker, call, gradient=True)
-    assert facts["kernels"] == GRADIENT_KERNELS[call["kernel"]]
+    assert facts["kernels"] == gradient_kernels(call)
     assert facts["implementations"] == sorted([f"tpu_pallas.{call['kernel']}.forward", f"tpu_pallas.{call['kernel']}.backward"])
 
 
@@ -307,10 +330,20 @@ def test_forward_compiles_over_the_full_sweep(worker, kernel, generation):
         assert compile_call(worker, call)["kernels"] == KERNELS[kernel], _label(call)
 
 
+def test_gradient_over_several_segments_compiles_the_checkpoints_walk(worker):
+    # T = 2200: 18 chunks of 128, two segments of 9, the last ragged. The design's T (1, 65, 1000) are each one segment
+    # on every chip, whose backward is the gradients kernel alone; here the walk over the first segment compiles too.
+    call = dict(kernel="fused", generation="v5e", T=2200, K=128, V=128, dtype="bfloat16", g=True, initial_state=True, final_state=True)
+    assert fused_backward_kernels(call) == 2
+    facts = compile_call(worker, call, gradient=True)
+    assert facts["kernels"] == 1 + 2
+    assert facts["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("call", DESIGN, ids=_label)
 def test_gradient_compiles_over_the_design(worker, call):
-    assert compile_call(worker, call, gradient=True)["kernels"] == GRADIENT_KERNELS[call["kernel"]]
+    assert compile_call(worker, call, gradient=True)["kernels"] == gradient_kernels(call)
 
 
 # tpu_pallas.varlen (packed, B = 1, traced cu_seqlens): every generation, ragged T, both dtypes,
@@ -348,7 +381,8 @@ def test_varlen_gradient_compiles_to_its_own_backward(worker, call):
     # two backward kernels, nothing of xla.chunk's backward. The float32 call runs at K=V=128 by default
     # (the same kernels, about half the compile time) and at the forward's 256 in the slow run.
     facts = worker.ask({"call": {**call, "kernel": "varlen", "B": 1, "H": 3, "gradient": True}})
-    assert facts["kernels"] == 1 + 2
+    with_states = call["initial_state"] or call["final_state"]  # varlen's own two kernels, else the fused backward's
+    assert facts["kernels"] == 1 + (2 if with_states else fused_backward_kernels({**call, "B": 1}, unpacked_config(VarlenConfig())))
     assert facts["implementations"] == ["tpu_pallas.varlen.backward", "tpu_pallas.varlen.forward"]
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 

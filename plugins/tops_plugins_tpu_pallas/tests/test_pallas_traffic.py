@@ -107,16 +107,29 @@ def test_fused_backward_figures_at_the_benchmark_shape(seq_len, chunk_size, back
     config = fused.FusedConfig(chunk_size=chunk_size, backward_num_steps=backward_num_steps)
     plans = backward_fused.fitted_plans(backward_fused.geometry_of(B, seq_len, H, K, V, config), jnp.bfloat16)
     f = traffic.figures(plans, tokens)
-    segments = plans[1].grid[-1]  # per sequence: as many as the VMEM budget allows
+    segments = plans[-1].grid[-1]  # per sequence: as many as the VMEM budget allows
     if backward_num_steps is not None:
         assert segments == seq_len // (chunk_size * backward_num_steps)
-    checkpoint = 128 * 128 * 4 * segments / seq_len  # one float32 state per segment, written once and read once
+    # The walk reads k and v of every segment but the last, and writes the state leaving each, which the gradients
+    # kernel reads once: one float32 state per segment but the last.
+    recomputed = RECOMPUTED_STATES * (segments - 1) / segments
+    checkpoint = 128 * 128 * 4 * (segments - 1) / seq_len
     decay_gradient = 4  # float32 per token, summed into dg_gamma outside
-    assert f.kernel_bytes == tokens * (BACKWARD_FLOOR + RECOMPUTED_STATES + 2 * checkpoint + decay_gradient) + 2 * 16 * 4
+    assert f.kernel_bytes == tokens * (BACKWARD_FLOOR + recomputed + 2 * checkpoint + decay_gradient) + 2 * 16 * 4
     assert f.relayout_bytes == 0
     assert f.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
     if backward_num_steps is None:  # the default segment (SEGMENT_TOKENS, or what fits): within 10% of the floor with recomputation
         assert f.kernel_per_token <= 1.1 * (BACKWARD_FLOOR + RECOMPUTED_STATES)
+
+
+def test_fused_backward_of_one_segment_has_no_walk():
+    # T = 2048, the default segment: the gradients kernel alone moves the floor and the decay gradient, and reads the
+    # initial states it starts from itself (and writes their gradient); nothing recomputes a state but the kernel.
+    B, T, H, K, V = 8, 2048, 16, 128, 128
+    geometry = backward_fused.geometry_of(B, T, H, K, V, fused.FusedConfig())
+    (plan,) = backward_fused.fitted_plans(geometry, jnp.bfloat16, initial_state_dtype=jnp.float32)
+    states = 2 * B * H * K * V * 4
+    assert traffic.figures((plan,), B * T * H).kernel_bytes == B * T * H * (BACKWARD_FLOOR + 4) + states + H * 4
 
 
 def test_fused_backward_segments_shrink_to_fit_vmem():
@@ -232,11 +245,13 @@ def test_varlen_backward_moves_what_the_fused_backward_moves_and_every_chunks_st
     geometry = backward_fused.geometry_of(1, T, H, K, V, config)
     plans, fused_plans = backward_varlen.fitted_plans(geometry, jnp.bfloat16, num_seqs), backward_fused.fitted_plans(geometry, jnp.bfloat16)
     packed, alone = traffic.figures(plans, T * H), traffic.figures(fused_plans, T * H)
-    # The fused backward checkpoints every segment (its own, which may hold more chunks than the packed one's).
-    chunks, segments = T // config.chunk_size, fused_plans[0].grid[3]
+    # The fused backward checkpoints every segment but the first (its own, which may hold more chunks than the packed
+    # one's), and its walk skips the last segment's keys and values, which the packed walk reads.
+    chunks, segments = T // config.chunk_size, fused_plans[-1].grid[3]
     scalars = 2 * ((num_seqs + 1) * 4 + 2 * chunks * 4)
-    every_chunk = 2 * (chunks - segments) * H * K * V * 4
-    assert packed.kernel_bytes == alone.kernel_bytes + scalars + every_chunk + 2 * H * T * H * 4
+    every_chunk = 2 * (chunks - (segments - 1)) * H * K * V * 4
+    last_segment = H * (T // segments) * (K + V) * 2
+    assert packed.kernel_bytes == alone.kernel_bytes + scalars + every_chunk + last_segment + 2 * H * T * H * 4
     assert packed.peak_vmem <= UNKNOWN_CHIP_VMEM_BUDGET
     # With states: initial_state read by the checkpoints walk and the gradients kernel (once each, where its sequence
     # starts), dht read and dinitial_state written once, float32, N of each; both kernels' first gate of every sequence.

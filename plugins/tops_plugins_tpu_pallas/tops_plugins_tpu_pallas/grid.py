@@ -477,10 +477,10 @@ def reversed_in_time(operand: Blocked, geometry: Geometry) -> Blocked:
     return dataclasses.replace(operand, index_map=index_map)
 
 
-def state_checkpoints(geometry: Geometry, every_chunk: bool) -> Blocked:
-    """The float32 forward state entering every time step (``every_chunk``: every chunk), ``[B, H, steps, per step, K_pad, V_pad]``."""
+def state_checkpoints(geometry: Geometry) -> Blocked:
+    """The float32 forward state entering every chunk, ``[B, H, steps, chunks per step, K_pad, V_pad]``."""
     g = geometry
-    per_step = g.chunks_per_step if every_chunk else 1
+    per_step = g.chunks_per_step
 
     def step_states(b, h, tile, t, *_):
         return (b, h, t, 0, 0, 0)
@@ -488,6 +488,20 @@ def state_checkpoints(geometry: Geometry, every_chunk: bool) -> Blocked:
     return Blocked(
         "checkpoints", (g.batch, g.heads, g.time_steps, per_step, g.padded_key_dim, g.padded_value_dim), _F32,
         (None, None, None, per_step, g.padded_key_dim, g.padded_value_dim), step_states,
+    )
+
+
+def segment_ends(geometry: Geometry) -> Blocked:
+    """The float32 forward state leaving every time step but the last (the state entering each later one),
+    ``[B, H, steps - 1, K_pad, V_pad]``: the fused backward's checkpoints (``simple_gla.backward_fused``)."""
+    g = geometry
+
+    def step_state(b, h, tile, t, *_):
+        return (b, h, t, 0, 0)
+
+    return Blocked(
+        "checkpoints", (g.batch, g.heads, g.time_steps - 1, g.padded_key_dim, g.padded_value_dim), _F32,
+        (None, None, None, g.padded_key_dim, g.padded_value_dim), step_state,
     )
 
 

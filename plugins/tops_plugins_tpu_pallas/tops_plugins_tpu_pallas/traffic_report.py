@@ -67,7 +67,7 @@ def backward_report() -> None:
             if name == "fused":
                 geometry = backward_fused.geometry_of(B, seq_len, H, 128, 128, config)
                 plans = backward_fused.fitted_plans(geometry, jnp.bfloat16)
-                segment = plans[1].grid[-1]
+                segment = plans[-1].grid[-1]
                 label = f"fused C={geometry.chunk_size} backward_num_steps={config.backward_num_steps} ({seq_len // segment}-token segments)"
             else:
                 plans = backward_split.plans(backward_split.geometry_of(B, seq_len, H, 128, 128, config), jnp.bfloat16)

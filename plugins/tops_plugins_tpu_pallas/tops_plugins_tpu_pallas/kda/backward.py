@@ -96,12 +96,12 @@ def plans(
     )
     (forward,) = fused.plans(geometry, dtype, initial_state_dtype=initial_state_dtype, **forward_inputs)
     checkpoints = dataclasses.replace(
-        forward, name=f"{recurrence.op}_backward_checkpoints", outputs=(state_checkpoints(geometry, every_chunk=True),),
+        forward, name=f"{recurrence.op}_backward_checkpoints", outputs=(state_checkpoints(geometry),),
     )
     steps = functools.partial(reversed_in_time, geometry=geometry)
     # The forward's inputs but the initial state (the checkpoints hold it); dt_bias's block ignores the time step.
     inputs = [steps(x) for x in forward.inputs if x.name != "initial_state"]
-    inputs += [steps(blocks.value_rows("do", geometry, dtype)), steps(state_checkpoints(geometry, every_chunk=True))]
+    inputs += [steps(blocks.value_rows("do", geometry, dtype)), steps(state_checkpoints(geometry))]
     # Per query/key head: grouped value heads sum dq and dk over their group in the kernel (_over_the_group).
     outputs = [
         steps(blocks.key_rows("dq", geometry, dtype)),

@@ -3,11 +3,15 @@
 Two ``pallas_call``s. The reverse walk needs the forward state entering every chunk, and only a
 forward walk produces it, so:
 
-1. **checkpoints** walks time forwards and writes the float32 state entering every *segment*
-   (one grid step: ``chunks_per_step`` chunks) to HBM.
+1. **checkpoints** walks time forwards over every *segment* (one grid step: ``chunks_per_step``
+   chunks) but the last, and writes the float32 state leaving each, the one entering the next, to
+   HBM. The last segment's ``k``, ``v`` and ``g`` reach no state the backward reads, so the walk
+   reads ``(segments - 1) / segments`` of them; where one segment is the whole sequence, there is no
+   walk and one ``pallas_call``.
 2. **gradients** walks the segments from the last to the first (reverse index maps,
    ``t -> steps - 1 - t``; nothing is flipped or copied). At each segment it recomputes the states
-   of its chunks from the checkpoint into VMEM, from the ``k``, ``v`` and ``g`` blocks it reads
+   of its chunks into VMEM from the state entering it (the walk's checkpoint, or the initial state
+   or zeros at the first segment), from the ``k``, ``v`` and ``g`` blocks it reads
    anyway, then walks its chunks backwards for the float32 state gradient ``dS`` leaving each (a VMEM
    scratch, set to ``dht`` or zeros at the first reverse step of every (batch, head) and written to
    ``dinitial_state`` after the last), then computes ``dq``, ``dk``, ``dv`` and the decay gradient of
@@ -16,8 +20,8 @@ forward walk produces it, so:
 A segment is ``FusedConfig.backward_num_steps`` chunks, by default ``SEGMENT_TOKENS`` (2048) tokens'
 worth, independent of the forward's ``num_steps``, and fewer chunks while the plans would not fit
 VMEM. VMEM is bounded for any ``T``: one segment's blocks, ``chunks_per_step`` states and ``dS``
-(``traffic.vmem_bytes`` of the plans, within the chip's budget, ``launch.fit``); HBM gains one float32 state per segment,
-written once and read once.
+(``traffic.vmem_bytes`` of the plans, within the chip's budget, ``launch.fit``); HBM gains one float32 state per segment
+but the last, written once and read once.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
@@ -35,7 +41,7 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     advance_state, advance_state_work, constant_gates, step_gates,
 )
 from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes
-from tops_plugins_tpu_pallas.plan import LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -80,15 +86,20 @@ def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UN
     return launch.fit(plans, geometry, dtype, target, **inputs)[1]
 
 
-def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True) -> tuple[LaunchPlan, LaunchPlan]:
-    """The checkpoints and gradients plans; ``output_final_state``: a ``dht`` is given; ``decayed``: ``g`` or ``g_gamma`` is (a decay gradient is wanted)."""
+def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True) -> tuple[LaunchPlan, ...]:
+    """The checkpoints and gradients plans, or the gradients plan alone where one segment is the whole sequence (no
+    state to recompute but the initial one); ``output_final_state``: a ``dht`` is given; ``decayed``: ``g`` or
+    ``g_gamma`` is (a decay gradient is wanted)."""
     geometry = grid.backward_geometry(geometry)
-    checkpoints = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=False)
+    walked = geometry.time_steps > 1
     steps = functools.partial(grid.reversed_in_time, geometry=geometry)
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
     along_lanes = gates_along_lanes(gate_dtype is not None, geometry.chunk_size)
     inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"), along_lanes)]
-    inputs.append(steps(grid.state_checkpoints(geometry, every_chunk=False)))
+    if walked:
+        inputs.append(steps(_entering_segment(geometry)))
+    if initial_state_dtype is not None:
+        inputs.append(blocks.state("initial_state", geometry, initial_state_dtype))
     if output_final_state:
         inputs.append(blocks.state("dht", geometry, _F32))
     outputs = [steps(blocks.key_rows("dq", geometry, dtype)), steps(blocks.key_rows("dk", geometry, dtype)), steps(blocks.value_rows("dv", geometry, dtype))]
@@ -111,7 +122,28 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     )
     # Transposed-LHS products fed to the MXU as they are: with g (gates along lanes) the gradients kernel issues 4% fewer
     # cycles (B=2 T=4096 H=8 K=V=128 bf16: v6e 276750 -> 266384, v5e 342992 -> 330448); with g_gamma alone, 3% more.
-    return checkpoints, dataclasses.replace(gradients_plan, fuse_transposed_lhs=along_lanes)
+    gradients_plan = dataclasses.replace(gradients_plan, fuse_transposed_lhs=along_lanes)
+    if not walked:
+        return (gradients_plan,)
+    checkpoints = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=False)
+    return checkpoints, gradients_plan
+
+
+def _entering_segment(geometry: Geometry) -> Blocked:
+    """``grid.segment_ends`` as the gradients kernel reads them at segment ``s``: the state leaving segment ``s - 1``.
+    The first segment starts from the initial state (or zeros) instead; it maps to the block the second one read, which
+    is then not fetched again."""
+    ends = grid.segment_ends(geometry)
+
+    def index_map(b, h, tile, segment, *scalars):
+        return ends.index_map(b, h, tile, _previous(segment), *scalars)
+
+    return dataclasses.replace(ends, index_map=index_map)
+
+
+def _previous(index):
+    """``max(index - 1, 0)`` of a grid index: NumPy's on the traffic model's points, else jax's."""
+    return np.maximum(index - 1, 0) if isinstance(index, np.ndarray) else jnp.maximum(index - 1, 0)
 
 
 def segment_vmem(geometry: Geometry) -> int:
@@ -134,7 +166,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
     # chunk by chunk, the scheduler had run one chunk's products after the other's (v6e with g: 326 -> 202 us).
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
     every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, key_column=True)
-    state = refs["checkpoints"][0]
+    state = _entering_state(refs, geometry.time_steps - 1 - step)
     refs["states"][0] = state
     for chunk in chunks[:-1]:
         k = chunk.read(refs["k"])
@@ -164,6 +196,14 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
     grid.finish_state_gradient(refs, step, geometry)
 
 
+def _entering_state(refs, segment) -> jax.Array:
+    """The float32 state entering ``segment``: the initial state (or zeros) at the first, else the walk's checkpoint."""
+    start = refs["initial_state"][...].astype(_F32) if "initial_state" in refs else jnp.zeros(refs["states"].shape[1:], _F32)
+    if "checkpoints" not in refs:
+        return start
+    return jnp.where(segment == 0, start, refs["checkpoints"][...])
+
+
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config, caller_gated: bool | None = None):
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities).
     ``caller_gated``: whether the caller gave ``g`` (None: whether ``g`` is given; a packed call's reset gates stand for a
@@ -171,11 +211,11 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     del cu_seqlens
     B, T, H, K = q.shape
     inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
-    geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
+    geometry, (*walk, gradients_plan), run = launch.prepare(
         plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
     )
     arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
-    checkpoints = run(checkpoints_plan, gradients.checkpoints_kernel, arrays, every_chunk=False)
+    checkpoints = run(walk[0], gradients.checkpoints_kernel, arrays, every_chunk=False) if walk else {}
     chip = launch.Target.lowered_for().chip
     operands = gradients.stacked_operands(q.dtype, chip)
     per_token = gradients.per_token_decay_gradient(g is not None if caller_gated is None else caller_gated, chip)

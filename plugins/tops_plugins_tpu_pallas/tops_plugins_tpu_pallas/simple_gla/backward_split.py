@@ -36,7 +36,7 @@ _F32 = jnp.float32
 
 def _state_gradients(geometry: Geometry) -> Blocked:
     """``dS`` leaving every chunk, float32, laid out as the states entering every chunk."""
-    return dataclasses.replace(grid.state_checkpoints(geometry, every_chunk=True), name="dstates")
+    return dataclasses.replace(grid.state_checkpoints(geometry), name="dstates")
 
 
 def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
@@ -67,7 +67,7 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     )
 
     pass2_inputs = gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"))
-    pass2_inputs += (grid.state_checkpoints(geometry, every_chunk=True), _state_gradients(geometry))
+    pass2_inputs += (grid.state_checkpoints(geometry), _state_gradients(geometry))
     pass2_outputs = [blocks.key_rows("dq", geometry, dtype), blocks.key_rows("dk", geometry, dtype)]
     if decayed:
         pass2_outputs.append(gradients.decay_gradients(geometry))

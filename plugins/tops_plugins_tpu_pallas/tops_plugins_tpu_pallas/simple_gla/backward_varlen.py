@@ -122,13 +122,13 @@ def plans(
         entering = Work(flops=2 * K * V, transcendentals=1) * (g.heads * num_seqs)
     checkpoint_work = (advance_state_work(g) + gates_work(g, walk_gates is not None, attention=False)) * heads_chunks + entering
     checkpoints = grid.grid_plan(
-        "simple_gla_varlen_backward_checkpoints", g, scalars, checkpoint_inputs, (grid.state_checkpoints(g, every_chunk=True),),
+        "simple_gla_varlen_backward_checkpoints", g, scalars, checkpoint_inputs, (grid.state_checkpoints(g),),
         checkpoint_work, 4 * (3 * K * V + C * K), scratch=checkpoint_scratch,
     )
 
     steps = functools.partial(grid.reversed_in_time, geometry=g)
     inputs = [steps(x) for x in gradients.token_inputs(g, dtype, _F32, ("q", "k", "v", "do"), along_lanes)]
-    inputs.append(steps(grid.state_checkpoints(g, every_chunk=True)))
+    inputs.append(steps(grid.state_checkpoints(g)))
     outputs = [steps(blocks.key_rows("dq", g, dtype)), steps(blocks.key_rows("dk", g, dtype)), steps(blocks.value_rows("dv", g, dtype))]
     if decayed:
         outputs.append(steps(gradients.decay_gradients(g)))

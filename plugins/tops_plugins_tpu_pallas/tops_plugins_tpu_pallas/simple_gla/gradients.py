@@ -116,16 +116,23 @@ def with_gate_rows(arrays: dict[str, jax.Array], g: jax.Array | None, geometry: 
 
 
 def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dtype, every_chunk: bool) -> LaunchPlan:
-    """A forward walk writing the state entering every time step (every chunk with ``every_chunk``)."""
+    """A forward walk writing the state entering every chunk (``every_chunk``), or else the state leaving every time
+    step but the last (``grid.segment_ends``; ``geometry`` then has more than one), walking those steps alone: the last
+    step's keys and values reach no state a backward reads."""
     start = (blocks.state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
     gated = gate_dtype is not None
     inputs = token_inputs(geometry, dtype, gate_dtype, ("k", "v"), gates_along_lanes(gated, geometry.chunk_size))
-    work = advance_state_work(geometry) * (geometry.batch * geometry.heads * geometry.num_chunks)
-    work = work + gates_work(geometry, gated, attention=False) * gate_computations(geometry, gated)
-    return grid.grid_plan(
-        "simple_gla_backward_checkpoints", geometry, (blocks.decay(geometry),), (*inputs, *start),
-        (grid.state_checkpoints(geometry, every_chunk),), work, 4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
+    walked = geometry if every_chunk else dataclasses.replace(
+        geometry, seq_len=(geometry.time_steps - 1) * geometry.rows_per_step, num_steps=geometry.chunks_per_step,
     )
+    work = advance_state_work(walked) * (walked.batch * walked.heads * walked.num_chunks)
+    work = work + gates_work(walked, gated, attention=False) * gate_computations(walked, gated)
+    checkpoints = grid.state_checkpoints(geometry) if every_chunk else grid.segment_ends(geometry)
+    plan = grid.grid_plan(
+        "simple_gla_backward_checkpoints", geometry, (blocks.decay(geometry),), (*inputs, *start), (checkpoints,), work,
+        4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
+    )
+    return dataclasses.replace(plan, grid=blocks.grid(walked))
 
 
 def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk: bool):
@@ -135,8 +142,6 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
 
     constant = constant_gates(refs, head, geometry, attention=False)
     state = refs["state"][...]
-    if not every_chunk:
-        refs["checkpoints"][0] = state
     chunks = step_chunks(geometry, step)
     # Every chunk's gates before the state's chain through them: chunk by chunk, each chunk's gates waited on the chain.
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
@@ -149,6 +154,8 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
         keys = k.T if along_lanes else k
         state = advance_state(state, keys, chunk.read(refs["v"]), gates, decay_gradient_operands(k.dtype), keys_transposed=along_lanes)
     refs["state"][...] = state
+    if not every_chunk:
+        refs["checkpoints"][...] = state
 
 
 # -- one chunk --------------------------------------------------------------------------------------
