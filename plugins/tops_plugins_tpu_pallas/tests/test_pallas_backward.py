@@ -25,7 +25,7 @@ def gradients(kernel, inputs, do, dht, compiler_options=None, **config):
     (compiled with ``compiler_options``).
 
     ``num_steps`` sets the fused backward's segment too (``backward_num_steps``), or its default of
-    1024 tokens would make every sequence here one segment.
+    4096 tokens would make every sequence here one segment.
     """
     if kernel == "fused" and "num_steps" in config:
         config.setdefault("backward_num_steps", config["num_steps"])

@@ -297,7 +297,7 @@ def test_layout_around_the_kernels_on_v6e(worker, kernel):
 @pytest.mark.slow
 def test_bench_models_both_kernels_on_tpu(worker):
     # fused and xla.chunk (which has no kernel to model); chunk's kernels model the same way, 8 s more.
-    request = {"shape": [2, 512, 4, 128, 128], "dtype": "bfloat16", "features": ["g_gamma"], "generation": "v5e",
+    request = {"shape": [2, 8192, 4, 128, 128], "dtype": "bfloat16", "features": ["g_gamma"], "generation": "v5e",
                "names": ["tpu_pallas.fused", "xla.chunk"]}
     text = worker.ask({"bench": request})["text"]
     lines = text.splitlines()
@@ -310,10 +310,10 @@ def test_bench_models_both_kernels_on_tpu(worker):
     backward_kernels = [line.split()[1] for line in lines[fused + 1:fused + 3]]
     assert all(line.split()[0] == "backward" for line in lines[fused + 1:fused + 3]), lines[fused:fused + 3]
     assert backward_kernels == ["simple_gla_backward_checkpoints.1", "simple_gla_fused_backward.1"]
-    # The two backward kernels' bytes per token add up to the backward's traffic: 2436 B/token with one state
-    # checkpoint per 1024 tokens (the plugin README's table), and that checkpoint written and read (2 x 64 B/token
-    # there) twice as often per token at T = 512.
-    assert sum(int(line.split()[2]) for line in lines[fused + 1:fused + 3]) == 2436 + 2 * 64
+    # The two backward kernels' bytes per token add up to the backward's traffic: the floor and the decay gradient
+    # (1796 B/token), the walk's k and v over the first of two 4096-token segments (512 / 2), and one float32 state
+    # checkpoint written and read (2 x 64 KiB per 8192 tokens).
+    assert sum(int(line.split()[2]) for line in lines[fused + 1:fused + 3]) == 1796 + 256 + 2 * 8
     assert "Backward (an implementation's own)" in text and "1792 B/token" in text
     assert not any(line.startswith("tpu_pallas.chunk") for line in lines)
     assert "xla.chunk: not modelled" in text
@@ -331,9 +331,9 @@ def test_forward_compiles_over_the_full_sweep(worker, kernel, generation):
 
 
 def test_gradient_over_several_segments_compiles_the_checkpoints_walk(worker):
-    # T = 2200: 18 chunks of 128, two segments of 9, the last ragged. The design's T (1, 65, 1000) are each one segment
+    # T = 4300: 34 chunks of 128, two segments of 17, the last ragged. The design's T (1, 65, 1000) are each one segment
     # on every chip, whose backward is the gradients kernel alone; here the walk over the first segment compiles too.
-    call = dict(kernel="fused", generation="v5e", T=2200, K=128, V=128, dtype="bfloat16", g=True, initial_state=True, final_state=True)
+    call = dict(kernel="fused", generation="v5e", T=4300, K=128, V=128, dtype="bfloat16", g=True, initial_state=True, final_state=True)
     assert fused_backward_kernels(call) == 2
     facts = compile_call(worker, call, gradient=True)
     assert facts["kernels"] == 1 + 2

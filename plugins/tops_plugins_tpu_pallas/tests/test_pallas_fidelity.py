@@ -117,7 +117,7 @@ def test_faithful_interpreter_gradients_match_reference(kernel, case, race_repor
     B, T, H, K, V = shape
     do = jnp.asarray(rng.standard_normal((B, T, H, V)), dtype)
     dht = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
-    if kernel == "fused":  # segments of num_steps chunks, not the default 1024 tokens: several per sequence
+    if kernel == "fused":  # segments of num_steps chunks, not the default 4096 tokens: several per sequence
         config = {**config, "backward_num_steps": config["num_steps"]}
     grads = gradients_faithfully(kernel, inputs, do, dht, config, seed)
     assert len(race_reports) == gradient_launches(kernel, shape, config)

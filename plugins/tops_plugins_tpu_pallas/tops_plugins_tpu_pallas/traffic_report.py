@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
 
-from tops_plugins_tpu_pallas import grid, kda
+from tops_plugins_tpu_pallas import grid, kda, launch
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, backward_split, backward_varlen, chunk, fused, varlen
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.traffic import figures
@@ -57,24 +57,27 @@ def backward_report() -> None:
     """Both backward kernels at K = V = 128 beside the floor, at T = 4096 and 32768, for a few segment lengths."""
     floor, recomputation = 1792, 512  # read q, k, v, do, write dq, dk, dv; the states' forward walk reads k, v again
     print(f"\nsimple_gla backward, B={B} H={H} K=V=128 bfloat16 with g_gamma; floor {floor} B/token, {floor + recomputation} with the states recomputed")
-    print(f"{'implementation':<58}{'T':>7}{'kernel':>9}{'vs floor':>10}{'vs floor+recomp.':>18}{'peak VMEM':>14}")
+    print(f"{'implementation':<66}{'T':>7}{'kernel':>9}{'vs floor':>10}{'vs floor+recomp.':>18}{'peak VMEM':>14}")
     for seq_len in (4096, 32768):
-        for name, config in (
-            ("fused", fused.FusedConfig()), ("fused", fused.FusedConfig(chunk_size=64)),
-            ("fused", fused.FusedConfig(backward_num_steps=8)), ("fused", fused.FusedConfig(chunk_size=64, backward_num_steps=4)),
-            ("chunk", chunk.ChunkConfig()), ("chunk", chunk.ChunkConfig(chunk_size=64)),
+        for name, config, chip in (
+            ("fused", fused.FusedConfig(), None), ("fused", fused.FusedConfig(), "v6e"), ("fused", fused.FusedConfig(chunk_size=64), None),
+            ("fused", fused.FusedConfig(backward_num_steps=8), None), ("fused", fused.FusedConfig(chunk_size=64, backward_num_steps=4), None),
+            ("chunk", chunk.ChunkConfig(), None), ("chunk", chunk.ChunkConfig(chunk_size=64), None),
         ):
             if name == "fused":
                 geometry = backward_fused.geometry_of(B, seq_len, H, 128, 128, config)
-                plans = backward_fused.fitted_plans(geometry, jnp.bfloat16)
+                plans = backward_fused.fitted_plans(geometry, jnp.bfloat16, target=launch.Target.of(chip))
                 segment = plans[-1].grid[-1]
-                label = f"fused C={geometry.chunk_size} backward_num_steps={config.backward_num_steps} ({seq_len // segment}-token segments)"
+                label = (
+                    f"fused C={geometry.chunk_size} backward_num_steps={config.backward_num_steps} ({seq_len // segment}-token segments"
+                    + (f" on {chip})" if chip else ")")
+                )
             else:
                 plans = backward_split.plans(backward_split.geometry_of(B, seq_len, H, 128, 128, config), jnp.bfloat16)
                 label = f"chunk (split) C={config.chunk_size} num_steps={config.num_steps}"
             f = figures(plans, B * seq_len * H)
             print(
-                f"{label:<58}{seq_len:>7}{f.kernel_per_token:>9.1f}{f.kernel_per_token / floor:>9.3f}x"
+                f"{label:<66}{seq_len:>7}{f.kernel_per_token:>9.1f}{f.kernel_per_token / floor:>9.3f}x"
                 f"{f.kernel_per_token / (floor + recomputation):>17.3f}x{f.peak_vmem / 2**20:>10.2f} MiB"
             )
 

@@ -17,7 +17,7 @@ forward walk produces it, so:
    ``dinitial_state`` after the last), then computes ``dq``, ``dk``, ``dv`` and the decay gradient of
    each chunk, which then depend on no other chunk's.
 
-A segment is ``FusedConfig.backward_num_steps`` chunks, by default ``SEGMENT_TOKENS`` (2048) tokens'
+A segment is ``FusedConfig.backward_num_steps`` chunks, by default ``SEGMENT_TOKENS`` (4096) tokens'
 worth, independent of the forward's ``num_steps``, and fewer chunks while the plans would not fit
 VMEM. VMEM is bounded for any ``T``: one segment's blocks, ``chunks_per_step`` states and ``dS``
 (``traffic.vmem_bytes`` of the plans, within the chip's budget, ``launch.fit``); HBM gains one float32 state per segment
@@ -47,19 +47,19 @@ from tops_plugins_tpu_pallas.layout import Geometry
 _F32 = jnp.float32
 
 
-SEGMENT_TOKENS = 2048
-"""Tokens per segment when ``FusedConfig.backward_num_steps`` is None, fewer where VMEM is short (``launch.fit``).
+SEGMENT_TOKENS = 4096
+"""Tokens per segment when ``FusedConfig.backward_num_steps`` is None, fewer where VMEM is short (``launch.fit``); the
+forward's grid step holds as many rows (32 chunks of 128).
 
-Each segment writes and reads one float32 ``K_pad x V_pad`` checkpoint, ``8 K V / segment`` bytes per token (64 at
-K = V = 128, 2.8% of the backward's floor with the states recomputed, 2304 B/token), and each grid step costs a few
-hundred cycles of its own, so a longer segment wins both ways; but its chunks are unrolled, so it also compiles longer.
-Cycles one TensorCore issues for the whole grid (B=2 T=4096 H=8 K=V=128 bf16), segments of 1024 -> 2048 -> 4096
-tokens: with ``g``, the checkpoints walk v6e 69102 -> 60494 -> 53489 and v5e 74608 -> 66096 -> 47925, the gradients
-kernel v6e 300437 -> 276591 -> 261942 and v5e 363164 -> 342992 -> 335965; with ``g_gamma``, the gradients kernel v6e
-258880 -> 232672 (under its MXU time from here) -> 221226 and v5e 306208 -> 295968 -> 280272. Compiling the backward
-(v6e, T=4096, two workers busy beside it): bf16 K=V=128 8.0 -> 15.8 -> 31.5 s, float32 K=V=256 32 -> 73 -> 145 s.
-2048 takes most of the cycles for twice the compile, not four times; its plans need 11.2 MiB of VMEM at K = V = 128
-bf16, which every chip's budget holds."""
+A longer segment wins twice: the walk reads every segment but the last (none at ``T <= SEGMENT_TOKENS``), and each grid
+step costs a few hundred cycles of its own. But its chunks are unrolled, so it compiles longer. Cycles one TensorCore
+issues, the walk + the gradients kernel (B=2 T=4096 H=8 K=V=128 bf16, 2026-12-06), segments of 2048 -> 4096 tokens:
+with ``g`` v6e 16833 + 267232 -> 254657, v5e 20373 + 331047 -> 337047; with ``g_gamma`` v6e 14847 + 198591 -> 183326
+(under its MXU time either way), v5e 20142 + 296688 -> 279868, and at T=8192 61872 + 592899 -> 36526 + 568909.
+Compiling the gradient (forward and backward, v6e, an idle two-core host): bf16 K=V=128 6.7 -> 11.7 s, float32
+K=V=256 26.7 -> 53.5 s. The plans need 22 MiB of VMEM at K = V = 128 bf16 (11.2 at 2048): v5e's and v6e's budgets
+hold 96, v5p's 48; on v4 ``launch.fit`` takes fewer chunks. (Until 2026-12-06 2048: then the walk read every segment,
+and 4096 had saved less.)"""
 
 
 CHUNK_SIZE = 128
@@ -73,11 +73,11 @@ def chunk_size_of(config) -> int:
     return config.chunk_size or CHUNK_SIZE
 
 
-def geometry_of(B: int, T: int, H: int, K: int, V: int, config) -> Geometry:
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config, segment_tokens: int = SEGMENT_TOKENS) -> Geometry:
     """The backward's geometry for a ``FusedConfig``: its chunk size (None: ``CHUNK_SIZE``), ``backward_num_steps``
-    chunks per segment (None: ``SEGMENT_TOKENS`` tokens' worth), all of ``V`` per block; before VMEM fitting (``fitted_plans``)."""
+    chunks per segment (None: ``segment_tokens`` tokens' worth), all of ``V`` per block; before VMEM fitting (``fitted_plans``)."""
     chunk_size = chunk_size_of(config)
-    chunks = config.backward_num_steps or max(1, SEGMENT_TOKENS // chunk_size)
+    chunks = config.backward_num_steps or max(1, segment_tokens // chunk_size)
     return grid.backward_geometry(Geometry(B, T, H, K, V, chunk_size, chunks))
 
 

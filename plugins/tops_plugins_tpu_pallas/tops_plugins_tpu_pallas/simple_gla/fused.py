@@ -46,7 +46,7 @@ class FusedConfig:
     the chip. ``num_steps``: chunks per grid step, at most: fewer when
     the step's blocks would not fit the VMEM budget (``launch.fit``). ``backward_num_steps``:
     chunks per segment of the backward (``backward_fused``), at most, fewer when VMEM is short; None: as
-    many as make ``backward_fused.SEGMENT_TOKENS`` (2048) tokens. ``full_values``: one grid point
+    many as make ``backward_fused.SEGMENT_TOKENS`` (4096) tokens (``backward_varlen.SEGMENT_TOKENS``, 2048, for a packed call with states). ``full_values``: one grid point
     per (batch, head) holding all of ``V`` (``q`` and ``k`` read once, the MXU's full width on ``V``), else
     one per 128-lane value tile. ``attention_first``: trace every chunk's attention of a grid step ahead of
     the chain through the state (True), or each chunk's attention beside its link of the chain, the
