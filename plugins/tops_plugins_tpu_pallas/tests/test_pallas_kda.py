@@ -10,6 +10,8 @@ precomputed ``gate``, ``beta_activation``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +24,12 @@ from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
 from tops_plugins_tpu_pallas import traffic
 from tops_plugins_tpu_pallas.gated_delta_rule.fused import GatedDeltaRuleFusedConfig
 from tops_plugins_tpu_pallas.grid import steps_of
+from tops_plugins_tpu_pallas.gated_delta_rule.chunkwise import GATED_DELTA_RULE
+from tops_plugins_tpu_pallas.gla.chunkwise import GLA
+from tops_plugins_tpu_pallas.kda import backward as kda_backward
 from tops_plugins_tpu_pallas.kda import chunkwise
 from tops_plugins_tpu_pallas.kda import fused as kda_fused
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA
 
 kda = tops_core.op("kda")
 
@@ -122,6 +128,33 @@ def test_chunk_pairs_and_inverse_match_their_definitions(size, gate):
         assert error < 1e-6, (name, error)
     np.testing.assert_array_equal(np.triu(np.asarray(pairs.inverse), 1), 0)
     np.testing.assert_array_equal(np.diagonal(np.asarray(pairs.inverse)), 1)
+
+
+@pytest.mark.parametrize("recurrence", [KDA, GATED_DELTA_RULE, GLA], ids=lambda r: r.op)
+def test_a_walk_without_queries_computes_the_same_states_and_no_outputs(recurrence):
+    # The backward's checkpoints walk reads no q (kda.backward.plans): chunk_steps then builds no Aqk and no o, and the
+    # states entering and leaving its chunks are the forward's.
+    rng = np.random.default_rng(3)
+    C, K, V = 64, 128, 128
+    chunks = []
+    for _ in range(3):
+        q, k, v = (jnp.asarray(rng.standard_normal((C, d)), jnp.bfloat16) for d in (K, K, V))
+        g = -np.logaddexp(0.0, -rng.standard_normal((C, K if recurrence.gate_per_key else 1))) / 8
+        beta = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((C, 1)))), jnp.float32) if recurrence.delta_rule else None
+        chunks.append((q, k, v, jnp.asarray(g, jnp.float32), beta, None))
+    state = jnp.asarray(rng.standard_normal((K, V)), jnp.float32)
+    steps = functools.partial(chunkwise.chunk_steps, scale=K**-0.5, use_qk_l2norm=True, recurrence=recurrence)
+    outputs, entering, leaving = steps(chunks, state)
+    no_outputs, walked, walked_leaving = steps([(None, *chunk[1:]) for chunk in chunks], state)
+    assert all(o is not None for o in outputs) and all(o is None for o in no_outputs)
+    for got, want in zip([*walked, walked_leaving], [*entering, leaving]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_the_backward_walk_reads_no_queries():
+    geometry = kda_fused.geometry_of(2, 1024, 4, 128, 128, kda_fused.KdaFusedConfig())
+    walk, gradients = kda_backward.plans(geometry, jnp.bfloat16, use_qk_l2norm=True)
+    assert "q" not in [x.name for x in walk.inputs] and "q" in [x.name for x in gradients.inputs]
 
 
 def test_decays_near_one_keep_float32_accuracy_under_a_large_cumulative_gate():

@@ -27,8 +27,8 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import ChunkGates
 
 def chunk_factors(chunks, *, operands, lower_bound: float | None = None) -> list[Factors]:
     """kda's ``chunk_factors`` for gates per head: ``(q, k, g, beta, resets)`` each, ``g`` ``(C, 1)`` float32 (0 past the
-    end of the sequence, ``-inf`` a reset, as a packed chunk's ``resets`` rows are); ``lower_bound`` unused (no decay can
-    overflow)."""
+    end of the sequence, ``-inf`` a reset, as a packed chunk's ``resets`` rows are; ``q`` None: no ``Aqk``);
+    ``lower_bound`` unused (no decay can overflow)."""
     del lower_bound
     C = chunks[0][1].shape[0]
     i, j = row_and_column_iotas(C)
@@ -36,10 +36,10 @@ def chunk_factors(chunks, *, operands, lower_bound: float | None = None) -> list
     gates, aqk, every_levels = [], [], []
     for q, k, g, beta, resets in chunks:
         own = ChunkGates.compute(0.0, g if resets is None else jnp.where(resets, -jnp.inf, g), None, C)
-        products = matmul(jnp.concatenate([k, q], axis=0), k, operands, ROWS_BY_ROWS)
+        products = matmul(k if q is None else jnp.concatenate([k, q], axis=0), k, operands, ROWS_BY_ROWS)
         beta_akk = beta * jnp.where(j < i, products[:C] * own.decays, 0.0)
         gates.append(own)
-        aqk.append(products[C:] * own.decays)
+        aqk.append(None if q is None else products[C:] * own.decays)
         every_levels.append(tuple(jnp.where(mask, beta_akk, 0.0) for mask in masks))
     inverses = exact_inverses(tuple(every_levels), operands)
     return [Factors(to_token=own.query, to_end=own.key, whole=own.chunk, aqk=a, inverse=d) for own, a, d in zip(gates, aqk, inverses)]

@@ -39,9 +39,12 @@ def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
     """``(o, S_out, v)`` of one chunk from the state entering it and its ``factors`` (the writes are ``v``, float32).
 
     ``entering``: None, or a packed chunk's initial-state terms ``(keys, queries, leaving)`` (``kda.sequences``; ``keys``,
-    the delta rule's, unused) added to ``o`` and ``S_out``."""
+    the delta rule's, unused) added to ``o`` and ``S_out``. ``q`` None: no ``o`` (None), the states alone."""
     del beta
     v = v.astype(_F32)
+    if q is None:
+        state_out = factors.whole * state + (0.0 if entering is None else entering[2])
+        return None, state_out + matmul(k * factors.to_end, v, operands, COLUMNS_BY_COLUMNS), v
     o = matmul(q * factors.to_token, state, operands)
     state_out = factors.whole * state
     if entering is not None:

@@ -2,7 +2,8 @@
 on the fused grid.
 
 1. **checkpoints**: the forward kernel itself (``fused.kernel``) walking time, writing the float32 state
-   entering every chunk instead of ``o``. KDA's chunk is compute-bound (its inverse and pairs), so one
+   entering every chunk instead of ``o``, and reading no ``q``: without the queries it computes the states alone
+   (no ``Aqk``, no ``o``; ``chunkwise.chunk_steps``). KDA's chunk is compute-bound (its inverse and pairs), so one
    checkpoint per chunk (``4 K V / C`` bytes per token written and read again) costs less than
    recomputing a segment's states in the reverse walk.
 2. **gradients**: the grid's time axis reversed (``grid.reversed_in_time``; nothing flipped or
@@ -95,8 +96,10 @@ def plans(
         with_A_log=with_A_log, dt_bias_dtype=dt_bias_dtype, num_seqs=num_seqs, recurrence=recurrence,
     )
     (forward,) = fused.plans(geometry, dtype, initial_state_dtype=initial_state_dtype, **forward_inputs)
+    # The forward's kernel walking for the states alone: no queries read, no Aqk, no o (kda.chunkwise.chunk_steps).
     checkpoints = dataclasses.replace(
-        forward, name=f"{recurrence.op}_backward_checkpoints", outputs=(state_checkpoints(geometry),),
+        forward, name=f"{recurrence.op}_backward_checkpoints", inputs=tuple(x for x in forward.inputs if x.name != "q"),
+        outputs=(state_checkpoints(geometry),),
     )
     steps = functools.partial(reversed_in_time, geometry=geometry)
     # The forward's inputs but the initial state (the checkpoints hold it); dt_bias's block ignores the time step.

@@ -361,21 +361,26 @@ def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands,
 def interleaved_pairs(chunks, operands, delta_rule: bool = True) -> list[Pairs]:
     """``pairs`` of several chunks ``(q, k, beta, decays, resets)``: every chunk's levels' products, then their inverses
     at once (``exact_inverses``). Without the ``delta_rule`` (gla: ``beta`` None), ``Aqk`` alone: each level streams
-    only the later half's query rows, and no inverse (``Pairs.inverse`` None)."""
+    only the later half's query rows, and no inverse (``Pairs.inverse`` None). Without the queries (``q`` None: a walk
+    for the states alone), no ``Aqk`` (``Pairs.aqk`` None): the inverse alone, or nothing without the delta rule."""
     C = chunks[0][1].shape[0]
+    queries = chunks[0][0] is not None
+    if not (queries or delta_rule):
+        return [Pairs(aqk=None, inverse=None) for _ in chunks]
     i, j = row_and_column_iotas(C)
     rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-    aqk = [jnp.where(i == j, jnp.sum(q * k, axis=1, keepdims=True), 0.0) for q, k, *_ in chunks]
+    aqk = [jnp.where(i == j, jnp.sum(q * k, axis=1, keepdims=True), 0.0) if queries else None for q, k, *_ in chunks]
     every_levels = [[] for _ in chunks]
     fine_size = chunks[0][3].fine_size
     if fine_size is not None:
         inside = (_block(i, fine_size) == _block(j, fine_size)) & (j < i)
         for n, (q, k, beta, decays, resets) in enumerate(chunks):
             row_decay, column_decay = decays.fine
-            left = [k * row_decay, q * row_decay] if delta_rule else [q * row_decay]
+            left = ([k * row_decay] if delta_rule else []) + ([q * row_decay] if queries else [])
             products = matmul(jnp.concatenate(left, axis=0), k * column_decay, operands, ROWS_BY_ROWS)
             kept = inside if resets is None else inside & (crossings(resets) == 0)
-            aqk[n] = aqk[n] + jnp.where(kept, products[-C:], 0.0)
+            if queries:
+                aqk[n] = aqk[n] + jnp.where(kept, products[-C:], 0.0)
             if delta_rule:
                 beta_akk = beta * jnp.where(kept, products[:C], 0.0)
                 # The fine levels' P_t are masks of the one sub-chunk matrix.
@@ -388,17 +393,14 @@ def interleaved_pairs(chunks, operands, delta_rule: bool = True) -> list[Pairs]:
         by_rows = level_rows(C, s) < C
         for n, (q, k, beta, decays, _) in enumerate(chunks):
             decayed_keys = k * decays.levels[level]
-            decayed_queries = q * decays.levels[level]
             earlier_keys = jnp.where(later, 0.0, decayed_keys)
-            if by_rows:
-                left = [_later_rows(decayed_keys, s), _later_rows(decayed_queries, s)]
-            else:
-                left = [jnp.where(later, decayed_keys, 0.0), jnp.where(later, decayed_queries, 0.0)]
-            left = left if delta_rule else left[1:]
+            left = ([decayed_keys] if delta_rule else []) + ([q * decays.levels[level]] if queries else [])
+            left = [_later_rows(x, s) for x in left] if by_rows else [jnp.where(later, x, 0.0) for x in left]
             products = matmul(jnp.concatenate(left, axis=0), earlier_keys, operands, ROWS_BY_ROWS)
             rows_of = (lambda x: _with_earlier_rows(None, x, s)) if by_rows else (lambda x: x)
             half = products.shape[0] // len(left)
-            aqk[n] = aqk[n] + jnp.where(same_block, rows_of(products[-half:]), 0.0)
+            if queries:
+                aqk[n] = aqk[n] + jnp.where(same_block, rows_of(products[-half:]), 0.0)
             if delta_rule:
                 # Later rows against earlier columns inside one 2s-block: the level's pairs, zero elsewhere.
                 every_levels[n].append(beta * jnp.where(same_block, rows_of(products[:half]), 0.0))
@@ -408,12 +410,16 @@ def interleaved_pairs(chunks, operands, delta_rule: bool = True) -> list[Pairs]:
     return [Pairs(aqk=a, inverse=d) for a, d in zip(aqk, inverses)]
 
 
-def prepared_queries_keys(q, k, *, scale: float, use_qk_l2norm: bool) -> tuple[jax.Array, jax.Array]:
-    """``q`` and ``k`` as the chunk math takes them: float32, normalised when asked, ``q`` times ``scale``."""
-    q, k = q.astype(_F32), k.astype(_F32)
+def prepared_queries_keys(q, k, *, scale: float, use_qk_l2norm: bool) -> tuple[jax.Array | None, jax.Array]:
+    """``q`` and ``k`` as the chunk math takes them: float32, normalised when asked, ``q`` times ``scale`` (None stays
+    None: a walk that computes the states alone, ``chunk_steps``)."""
+    k = k.astype(_F32)
     if use_qk_l2norm:
-        q, k = l2_normalised(q), l2_normalised(k)
-    return q * scale, k
+        k = l2_normalised(k)
+    if q is None:
+        return None, k
+    q = q.astype(_F32)
+    return (l2_normalised(q) if use_qk_l2norm else q) * scale, k
 
 
 @jax.tree_util.register_dataclass
@@ -425,7 +431,7 @@ class Factors:
     to_token: jax.Array  # (C, K): exp(b_i)
     to_end: jax.Array  # (C, K): exp(b_C - b_i)
     whole: jax.Array  # (K, 1): exp(b_C)
-    aqk: jax.Array  # (C, C)
+    aqk: jax.Array | None  # (C, C); None without the queries (a walk for the states alone)
     inverse: jax.Array | None  # (C, C): (I + diag(beta) Akk)^-1; None without the delta rule (gla)
 
 
@@ -444,16 +450,20 @@ def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
     ``(C, value block)``) and what they and ``state`` give.
 
     ``entering``: None, or a packed chunk's initial-state terms ``(keys, queries, leaving)`` (``kda.sequences``) added to
-    ``k S``, ``o`` and ``S_out``. A pure function of its arrays, so its VJP is the backward's (``kda.backward``)."""
+    ``k S``, ``o`` and ``S_out``. ``q`` None: no ``o`` (None), the states alone. A pure function of its arrays, so its VJP
+    is the backward's (``kda.backward``)."""
     C = k.shape[0]
-    by_state = matmul(jnp.concatenate([k * factors.to_token, q * factors.to_token], axis=0), state, operands)
-    keys_by_state, o = by_state[:C], by_state[C:]  # one product: the state is loaded into the MXU once
+    rows = [k * factors.to_token] if q is None else [k * factors.to_token, q * factors.to_token]
+    by_state = matmul(jnp.concatenate(rows, axis=0), state, operands)
+    keys_by_state, o = by_state[:C], None if q is None else by_state[C:]  # one product: the state is loaded into the MXU once
     state_out = factors.whole * state
     if entering is not None:
         keys, queries, leaving = entering
-        keys_by_state, o, state_out = keys_by_state + keys, o + queries, state_out + leaving
+        keys_by_state, state_out = keys_by_state + keys, state_out + leaving
+        o = None if q is None else o + queries
     delta = matmul(factors.inverse, beta * (v.astype(_F32) - keys_by_state), operands)
-    o = o + matmul(factors.aqk, delta, operands)
+    if q is not None:
+        o = o + matmul(factors.aqk, delta, operands)
     state_out = state_out + matmul(k * factors.to_end, delta, operands, COLUMNS_BY_COLUMNS)
     return o, state_out, delta
 
@@ -462,7 +472,8 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     """Consecutive chunks from ``state``: ``(o of each, the state entering each, the state leaving the last)``, ``o``
     float32 ``(C, value block)``, the states float32 ``(K_pad, value block)``.
 
-    ``chunks``: ``(q, k, v, g, beta, packed)`` each: ``q``, ``k``, ``v`` in the input dtype, ``g`` float32 ``(C, K_pad)``
+    ``chunks``: ``(q, k, v, g, beta, packed)`` each: ``q``, ``k``, ``v`` in the input dtype (``q`` None: the states alone,
+    every ``o`` None, as the backward's walk needs them), ``g`` float32 ``(C, K_pad)``
     (``(C, 1)`` for a gate per head) and ``beta`` ``(C, 1)`` float32 (None without the delta rule), every row past the end
     of the sequence already zero (no decay, no write). ``lower_bound``: static, a bound every ``g`` respects (kda's
     bounded path where ``fine_block_size`` allows it). ``packed``: a packed chunk's sequences
@@ -473,7 +484,7 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     A chunk's inverse is a chain of dependent products, as is the state's way through the chunks; issued apart, each
     fills the other's waits.
     """
-    operands = mxu_operand_dtype(chunks[0][0].dtype)
+    operands = mxu_operand_dtype(chunks[0][1].dtype)
     prepared = []
     for q, k, v, g, beta, packed in chunks:
         q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)

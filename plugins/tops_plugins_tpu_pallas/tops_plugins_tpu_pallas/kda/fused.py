@@ -188,9 +188,11 @@ def gate_block(geometry: Geometry, dtype, recurrence: Recurrence) -> Blocked:
 
 
 def read_chunk(refs: dict, chunk: Chunk, head, recurrence: Recurrence) -> tuple[jax.Array, ...]:
-    """The chunk's ``q``, ``k``, ``v``, ``g`` (as given: raw with ``use_gate``; a gate per head as a float32 ``(C, 1)``
-    column) and ``beta`` (float32 ``(C, 1)``, as given; None without the delta rule)."""
-    q, k, v = (chunk.read(refs[name]) for name in ("q", "k", "v"))
+    """The chunk's ``q`` (None where the kernel reads none: the backward's walk for the states alone), ``k``, ``v``,
+    ``g`` (as given: raw with ``use_gate``; a gate per head as a float32 ``(C, 1)`` column) and ``beta`` (float32
+    ``(C, 1)``, as given; None without the delta rule)."""
+    q = chunk.read(refs["q"]) if "q" in refs else None
+    k, v = (chunk.read(refs[name]) for name in ("k", "v"))
     g = chunk.read(refs["g"]) if recurrence.gate_per_key else chunk.head_column(refs["g"], head)
     return q, k, v, g, chunk.head_column(refs["beta"], head) if recurrence.delta_rule else None
 

@@ -47,16 +47,16 @@ def _inside(start: jax.Array, end: jax.Array, chunk_size: int) -> jax.Array:
     return (rows >= start) & (rows < end)
 
 
-def _entering_terms(start, end, is_last, q, k, g, initial, operands) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _entering_terms(start, end, is_last, q, k, g, initial, operands) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """What ``initial`` (the initial state of the sequence on rows ``[start, end)``, which starts in the chunk) adds to
-    the chunk's ``k S``, its output, and (``is_last``: the chunk's last sequence) the state leaving it."""
+    the chunk's ``k S``, its output (None without ``q``), and (``is_last``: the chunk's last sequence) the state leaving it."""
     C = k.shape[0]
     i, t = row_and_column_iotas(C)
     decays = jnp.where(_inside(start, end, C), jnp.exp(run_sums((start <= t) & (t <= i), g)), 0.0)
     # The chunk's last sequence runs on to its last row: its state, decayed from row a, leaves the chunk.
     whole = jnp.exp(column_sums(g, _inside(start, C, C)))
     return (
-        matmul(k * decays, initial, operands), matmul(q * decays, initial, operands),
+        matmul(k * decays, initial, operands), None if q is None else matmul(q * decays, initial, operands),
         jnp.where(is_last, whole * initial, 0.0),
     )
 
@@ -125,10 +125,10 @@ class PackedChunk:
         """``dht[sequence]`` (copied only ``ends_here``), zeros elsewhere."""
         return jnp.where(ends_here, self.states.load("dht", sequence, ends_here), 0.0)
 
-    def entering(self, q: jax.Array, k: jax.Array, g: jax.Array, operands) -> tuple[jax.Array, ...] | None:
+    def entering(self, q: jax.Array | None, k: jax.Array, g: jax.Array, operands) -> tuple[jax.Array, ...] | None:
         """The initial states' terms ``(keys, queries, leaving)`` for ``chunkwise.through_state`` (``q``, ``k`` as the chunk math
         holds them, ``g`` ``(C, K)`` as given but ``-inf`` taken as ``RESET_LOG_DECAY``), or None without
-        ``initial_state`` (every sequence starts from zeros, which a reset already is)."""
+        ``initial_state`` (every sequence starts from zeros, which a reset already is). ``q`` None: ``queries`` None."""
         if not self.states.has("initial_state"):
             return None
         C, K = k.shape
@@ -138,10 +138,11 @@ class PackedChunk:
             start, end = self._rows_of(n)
             initial = self.states.load("initial_state", n, True)
             added = _entering_terms(start, end, n == self.last_sequence, q, k, g, initial, operands)
-            return tuple(term + more for term, more in zip(terms, added))
+            return tuple(term + more for term, more in zip(terms, (x for x in added if x is not None)))
 
-        zeros = (jnp.zeros((C, Vb), _F32), jnp.zeros((C, Vb), _F32), jnp.zeros((K, Vb), _F32))
-        return lax.fori_loop(*self._starting(), add, zeros)
+        zeros = (jnp.zeros((C, Vb), _F32), *([] if q is None else [jnp.zeros((C, Vb), _F32)]), jnp.zeros((K, Vb), _F32))
+        sums = lax.fori_loop(*self._starting(), add, zeros)
+        return sums if q is not None else (sums[0], None, sums[1])
 
     def leave(self, k: jax.Array, g: jax.Array, delta: jax.Array, carried: jax.Array, operands) -> None:
         """Write the final state of every sequence that ends in the chunk (nothing without ``final_state``):
