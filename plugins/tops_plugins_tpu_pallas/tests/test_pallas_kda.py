@@ -144,17 +144,20 @@ def test_a_walk_without_queries_computes_the_same_states_and_no_outputs(recurren
         chunks.append((q, k, v, jnp.asarray(g, jnp.float32), beta, None))
     state = jnp.asarray(rng.standard_normal((K, V)), jnp.float32)
     steps = functools.partial(chunkwise.chunk_steps, scale=K**-0.5, use_qk_l2norm=True, recurrence=recurrence)
-    outputs, entering, leaving = steps(chunks, state)
-    no_outputs, walked, walked_leaving = steps([(None, *chunk[1:]) for chunk in chunks], state)
+    outputs, entering, leaving, _ = steps(chunks, state)
+    no_outputs, walked, walked_leaving, _ = steps([(None, *chunk[1:]) for chunk in chunks], state)
     assert all(o is not None for o in outputs) and all(o is None for o in no_outputs)
     for got, want in zip([*walked, walked_leaving], [*entering, leaving]):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-def test_the_backward_walk_reads_no_queries():
+def test_the_backward_walk_reads_no_queries_and_writes_the_inverses():
     geometry = kda_fused.geometry_of(2, 1024, 4, 128, 128, kda_fused.KdaFusedConfig())
     walk, gradients = kda_backward.plans(geometry, jnp.bfloat16, use_qk_l2norm=True)
     assert "q" not in [x.name for x in walk.inputs] and "q" in [x.name for x in gradients.inputs]
+    # It writes each chunk's inverse, in the bf16 its products take, and the gradients kernel reads it.
+    (inverses,) = [x for x in walk.outputs if x.name == "inverses"]
+    assert inverses.dtype == jnp.bfloat16 and "inverses" in [x.name for x in gradients.inputs]
 
 
 def test_decays_near_one_keep_float32_accuracy_under_a_large_cumulative_gate():

@@ -24,11 +24,11 @@ from tops_plugins_tpu_pallas.recurrence import Recurrence
 _F32 = jnp.float32
 
 
-def chunk_factors(chunks, *, operands, lower_bound: float | None = None) -> list[Factors]:
+def chunk_factors(chunks, *, operands, lower_bound: float | None = None, inverses=None) -> list[Factors]:
     """Every chunk's decays, then every chunk's ``Aqk`` (kda's ``interleaved_pairs`` without the delta rule), from ``(q, k,
-    g, beta, resets)`` each (``beta`` None; ``resets`` None or a packed chunk's sequence starts); ``lower_bound`` unused
-    (gla has none)."""
-    del lower_bound
+    g, beta, resets)`` each (``beta`` None; ``resets`` None or a packed chunk's sequence starts); ``lower_bound`` and
+    ``inverses`` unused (gla has no bound and no inverse)."""
+    del lower_bound, inverses
     parts = run_sum_parts(operands)
     decays = [Decays.compute(g, None, resets, parts) for _, _, g, _, resets in chunks]
     every_pairs = interleaved_pairs([(q, k, None, d, resets) for (q, k, _, _, resets), d in zip(chunks, decays)], operands, delta_rule=False)

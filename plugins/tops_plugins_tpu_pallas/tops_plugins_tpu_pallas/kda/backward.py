@@ -96,15 +96,17 @@ def plans(
         with_A_log=with_A_log, dt_bias_dtype=dt_bias_dtype, num_seqs=num_seqs, recurrence=recurrence,
     )
     (forward,) = fused.plans(geometry, dtype, initial_state_dtype=initial_state_dtype, **forward_inputs)
-    # The forward's kernel walking for the states alone: no queries read, no Aqk, no o (kda.chunkwise.chunk_steps).
+    # The forward's kernel walking for the states alone: no queries read, no Aqk, no o (kda.chunkwise.chunk_steps); with
+    # the delta rule it writes each chunk's inverse too.
+    walked = (state_checkpoints(geometry), *([chunk_inverses(geometry, dtype)] if recurrence.delta_rule else []))
     checkpoints = dataclasses.replace(
         forward, name=f"{recurrence.op}_backward_checkpoints", inputs=tuple(x for x in forward.inputs if x.name != "q"),
-        outputs=(state_checkpoints(geometry),),
+        outputs=walked,
     )
     steps = functools.partial(reversed_in_time, geometry=geometry)
     # The forward's inputs but the initial state (the checkpoints hold it); dt_bias's block ignores the time step.
     inputs = [steps(x) for x in forward.inputs if x.name != "initial_state"]
-    inputs += [steps(blocks.value_rows("do", geometry, dtype)), steps(state_checkpoints(geometry))]
+    inputs += [steps(blocks.value_rows("do", geometry, dtype)), *map(steps, walked)]
     # Per query/key head: grouped value heads sum dq and dk over their group in the kernel (_over_the_group).
     outputs = [
         steps(blocks.key_rows("dq", geometry, dtype)),
@@ -148,6 +150,21 @@ def plans(
     name = f"{recurrence.op}_{'fused' if num_seqs is None else 'varlen'}_backward"
     gradients = grid.grid_plan(name, geometry, forward.scalars, inputs, outputs, work, body, scratch=scratch)
     return checkpoints, gradients if geometry.groups == 1 else _over_the_group(gradients, geometry)
+
+
+def chunk_inverses(geometry: Geometry, dtype) -> Blocked:
+    """Each chunk's ``(I + diag(beta) Akk)^-1`` as the walk computes it, ``[B, HV, steps, chunks per step, C, C]``, in the
+    dtype its products round it to (``mxu_operand_dtype``: bf16 for bf16 inputs, so nothing is lost): the gradients
+    kernel reads it (``chunkwise.known_inverses``) rather than recomputing it, ``2 C`` or ``4 C`` bytes per token."""
+    g, C = geometry, geometry.chunk_size
+
+    def step_inverses(b, h, tile, t, *_):
+        return (b, h, t, 0, 0, 0)
+
+    return Blocked(
+        "inverses", (g.batch, g.heads, g.time_steps, g.chunks_per_step, C, C), mxu_operand_dtype(dtype),
+        (None, None, None, g.chunks_per_step, C, C), step_inverses,
+    )
 
 
 GROUP_WIDE = ("dinitial_state", "dA_log", "ddt_bias")
@@ -228,9 +245,12 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
         inputs_vjps.append(inputs_vjp)
     resets = [None] * len(chunks) if packed is None else [sequences.resets for sequences in packed]
 
+    # The walk's inverses (float32 again: their cotangents stay float32), which the factors' VJP takes as they are.
+    inverses = [refs["inverses"][chunk.index].astype(_F32) for chunk in chunks] if "inverses" in refs else None
+
     def step_factors(prepared):
         chunk_rows = [(q, k, g, beta, chunk_resets) for (q, k, g, beta), chunk_resets in zip(prepared, resets)]
-        return recurrence.factors(chunk_rows, operands=operands, lower_bound=activations.decay_lower_bound)
+        return recurrence.factors(chunk_rows, operands=operands, lower_bound=activations.decay_lower_bound, inverses=inverses)
 
     every_factors, factors_vjp = jax.vjp(step_factors, prepared)
 

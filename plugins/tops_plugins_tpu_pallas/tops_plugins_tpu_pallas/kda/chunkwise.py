@@ -349,6 +349,26 @@ def _exact_inverses_cotangents(operands, inverses, dinverses):
 exact_inverses.defvjp(_exact_inverses_forward, _exact_inverses_cotangents)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def known_inverses(every_levels, inverses, operands) -> tuple[jax.Array, ...]:
+    """``exact_inverses`` of levels whose inverses are known (``inverses``: the backward's walk wrote them, float32): those,
+    differentiated as ``exact_inverses`` is, so the backward's gradients kernel need not recompute them."""
+    del every_levels
+    return tuple(inverses)
+
+
+def _known_inverses_forward(every_levels, inverses, operands):
+    return known_inverses(every_levels, inverses, operands), tuple(inverses)
+
+
+def _known_inverses_cotangents(operands, inverses, dinverses):
+    (every_dlevels,) = _exact_inverses_cotangents(operands, inverses, dinverses)
+    return every_dlevels, tuple(jnp.zeros_like(inverse) for inverse in inverses)
+
+
+known_inverses.defvjp(_known_inverses_forward, _known_inverses_cotangents)
+
+
 def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands, resets: jax.Array | None = None) -> Pairs:
     """``Aqk`` and the exact inverse of ``I + diag(beta) Akk``, level by level (float32 ``q``, ``k``; ``beta`` ``(C, 1)``).
 
@@ -358,11 +378,12 @@ def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands,
     return result
 
 
-def interleaved_pairs(chunks, operands, delta_rule: bool = True) -> list[Pairs]:
+def interleaved_pairs(chunks, operands, delta_rule: bool = True, inverses=None) -> list[Pairs]:
     """``pairs`` of several chunks ``(q, k, beta, decays, resets)``: every chunk's levels' products, then their inverses
     at once (``exact_inverses``). Without the ``delta_rule`` (gla: ``beta`` None), ``Aqk`` alone: each level streams
     only the later half's query rows, and no inverse (``Pairs.inverse`` None). Without the queries (``q`` None: a walk
-    for the states alone), no ``Aqk`` (``Pairs.aqk`` None): the inverse alone, or nothing without the delta rule."""
+    for the states alone), no ``Aqk`` (``Pairs.aqk`` None): the inverse alone, or nothing without the delta rule.
+    ``inverses``: the chunks' inverses where they are known (``known_inverses``), else computed (``exact_inverses``)."""
     C = chunks[0][1].shape[0]
     queries = chunks[0][0] is not None
     if not (queries or delta_rule):
@@ -406,7 +427,11 @@ def interleaved_pairs(chunks, operands, delta_rule: bool = True) -> list[Pairs]:
                 every_levels[n].append(beta * jnp.where(same_block, rows_of(products[:half]), 0.0))
     if not delta_rule:
         return [Pairs(aqk=a, inverse=None) for a in aqk]
-    inverses = exact_inverses(tuple(tuple(levels) for levels in every_levels), operands)
+    every_levels = tuple(tuple(levels) for levels in every_levels)
+    if inverses is None:
+        inverses = exact_inverses(every_levels, operands)
+    else:
+        inverses = known_inverses(every_levels, tuple(inverses), operands)
     return [Pairs(aqk=a, inverse=d) for a, d in zip(aqk, inverses)]
 
 
@@ -435,13 +460,16 @@ class Factors:
     inverse: jax.Array | None  # (C, C): (I + diag(beta) Akk)^-1; None without the delta rule (gla)
 
 
-def chunk_factors(chunks, *, operands, lower_bound: float | None) -> list[Factors]:
+def chunk_factors(chunks, *, operands, lower_bound: float | None, inverses=None) -> list[Factors]:
     """The factors of consecutive chunks, ``(q, k, g, beta, resets)`` each (``q``, ``k`` from ``prepared_queries_keys``,
     ``resets`` None or a packed chunk's ``(C, 1)`` sequence starts): the decays, then the pairs and inverses of all of
-    them at once (``interleaved_pairs``). A pure function of its arrays, so its VJP is the backward's."""
+    them at once (``interleaved_pairs``; ``inverses`` where known). A pure function of its arrays, so its VJP is the
+    backward's."""
     parts = run_sum_parts(operands)
     decays = [Decays.compute(g, fine_block_size(g.shape[0], lower_bound), resets, parts) for _, _, g, _, resets in chunks]
-    every_pairs = interleaved_pairs([(q, k, beta, d, resets) for (q, k, _, beta, resets), d in zip(chunks, decays)], operands)
+    every_pairs = interleaved_pairs(
+        [(q, k, beta, d, resets) for (q, k, _, beta, resets), d in zip(chunks, decays)], operands, inverses=inverses,
+    )
     return [Factors(d.to_token, d.to_end, d.whole, p.aqk, p.inverse) for d, p in zip(decays, every_pairs)]
 
 
@@ -469,8 +497,8 @@ def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
 
 
 def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence: Recurrence, lower_bound: float | None = None):
-    """Consecutive chunks from ``state``: ``(o of each, the state entering each, the state leaving the last)``, ``o``
-    float32 ``(C, value block)``, the states float32 ``(K_pad, value block)``.
+    """Consecutive chunks from ``state``: ``(o of each, the state entering each, the state leaving the last, the factors
+    of each)``, ``o`` float32 ``(C, value block)``, the states float32 ``(K_pad, value block)``.
 
     ``chunks``: ``(q, k, v, g, beta, packed)`` each: ``q``, ``k``, ``v`` in the input dtype (``q`` None: the states alone,
     every ``o`` None, as the backward's walk needs them), ``g`` float32 ``(C, K_pad)``
@@ -500,7 +528,7 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
             packed.leave(k, sequence_gates, writes, state, operands)
         outputs.append(o)
         state = state_out
-    return outputs, entering_states, state
+    return outputs, entering_states, state, every_factors
 
 
 def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | None = None, packed: bool = False) -> Work:

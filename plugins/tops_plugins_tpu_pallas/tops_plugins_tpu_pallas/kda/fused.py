@@ -235,13 +235,15 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
         if packed:
             sequences = PackedChunk.of(refs, step * geometry.chunks_per_step + chunk.index, geometry.chunk_size, states)
         inputs.append((q, k, v, g, beta, sequences))
-    outputs, entering, state = chunk_steps(
+    outputs, entering, state, every_factors = chunk_steps(
         inputs, refs["state"][...], scale=scale, use_qk_l2norm=use_qk_l2norm, recurrence=recurrence,
         lower_bound=activations.decay_lower_bound,
     )
-    for chunk, o, before in zip(chunks, outputs, entering):
+    for chunk, o, before, factors in zip(chunks, outputs, entering, every_factors):
         if "checkpoints" in refs:  # the backward's first walk (kda.backward): the state entering every chunk, no o
             refs["checkpoints"][chunk.index] = before
+        if "inverses" in refs:  # and each chunk's inverse, which the gradients kernel then need not recompute
+            refs["inverses"][chunk.index] = factors.inverse.astype(refs["inverses"].dtype)
         if "o" in refs:
             refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
