@@ -18,9 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tops_plugins_tpu_pallas.grid import Work
-from tops_plugins_tpu_pallas.kda.chunkwise import (
-    Factors, exact_inverses, inverse_work, known_inverses, level_pairs_mask, level_sizes, through_state,
-)
+from tops_plugins_tpu_pallas.kda.chunkwise import Factors, inverse_work, inverses_of, level_pairs_mask, level_sizes, through_state
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, row_and_column_iotas
 from tops_plugins_tpu_pallas.recurrence import Recurrence
@@ -30,7 +28,7 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import ChunkGates
 def chunk_factors(chunks, *, operands, lower_bound: float | None = None, inverses=None) -> list[Factors]:
     """kda's ``chunk_factors`` for gates per head: ``(q, k, g, beta, resets)`` each, ``g`` ``(C, 1)`` float32 (0 past the
     end of the sequence, ``-inf`` a reset, as a packed chunk's ``resets`` rows are; ``q`` None: no ``Aqk``; ``inverses``
-    where known, ``known_inverses``); ``lower_bound`` unused (no decay can overflow)."""
+    where known, ``kda.chunkwise.inverses_of``); ``lower_bound`` unused (no decay can overflow)."""
     del lower_bound
     C = chunks[0][1].shape[0]
     i, j = row_and_column_iotas(C)
@@ -43,11 +41,7 @@ def chunk_factors(chunks, *, operands, lower_bound: float | None = None, inverse
         gates.append(own)
         aqk.append(None if q is None else products[C:] * own.decays)
         every_levels.append(tuple(jnp.where(mask, beta_akk, 0.0) for mask in masks))
-    every_levels = tuple(every_levels)
-    if inverses is None:
-        inverses = exact_inverses(every_levels, operands)
-    else:
-        inverses = known_inverses(every_levels, tuple(inverses), operands)
+    inverses = inverses_of(every_levels, operands, inverses)
     return [Factors(to_token=own.query, to_end=own.key, whole=own.chunk, aqk=a, inverse=d) for own, a, d in zip(gates, aqk, inverses)]
 
 

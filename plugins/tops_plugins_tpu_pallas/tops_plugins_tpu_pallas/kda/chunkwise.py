@@ -369,6 +369,12 @@ def _known_inverses_cotangents(operands, inverses, dinverses):
 known_inverses.defvjp(_known_inverses_forward, _known_inverses_cotangents)
 
 
+def inverses_of(every_levels, operands, known=None) -> tuple[jax.Array, ...]:
+    """Each chunk's inverse from its levels' pairs: ``exact_inverses``, or ``known_inverses`` of the ``known`` ones."""
+    every_levels = tuple(tuple(levels) for levels in every_levels)
+    return exact_inverses(every_levels, operands) if known is None else known_inverses(every_levels, tuple(known), operands)
+
+
 def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands, resets: jax.Array | None = None) -> Pairs:
     """``Aqk`` and the exact inverse of ``I + diag(beta) Akk``, level by level (float32 ``q``, ``k``; ``beta`` ``(C, 1)``).
 
@@ -383,7 +389,7 @@ def interleaved_pairs(chunks, operands, delta_rule: bool = True, inverses=None) 
     at once (``exact_inverses``). Without the ``delta_rule`` (gla: ``beta`` None), ``Aqk`` alone: each level streams
     only the later half's query rows, and no inverse (``Pairs.inverse`` None). Without the queries (``q`` None: a walk
     for the states alone), no ``Aqk`` (``Pairs.aqk`` None): the inverse alone, or nothing without the delta rule.
-    ``inverses``: the chunks' inverses where they are known (``known_inverses``), else computed (``exact_inverses``)."""
+    ``inverses``: the chunks' inverses where they are known (``inverses_of``)."""
     C = chunks[0][1].shape[0]
     queries = chunks[0][0] is not None
     if not (queries or delta_rule):
@@ -427,12 +433,7 @@ def interleaved_pairs(chunks, operands, delta_rule: bool = True, inverses=None) 
                 every_levels[n].append(beta * jnp.where(same_block, rows_of(products[:half]), 0.0))
     if not delta_rule:
         return [Pairs(aqk=a, inverse=None) for a in aqk]
-    every_levels = tuple(tuple(levels) for levels in every_levels)
-    if inverses is None:
-        inverses = exact_inverses(every_levels, operands)
-    else:
-        inverses = known_inverses(every_levels, tuple(inverses), operands)
-    return [Pairs(aqk=a, inverse=d) for a, d in zip(aqk, inverses)]
+    return [Pairs(aqk=a, inverse=d) for a, d in zip(aqk, inverses_of(every_levels, operands, inverses))]
 
 
 def prepared_queries_keys(q, k, *, scale: float, use_qk_l2norm: bool) -> tuple[jax.Array | None, jax.Array]:
