@@ -129,6 +129,14 @@ def test_the_forward_chunk_is_the_chips_where_the_schedule_measured_it_faster(ke
     assert backward_fused.geometry_of(1, 4096, 1, key_dim, key_dim, FusedConfig(chunk_size=256)).chunk_size == 256
 
 
+def test_explain_says_how_the_fused_backward_splits_the_sequence():
+    # B=8 T=4096 H=16 K=V=128: one 4096-token segment where the chip's VMEM holds it, two of 2048 within 16 MiB.
+    on_v6e = FUSED.explain_config(FusedConfig(), dataclasses.replace(_spec(8, 16, 128), chip="v6e"), "backward")
+    assert on_v6e.endswith("segments of 4096 tokens: one, no checkpoints walk"), on_v6e
+    unknown = FUSED.explain_config(FusedConfig(), _spec(8, 16, 128), "backward")
+    assert unknown.endswith("segments of 2048 tokens: 2, the checkpoints walk over the first 1"), unknown
+
+
 @pytest.mark.parametrize(("chip", "forward"), [
     ("v6e", "chunk_size=256 (None: 256 on a 256-wide MXU when K <= 128, else 128; v6e), attention beside the state chain"),
     ("v5e", "chunk_size=128 (None: 256 on a 256-wide MXU when K <= 128, else 128; v5e), attention beside the state chain"),
@@ -140,7 +148,7 @@ def test_explain_says_which_chunk_the_fused_kernel_runs_for_the_chip(chip, forwa
     assert "  selected: tpu_pallas.fused with FusedConfig(chunk_size=None," in "\n".join(lines)
     assert any(line.startswith(f"  for this call: {forward}") for line in lines)
     backward = sg.decide(spec, "backward").explain().splitlines()
-    assert "  for this call: chunk_size=128 (None: the backward's, on every chip)" in backward
+    assert any(line.startswith("  for this call: chunk_size=128 (None: the backward's, on every chip); segments of") for line in backward)
     told = FUSED.explain_config(FusedConfig(chunk_size=64, attention_first=True), spec, "forward")
     assert told == "chunk_size=64, attention ahead of the state chain"
 

@@ -137,8 +137,23 @@ def _explain_fused_config(config: fused.FusedConfig, spec: tops_core.CallSpec, d
     """``explain``'s line on what the fields a ``FusedConfig`` leaves None come to for the call."""
     if direction == "backward":
         left = " (None: the backward's, on every chip)" if config.chunk_size is None else ""
-        return f"chunk_size={backward_fused.chunk_size_of(config)}{left}"
+        return f"chunk_size={backward_fused.chunk_size_of(config)}{left}; {_backward_segments(config, spec)}"
     return fused.explain(config, spec.dtype, spec.key_dim, spec.chip)
+
+
+def _backward_segments(config: fused.FusedConfig, spec: tops_core.CallSpec) -> str:
+    """How the fused backward splits the call's sequence into segments, as it fits the chip's VMEM, and what it walks."""
+    geometry = backward_fused.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
+    geometry, _ = launch.fit(
+        backward_fused.plans, geometry, spec.dtype, launch.Target.of(spec.chip),
+        gate_dtype="float32" if "g" in spec.features else None,
+        initial_state_dtype="float32" if "initial_state" in spec.features else None,
+        output_final_state="output_final_state" in spec.features,
+    )
+    tokens = f"segments of {geometry.rows_per_step} tokens"
+    if geometry.time_steps == 1:
+        return f"{tokens}: one, no checkpoints walk"
+    return f"{tokens}: {geometry.time_steps}, the checkpoints walk over the first {geometry.time_steps - 1}"
 
 
 FUSED = tops_core.Implementation(
