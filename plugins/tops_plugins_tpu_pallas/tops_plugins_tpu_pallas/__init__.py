@@ -97,18 +97,22 @@ def _fits_vmem(config, forward, backward=None, forward_config=None, op_inputs=No
             geometry = geometry_of(spec.batch, spec.seq_len, spec.value_heads, spec.key_dim, spec.value_dim, direction_config,
                                    **({"groups": groups} if groups > 1 else {}))
             try:
-                launch.fit(
-                    build_plans, geometry, spec.dtype, target,
-                    gate_dtype="float32" if "g" in spec.features else None,
-                    initial_state_dtype="float32" if "initial_state" in spec.features else None,
-                    output_final_state="output_final_state" in spec.features,
-                    **(op_inputs(spec) if op_inputs else {}),
-                )
+                launch.fit(build_plans, geometry, spec.dtype, target, **_plan_inputs(spec), **(op_inputs(spec) if op_inputs else {}))
             except ValueError as error:
                 return f"K={spec.key_dim}: {error}"
         return None
 
     return predicate
+
+
+def _plan_inputs(spec: tops_core.CallSpec) -> dict:
+    """The plans' arguments for a call spec's optional inputs; the spec does not carry the dtypes of ``g`` and
+    ``initial_state``, so float32 (the larger) is assumed."""
+    return dict(
+        gate_dtype="float32" if "g" in spec.features else None,
+        initial_state_dtype="float32" if "initial_state" in spec.features else None,
+        output_final_state="output_final_state" in spec.features,
+    )
 
 
 def _varlen_priority(spec: tops_core.CallSpec) -> tuple[int, str]:
@@ -144,12 +148,7 @@ def _explain_fused_config(config: fused.FusedConfig, spec: tops_core.CallSpec, d
 def _backward_segments(config: fused.FusedConfig, spec: tops_core.CallSpec) -> str:
     """How the fused backward splits the call's sequence into segments, as it fits the chip's VMEM, and what it walks."""
     geometry = backward_fused.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
-    geometry, _ = launch.fit(
-        backward_fused.plans, geometry, spec.dtype, launch.Target.of(spec.chip),
-        gate_dtype="float32" if "g" in spec.features else None,
-        initial_state_dtype="float32" if "initial_state" in spec.features else None,
-        output_final_state="output_final_state" in spec.features,
-    )
+    geometry, _ = launch.fit(backward_fused.plans, geometry, spec.dtype, launch.Target.of(spec.chip), **_plan_inputs(spec))
     tokens = f"segments of {geometry.rows_per_step} tokens"
     if geometry.time_steps == 1:
         return f"{tokens}: one, no checkpoints walk"
