@@ -166,7 +166,9 @@ FUSED = tops_core.Implementation(
     priority=_fused_priority,
     config=FUSED_CONFIG,
     serves_pools=True,
-    config_sweep=({"chunk_size": 256},),  # the chunk v6e's forward takes, which interpret mode (no chip) would not run
+    # The chunk v6e's forward takes, which interpret mode (no chip) would not run; and a backward of several segments,
+    # which the default cases (one segment each) never walk.
+    config_sweep=({"chunk_size": 256}, {"chunk_size": 64, "backward_num_steps": 1}),
     explain_config=_explain_fused_config,
     description=(
         "one pallas_call: state in VMEM along a sequential time axis, num_steps chunks per grid step; "
