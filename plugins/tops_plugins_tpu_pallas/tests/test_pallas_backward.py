@@ -102,11 +102,12 @@ def test_alibi_decays_of_twenty_layers_at_4096(kernel, make_inputs, alibi_layers
 
 @pytest.mark.parametrize("kernel", [k if k == "fused" else pytest.param(k, marks=pytest.mark.slow) for k in KERNELS])  # chunk's: 9 s
 def test_num_steps_do_not_change_a_bit(kernel, make_inputs, default_cpu_emitters):
-    # 4 chunks of 64, the last one ragged: 1 or 4 chunks per grid step give the same gradients bit for bit.
-    inputs, _ = make_inputs(1, 250, 2, 128, 128, jnp.float32, g=True, g_gamma="alibi", initial_state=True, seed=6)
+    # 5 chunks of 64, the last one ragged: 1 or 3 chunks per grid step (two steps, the second's last chunk past the end)
+    # give the same gradients bit for bit.
+    inputs, _ = make_inputs(1, 300, 2, 128, 128, jnp.float32, g=True, g_gamma="alibi", initial_state=True, seed=6)
     do, dht = cotangents(inputs)
     one = gradients(kernel, inputs, do, dht, default_cpu_emitters, chunk_size=64, num_steps=1)
-    for name, x in gradients(kernel, inputs, do, dht, default_cpu_emitters, chunk_size=64, num_steps=4).items():
+    for name, x in gradients(kernel, inputs, do, dht, default_cpu_emitters, chunk_size=64, num_steps=3).items():
         np.testing.assert_array_equal(x, one[name], err_msg=name)
 
 

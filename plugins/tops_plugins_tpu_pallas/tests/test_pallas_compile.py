@@ -331,9 +331,10 @@ def test_forward_compiles_over_the_full_sweep(worker, kernel, generation):
 
 
 def test_gradient_over_several_segments_compiles_the_checkpoints_walk(worker):
-    # T = 4300: 34 chunks of 128, two segments of 17, the last ragged. The design's T (1, 65, 1000) are each one segment
-    # on every chip, whose backward is the gradients kernel alone; here the walk over the first segment compiles too.
-    call = dict(kernel="fused", generation="v5e", T=4300, K=128, V=128, dtype="bfloat16", g=True, initial_state=True, final_state=True)
+    # T = 4700: 37 chunks of 128, two segments of 19 (and two forward steps of 19), the second's last chunk ragged and one
+    # past the end. The design's T (1, 65, 1000) are each one segment on every chip, whose backward is the gradients
+    # kernel alone; here the walk over the first segment, and a grid padded past the end, compile too.
+    call = dict(kernel="fused", generation="v5e", T=4700, K=128, V=128, dtype="bfloat16", g=True, initial_state=True, final_state=True)
     assert fused_backward_kernels(call) == 2
     facts = compile_call(worker, call, gradient=True)
     assert facts["kernels"] == 1 + 2
@@ -455,6 +456,15 @@ def test_kda_gradient_compiles_the_forward_and_its_own_backward(worker, call):
     facts = compile_call(worker, _kda_call(call), gradient=True)
     assert facts["kernels"] == 1 + 2
     assert facts["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
+
+
+@pytest.mark.slow  # 20 s
+def test_kda_gradient_on_a_padded_grid_compiles(worker):
+    # T = 1200: 19 chunks of 64, the last ragged; the forward walks two steps of 10, the backward three of 7, each
+    # grid's last step running past the end.
+    call = dict(generation="v6e", T=1200, K=128, V=128, dtype="bfloat16", initial_state=True, final_state=True, use_qk_l2norm=True)
+    facts = compile_call(worker, _kda_call(call), gradient=True)
+    assert facts["kernels"] == 1 + 2
 
 
 # -- gla and gated_delta_rule: tpu_pallas.fused and tpu_pallas.varlen (kda's machinery, each op's chunk math) ---------

@@ -41,7 +41,7 @@ def run(kernel, inputs, output_final_state=True, compiler_options=None, **config
     return jax.jit(call, compiler_options=compiler_options)(inputs)
 
 
-NUM_STEPS_SHAPE = (1, 250, 2, 128, 128)  # B, T, H, K, V: read in place; 4 chunks of 64, the last one ragged
+NUM_STEPS_SHAPE = (1, 300, 2, 128, 128)  # B, T, H, K, V: read in place; 5 chunks of 64, the last one ragged
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +68,23 @@ def test_one_chunk_per_step_matches_reference(kernel, num_steps_runs, reference,
     assert_matches("final_state", final_state, final_ref, jnp.float32)
 
 
+@pytest.mark.parametrize(("num_chunks", "num_steps", "padded_grid", "chunks_per_step"), [
+    (37, 32, True, 19),  # prime: two steps of 19, the second's last chunk past the end
+    (37, 32, False, 1),  # the packed kernels with states walk a divisor
+    (72, 16, True, 12),  # a divisor more than half the even share (15): no chunk past the end
+    (5, 2, True, 2),
+])
+def test_a_grid_step_walks_a_good_divisor_or_an_even_share(num_chunks, num_steps, padded_grid, chunks_per_step):
+    geometry = Geometry(1, num_chunks * 64 - 10, 1, 128, 128, 64, num_steps, padded_grid=padded_grid)
+    assert geometry.chunks_per_step == chunks_per_step
+    assert geometry.num_chunks <= geometry.grid_chunks < geometry.num_chunks + geometry.time_steps
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize(("num_steps", "chunks_per_step"), [(3, 2), (4, 4)])  # 3 does not divide 4 chunks: falls back to 2
+@pytest.mark.parametrize(("num_steps", "chunks_per_step"), [(2, 2), (3, 3), (5, 5)])
 def test_num_steps_do_not_change_a_bit(kernel, num_steps, chunks_per_step, num_steps_runs):
+    # 5 chunks at 2 per step: three steps, the last holding the ragged chunk and one past the end; at 3: two steps, the
+    # second's chunks whole, ragged and past the end.
     assert Geometry(*NUM_STEPS_SHAPE, 64, num_steps).chunks_per_step == chunks_per_step
     result, _ = num_steps_runs
     for got, want in zip(result(kernel, num_steps), result(kernel, 1)):
@@ -244,7 +258,7 @@ def test_gates_along_lanes_are_the_column_gates(valid_rows):
         g[valid_rows:] = 0.0  # as Chunk.head_row and Chunk.head_column read a ragged chunk
     valid = None if valid_rows is None else jnp.int32(valid_rows)
     decay = jnp.float32(-0.01)
-    rows = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], valid)[0].with_decays()
+    rows = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], [valid])[0].with_decays()
     columns = chunkwise.ChunkGates.compute(decay, jnp.asarray(g)[:, None], valid, size)
     close = dict(rtol=1e-6, atol=0)
     for name in ("decays", "query", "chunk"):
@@ -258,17 +272,19 @@ def test_gates_along_lanes_are_the_column_gates(valid_rows):
 @pytest.mark.parametrize(("attention", "key_column"), [(True, False), (True, True), (False, False)], ids=["forward", "backward", "walk"])
 def test_a_steps_gates_at_once_are_each_chunks_gates_alone(attention, key_column):
     # The kernels compute every chunk's gates of a grid step in one go (ChunkGates.along_lanes of (n, C) rows): three
-    # chunks of 128 here, the last ragged, so the stacks are padded to whole tiles; each must be what it is alone.
+    # chunks of 128 here, as a padded grid's last step holds them: whole, ragged and past the end, so the stacks are
+    # padded to whole tiles; each must be what it is alone.
     size, valid_rows = 128, 77
     g = np.where(np.random.default_rng(6).random((3, size)) < 0.02, -np.inf, -np.random.default_rng(7).exponential(0.05, (3, size)))
     g = g.astype(np.float32)
-    g[-1, valid_rows:] = 0.0
-    decay, valid = jnp.float32(-0.01), jnp.int32(valid_rows)
+    g[1, valid_rows:] = 0.0
+    g[2] = 0.0
+    decay, valid = jnp.float32(-0.01), [None, jnp.int32(valid_rows), jnp.int32(0)]
     together = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g), valid, attention=attention, key_column=key_column)
     assert len(together) == 3
     for index, gates in enumerate(together):
         (alone,) = chunkwise.ChunkGates.along_lanes(
-            decay, jnp.asarray(g[index : index + 1]), valid if index == 2 else None, attention=attention, key_column=key_column,
+            decay, jnp.asarray(g[index : index + 1]), valid[index : index + 1], attention=attention, key_column=key_column,
         )
         gates, alone = gates.with_decays(), alone.with_decays()
         for name in ("decays", "query", "key", "chunk", "walk_keys"):

@@ -61,7 +61,7 @@ def test_gates_are_the_definitions_and_exactly_zero_across_a_reset(size, valid_r
     valid = None if valid_rows is None else jnp.int32(valid_rows)
     decay = jnp.float32(-0.01)
     if along_lanes:
-        gates = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], valid)[0].with_decays()
+        gates = chunkwise.ChunkGates.along_lanes(decay, jnp.asarray(g)[None, :], [valid])[0].with_decays()
         key = gates.key_row.T
     else:
         gates = chunkwise.ChunkGates.compute(decay, jnp.asarray(g)[:, None], valid, size)
@@ -79,7 +79,7 @@ def test_reset_counts_held_in_bfloat16_give_the_same_gates_bit_for_bit(size, val
     if valid_rows is not None:
         g[valid_rows:] = 0.0
     valid = None if valid_rows is None else jnp.int32(valid_rows)
-    held = [chunkwise.ChunkGates.along_lanes(jnp.float32(-0.01), jnp.asarray(g)[None, :], valid, dtype)[0].with_decays() for dtype in (jnp.float32, jnp.bfloat16)]
+    held = [chunkwise.ChunkGates.along_lanes(jnp.float32(-0.01), jnp.asarray(g)[None, :], [valid], dtype)[0].with_decays() for dtype in (jnp.float32, jnp.bfloat16)]
     for name in ("decays", "query", "chunk"):
         np.testing.assert_array_equal(getattr(held[1], name), getattr(held[0], name), err_msg=name)
 
@@ -130,7 +130,7 @@ def test_chunk_math_with_resets_never_makes_a_nan():
     with jax.debug_nans(True):
         for gates in (
             chunkwise.ChunkGates.compute(jnp.float32(-1.0), g[:, None], None, size),
-            chunkwise.ChunkGates.along_lanes(jnp.float32(-1.0), g[None, :], None)[0].with_decays(),
+            chunkwise.ChunkGates.along_lanes(jnp.float32(-1.0), g[None, :], [None])[0].with_decays(),
             chunkwise.ChunkGates.compute(jnp.float32(RESET_LOG_DECAY), g[:, None], None, size),
         ):
             o = chunkwise.output_from_state(chunkwise.intra_chunk_output(q, k, v, gates), q, state, gates, 0.1)

@@ -166,9 +166,10 @@ FUSED = tops_core.Implementation(
     priority=_fused_priority,
     config=FUSED_CONFIG,
     serves_pools=True,
-    # The chunk v6e's forward takes, which interpret mode (no chip) would not run; and a backward of several segments,
-    # which the default cases (one segment each) never walk.
-    config_sweep=({"chunk_size": 256}, {"chunk_size": 64, "backward_num_steps": 1}),
+    # The chunk v6e's forward takes, which interpret mode (no chip) would not run; a backward of several segments,
+    # which the default cases (one segment each) never walk; and a padded grid (T=600: 10 chunks of 64 in three steps
+    # of 4, forward and backward, the last running past the end).
+    config_sweep=({"chunk_size": 256}, {"chunk_size": 64, "backward_num_steps": 1}, {"chunk_size": 64, "num_steps": 4, "backward_num_steps": 4}),
     explain_config=_explain_fused_config,
     description=(
         "one pallas_call: state in VMEM along a sequential time axis, num_steps chunks per grid step; "
@@ -187,6 +188,7 @@ CHUNK = tops_core.Implementation(
     ),
     priority=_chunk_priority,
     config=CHUNK_CONFIG,
+    config_sweep=({"chunk_size": 64, "num_steps": 4},),  # T=600: three steps of 4 chunks, the last two past the end
     description=(
         "two pallas_calls: chunk states in time order, then outputs parallel over time; "
         "backward: states, then dS in reverse time order, then dq, dk, dg parallel over time"
@@ -242,6 +244,10 @@ def _kda_inputs(spec: tops_core.CallSpec) -> dict:
 
 _KDA_OPTIONS = {"use_qk_l2norm", "grouped_value_heads", "use_gate", "A_log", "dt_bias", "lower_bound", "use_beta_sigmoid", "allow_neg_eigval"}
 
+PADDED_GRID = {"num_steps": 4}
+"""The kit's sweep for the kernels on kda's grid: the interpreter walks one chunk per step by default (``grid.steps_of``),
+a TPU several; at 4, T=600's 10 chunks of 64 take three steps, the last with the ragged chunk and two past the end."""
+
 KDA_FUSED = tops_core.Implementation(
     op="kda",
     name="fused",
@@ -257,6 +263,7 @@ KDA_FUSED = tops_core.Implementation(
     ),
     priority={"tpu": 200},
     config=KDA_FUSED_CONFIG,
+    config_sweep=(PADDED_GRID,),
     serves_pools=True,
     description=(
         "one pallas_call: state in VMEM along a sequential time axis, exact per-chunk inverse; "
@@ -306,6 +313,7 @@ def _delta_rule_family(
         ),
         priority={"tpu": 200},
         config=config,
+        config_sweep=(PADDED_GRID,),
         serves_pools=True,
         description=(
             f"one pallas_call on kda's fused grid: state in VMEM along a sequential time axis, {label}; backward: the state "

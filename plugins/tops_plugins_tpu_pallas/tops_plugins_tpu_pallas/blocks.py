@@ -117,10 +117,10 @@ def state(name: str, geometry: Geometry, dtype) -> Blocked:
 
 
 def chunk_states(geometry: Geometry) -> Blocked:
-    """The state entering every chunk (two-stage kernel): float32 ``[B, H, chunks, K_pad, V_pad]``."""
+    """The state entering every chunk the grid walks (two-stage kernel): float32 ``[B, H, grid chunks, K_pad, V_pad]``."""
     g = geometry
     return Blocked(
-        "chunk_states", (g.batch, g.heads, g.num_chunks, g.padded_key_dim, g.padded_value_dim), jnp.float32,
+        "chunk_states", (g.batch, g.heads, g.grid_chunks, g.padded_key_dim, g.padded_value_dim), jnp.float32,
         (None, None, g.chunks_per_step, g.padded_key_dim, g.value_block), _chunk_state_tile,
     )
 

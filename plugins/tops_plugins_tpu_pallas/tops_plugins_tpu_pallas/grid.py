@@ -24,10 +24,13 @@ from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, InHbm, LaunchPl
 _F32 = jnp.float32
 
 
-def geometry_of(B: int, T: int, H: int, K: int, V: int, config, groups: int = 1, backward: bool = False) -> Geometry:
+def geometry_of(
+    B: int, T: int, H: int, K: int, V: int, config, groups: int = 1, backward: bool = False, padded_grid: bool = True,
+) -> Geometry:
     """The grid's geometry for a call of ``H`` (value) heads, ``groups`` of them per query/key head;
-    ``config``: any config with ``chunk_size``, ``num_steps`` (``steps_of``) and ``full_values``."""
-    return Geometry(B, T, H, K, V, config.chunk_size, steps_of(config, backward), config.full_values, groups)
+    ``config``: any config with ``chunk_size``, ``num_steps`` (``steps_of``) and ``full_values``; ``padded_grid`` as
+    ``Geometry``'s (False for the packed kernels with per-chunk sequence scalars)."""
+    return Geometry(B, T, H, K, V, config.chunk_size, steps_of(config, backward), config.full_values, groups, padded_grid)
 
 
 def steps_of(config, backward: bool = False) -> int:
@@ -72,7 +75,7 @@ def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Wor
 
 
 def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config, operands=None,
-        ssm_state_indices=None):
+        ssm_state_indices=None, padded_grid: bool = True):
     """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
 
     ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (the signature of
@@ -84,6 +87,7 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
     heads, kda), each group reads its query/key head in place (``blocks.key_rows``). With ``ssm_state_indices``,
     ``initial_state`` is a pool whose rows the sequences read and write in place: the plans get ``pool_rows``, the
     kernel the indices as ``state_rows`` (``SequenceStates``), and the final state returned is the pool.
+    ``padded_grid`` as ``geometry_of``'s.
     """
     B, T, H, K = q.shape
     value_heads = v.shape[2]
@@ -95,7 +99,7 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
     if ssm_state_indices is not None:
         inputs["pool_rows"] = initial_state.shape[0]
     geometry, (plan,), run_plan = launch.prepare(
-        build_plans, geometry_of(B, T, value_heads, K, v.shape[-1], config, value_heads // H), q.dtype, config.interpret, **inputs,
+        build_plans, geometry_of(B, T, value_heads, K, v.shape[-1], config, value_heads // H, padded_grid=padded_grid), q.dtype, config.interpret, **inputs,
     )
     arrays = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(operands or {})}
     if ssm_state_indices is not None:
@@ -110,7 +114,7 @@ class Work:
     """Matmul flops (2 per multiply-add) and transcendentals (``exp``) of a piece of kernel code.
 
     Counted op by op from each op's chunk code, per value block, as the kernels run it: a ragged last
-    chunk computes whole, and ``scores`` is recomputed for every value block. Elementwise
+    chunk computes whole, as do the chunks of the last grid step past the end, and ``scores`` is recomputed for every value block. Elementwise
     arithmetic is left out: it is small beside the matmuls and runs on other units.
     """
 
@@ -126,7 +130,7 @@ class Work:
 
 def chunks_of_the_grid(geometry: Geometry) -> int:
     """How many times a grid runs the chunk body: every chunk of every (batch, head, value block)."""
-    return geometry.batch * geometry.heads * geometry.value_tiles * geometry.num_chunks
+    return geometry.batch * geometry.heads * geometry.value_tiles * geometry.grid_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +139,7 @@ class Chunk:
 
     index: int  # within the step
     rows: pl.Slice
-    valid_rows: jax.Array | None  # None when the chunk is whole (only a sequence's last chunk can be ragged)
+    valid_rows: jax.Array | None  # None when the chunk is whole in every step (``Geometry.first_short_chunk``)
 
     def _row_is_real(self) -> jax.Array:
         return lax.broadcasted_iota(jnp.int32, (self.rows.size, 1), 0) < self.valid_rows
@@ -179,13 +183,12 @@ def step_chunks(geometry: Geometry, step: jax.Array) -> list[Chunk]:
     Unrolled, the chunks of a step are one block of straight-line code, so the scheduler overlaps
     each chunk's attention (which does not depend on the state) with the previous chunk's state
     update instead of running one chunk's chain after the other. Every chunk runs the same
-    operations whatever the step size, so no result depends on ``num_steps``. Only the last chunk
-    of the step can be the sequence's ragged last chunk.
+    operations whatever the step size, so no result depends on ``num_steps``. The chunks from
+    ``first_short_chunk`` on may be the sequence's ragged last chunk or past its end (in the last step).
     """
     size, count = geometry.chunk_size, geometry.chunks_per_step
-    last = step * count + count - 1
     return [
-        Chunk(index, pl.ds(index * size, size), geometry.valid_rows(last) if index == count - 1 else None)
+        Chunk(index, pl.ds(index * size, size), geometry.valid_rows(step * count + index) if index >= geometry.first_short_chunk else None)
         for index in range(count)
     ]
 

@@ -10,9 +10,10 @@ next projection's); on CPU a reshape is a free bitcast. Nothing is transposed, n
 
 Two things are never copied:
 
-- ``T`` is not padded to whole chunks: the last time block may extend past the end of the array
-  (a ragged block). A TPU reads unspecified values there and drops writes there; the kernels zero
-  those rows with ``where`` before any arithmetic (``Geometry.valid_rows``).
+- ``T`` is not padded to whole chunks, nor to whole grid steps: the last time block may extend past
+  the end of the array (a ragged block), by part of a chunk and by whole chunks. A TPU reads
+  unspecified values there and drops writes there; the kernels zero those rows with ``where``
+  before any arithmetic (``Geometry.valid_rows``), so a chunk past the end reads as no tokens.
 - ``g`` ``[B, T, H]`` is read as a full-width block ``(rows, H)`` (legal: the last block dimension
   equals the array's) and the kernel picks the head's column.
 
@@ -43,8 +44,12 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
-    """The number of chunks one grid step walks: ``num_steps`` if it divides the chunk count, else the largest divisor below it."""
+    """``limit`` if it divides ``n``, else the largest divisor of ``n`` below it."""
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def _ceil_div(x: int, y: int) -> int:
+    return -(-x // y)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,7 @@ class Geometry:
     num_steps: int
     full_values: bool = False  # one value block of all of V_pad (else 128-lane value tiles)
     groups: int = 1
+    padded_grid: bool = True  # the last grid step may run past T by whole chunks (``chunks_per_step``)
 
     @property
     def key_heads(self) -> int:
@@ -93,15 +99,32 @@ class Geometry:
 
     @property
     def num_chunks(self) -> int:
-        return -(-self.seq_len // self.chunk_size)
+        return _ceil_div(self.seq_len, self.chunk_size)
 
     @property
     def chunks_per_step(self) -> int:
-        return largest_divisor_at_most(self.num_chunks, self.num_steps)
+        """Chunks one grid step walks: the largest divisor of the chunk count up to ``num_steps``, unless a padded grid
+        does better, sharing the chunks evenly by the fewest steps of at most ``num_steps`` (37 chunks at 32: two steps
+        of 19, the second's last past the end, where the divisor is 1). The divisor stays where it is more than half
+        that share: no chunk is computed past the end, and the extra steps cost less (kda's forward, 72 chunks at 16 per
+        step, v6e: six steps of 12 issue 2.2% fewer cycles than five of 15). The packed kernels with states keep the
+        divisor (``padded_grid`` False): their per-chunk sequence scalars have no entry past the end.
+
+        The divisor alone walked a chunk count with no good one a chunk or a few per step, each step paying its own
+        cycles: simple_gla's forward with ``g`` at T=4736 (37 chunks of 128, v5e) issued 2.9x the cycles per token of
+        T=4608's (README "Chunk counts with no good divisor")."""
+        divisor = largest_divisor_at_most(self.num_chunks, self.num_steps)
+        even = _ceil_div(self.num_chunks, _ceil_div(self.num_chunks, self.num_steps))
+        return divisor if not self.padded_grid or 2 * divisor > even else even
 
     @property
     def time_steps(self) -> int:
-        return self.num_chunks // self.chunks_per_step
+        return _ceil_div(self.num_chunks, self.chunks_per_step)
+
+    @property
+    def grid_chunks(self) -> int:
+        """Chunks the grid walks: ``num_chunks`` and those of the last step past the end of the sequence."""
+        return self.time_steps * self.chunks_per_step
 
     @property
     def rows_per_step(self) -> int:
@@ -117,14 +140,14 @@ class Geometry:
         return self.padded_value_dim // self.value_block
 
     @property
-    def is_ragged(self) -> bool:
-        """Whether the last chunk runs past ``T`` (its block then holds rows beyond the array's end)."""
-        return self.seq_len % self.chunk_size != 0
+    def first_short_chunk(self) -> int:
+        """Where in a grid step the chunks that may hold rows past ``T`` begin (they are in the last step alone, but the
+        step is traced): the sequence's ragged last chunk, or the first past the end; ``chunks_per_step`` when none can."""
+        in_last_step = self.num_chunks - (self.time_steps - 1) * self.chunks_per_step
+        return in_last_step - 1 if self.seq_len % self.chunk_size else in_last_step
 
-    def valid_rows(self, chunk: jax.Array) -> jax.Array | None:
-        """How many rows of chunk number ``chunk`` are real tokens; None when every chunk is whole."""
-        if not self.is_ragged:
-            return None
+    def valid_rows(self, chunk: jax.Array) -> jax.Array:
+        """How many rows of chunk number ``chunk`` are real tokens: ``chunk_size``, fewer in the ragged last, 0 past it."""
         return jnp.clip(self.seq_len - chunk * self.chunk_size, 0, self.chunk_size)
 
     # -- the caller-facing arrays that padded operands are copies of ------------------------------

@@ -382,7 +382,7 @@ def gradients(
     value_heads, V = v.shape[2:]
     num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
-        plans, geometry_of(B, T, value_heads, K, V, config, value_heads // H, backward=True), q.dtype, config.interpret,
+        plans, geometry_of(B, T, value_heads, K, V, config, value_heads // H, backward=True, padded_grid=cu_seqlens is None), q.dtype, config.interpret,
         gate_dtype=g.dtype, beta_dtype=None if beta is None else beta.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype, output_final_state=dht is not None,
         use_qk_l2norm=use_qk_l2norm, activations=activations, with_A_log=A_log is not None,

@@ -324,5 +324,5 @@ def run(
             recurrence=recurrence,
         ),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        config=config, operands=operands, ssm_state_indices=ssm_state_indices,
+        config=config, operands=operands, ssm_state_indices=ssm_state_indices, padded_grid=cu_seqlens is None,
     )

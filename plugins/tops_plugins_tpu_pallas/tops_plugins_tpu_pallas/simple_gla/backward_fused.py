@@ -73,12 +73,15 @@ def chunk_size_of(config) -> int:
     return config.chunk_size or CHUNK_SIZE
 
 
-def geometry_of(B: int, T: int, H: int, K: int, V: int, config, segment_tokens: int = SEGMENT_TOKENS) -> Geometry:
+def geometry_of(
+    B: int, T: int, H: int, K: int, V: int, config, segment_tokens: int = SEGMENT_TOKENS, padded_grid: bool = True,
+) -> Geometry:
     """The backward's geometry for a ``FusedConfig``: its chunk size (None: ``CHUNK_SIZE``), ``backward_num_steps``
-    chunks per segment (None: ``segment_tokens`` tokens' worth), all of ``V`` per block; before VMEM fitting (``fitted_plans``)."""
+    chunks per segment (None: ``segment_tokens`` tokens' worth), all of ``V`` per block, ``padded_grid`` as
+    ``Geometry``'s; before VMEM fitting (``fitted_plans``)."""
     chunk_size = chunk_size_of(config)
     chunks = config.backward_num_steps or max(1, segment_tokens // chunk_size)
-    return grid.backward_geometry(Geometry(B, T, H, K, V, chunk_size, chunks))
+    return grid.backward_geometry(Geometry(B, T, H, K, V, chunk_size, chunks, padded_grid=padded_grid))
 
 
 def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
@@ -115,7 +118,7 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
         + gradients.query_key_gradients_work(geometry, decayed)
         + gradients.state_gradient_work(geometry)
     )
-    work = per_chunk * (geometry.batch * geometry.heads * geometry.num_chunks) + gradients.gating_work(geometry, gated)
+    work = per_chunk * (geometry.batch * geometry.heads * geometry.grid_chunks) + gradients.gating_work(geometry, gated)
     gradients_plan = grid.grid_plan(
         "simple_gla_fused_backward", geometry, (blocks.decay(geometry),), inputs, outputs, work, segment_vmem(geometry),
         scratch=(grid.state_gradient(geometry), Scratch("states", (geometry.chunks_per_step, K, V), _F32)),

@@ -49,7 +49,7 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
     geometry = grid.backward_geometry(geometry)
     states = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=True)
     reverse = functools.partial(grid.reversed_in_time, geometry=geometry)
-    chunk_count = geometry.batch * geometry.heads * geometry.num_chunks
+    chunk_count = geometry.batch * geometry.heads * geometry.grid_chunks
     gated = gate_dtype is not None
 
     pass1_inputs = [reverse(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "do"))]

@@ -214,7 +214,7 @@ class ChunkGates:
 
     @classmethod
     def along_lanes(
-        cls, decay: jax.Array, g: jax.Array, valid_rows: jax.Array | None, resets_dtype=jnp.float32,
+        cls, decay: jax.Array, g: jax.Array, valid_rows: list[jax.Array | None], resets_dtype=jnp.float32,
         attention: bool = True, key_column: bool = False,
     ) -> list[ChunkGates]:
         """The gates of every chunk of a grid step from their ``g`` as rows ``(n, C)``, one chunk per row (``g`` laid
@@ -226,8 +226,7 @@ class ChunkGates:
         ``(n, C)`` rows, 8 chunks to a register, and one transpose makes every chunk's columns
         (``exp(b)``, ``B`` and ``R``). Cycles one TensorCore issues for a 4096-row grid step (bf16 K=V=128
         with ``g``, v6e, 16 chunks of 256), one chunk at a time -> the step's chunks at once: 5028 -> 4220.
-        ``valid_rows``: the real tokens of the step's last chunk, the only one that can be ragged (None: all
-        real); ``g`` must be 0 past them. ``resets_dtype``: what ``R``'s column is held in for the decays' masks,
+        ``valid_rows``: the real tokens of each chunk (None: all real; ``Chunk.valid_rows``); ``g`` must be 0 past them. ``resets_dtype``: what ``R``'s column is held in for the decays' masks,
         whose lane broadcasts bfloat16 halves (exact: ``R`` is a count of at most 256 tokens).
         The ``C x C`` decays are left to ``with_decays``, which a kernel calls where it uses them.
         With ``key_column`` (the backward, whose gradient terms take ``exp(b_C - b_j)`` per row) that is exponentiated on
@@ -239,9 +238,12 @@ class ChunkGates:
         n, size = g.shape
         cumulative, resets = cumulative_sums_along_lanes(g)
         positions = lax.broadcasted_iota(jnp.int32, (n, size), 1) + 1
-        if valid_rows is not None:
-            last = lax.broadcasted_iota(jnp.int32, (n, 1), 0) == n - 1
-            positions = jnp.minimum(positions, jnp.where(last, valid_rows, size))
+        if any(valid is not None for valid in valid_rows):
+            chunk, limits = lax.broadcasted_iota(jnp.int32, (n, 1), 0), jnp.full((n, 1), size, jnp.int32)
+            for index, valid in enumerate(valid_rows):
+                if valid is not None:
+                    limits = jnp.where(chunk == index, valid, limits)
+            positions = jnp.minimum(positions, limits)
         rows = decay * positions.astype(_F32) + cumulative
         keys = masked_exp(rows[:, -1:] - rows, unreset(resets, resets[:, -1:])) if key_column or not attention else None
         if not attention:
@@ -376,12 +378,12 @@ def gates_work(geometry: Geometry, gated: bool, attention: bool = True) -> Work:
 
 def gate_computations(geometry: Geometry, gated: bool) -> int:
     """How many times a grid computes ``ChunkGates``: every chunk with ``g``; without, once per grid step
-    (the gates of a constant decay are the same for every whole chunk), twice when the sequence's last
-    chunk is ragged (every step's last chunk may be that one, and computes its own)."""
+    (the gates of a constant decay are the same for every whole chunk), and once more for each chunk of a step
+    that may hold rows past the end (``Geometry.first_short_chunk``: every step computes their own)."""
     sequences = geometry.batch * geometry.heads * geometry.value_tiles
     if gated:
-        return sequences * geometry.num_chunks
-    return sequences * geometry.time_steps * (1 + int(geometry.is_ragged))
+        return sequences * geometry.grid_chunks
+    return sequences * geometry.time_steps * (1 + geometry.chunks_per_step - geometry.first_short_chunk)
 
 
 def chunk_output_work(geometry: Geometry) -> Work:
@@ -442,7 +444,7 @@ def step_gates(
     (``chunk_gates``). ``attention`` as ``ChunkGates.of``'s."""
     if along_lanes:
         rows = jnp.concatenate([chunk.head_row(refs["g"], head) for chunk in chunks], axis=0)
-        return ChunkGates.along_lanes(constant_decay(refs, head), rows, chunks[-1].valid_rows, resets_dtype, attention, key_column)
+        return ChunkGates.along_lanes(constant_decay(refs, head), rows, [chunk.valid_rows for chunk in chunks], resets_dtype, attention, key_column)
     return [chunk_gates(chunk, refs, head, constant, attention=attention) for chunk in chunks]
 
 

@@ -4,7 +4,7 @@ Grid ``(batch, head, value tile, time step)``; the first three are "parallel", t
 "arbitrary" (sequential). The float32 state lives in a VMEM scratch along the time axis and never
 goes to HBM; it is (re)initialised at the first time step of every (batch, head, value tile) and
 written to ``final_state`` at the last. Each grid step walks ``chunks_per_step`` consecutive
-chunks (``num_steps``, or its largest divisor of the chunk count) to cut per-step overhead; every
+chunks (at most ``num_steps``: ``Geometry.chunks_per_step``) to cut per-step overhead; every
 chunk does the same operations whatever the step size, so results are bitwise identical for
 every ``num_steps``. The intra-chunk attention is recomputed inline, never stored.
 """

@@ -381,7 +381,7 @@ def _forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, c
     o, final_state = grid.run(
         kernel, functools.partial(plans, num_seqs=cu_seqlens.shape[0] - 1), q, k, v, g=gates, g_gamma=g_gamma, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, config=unpacked, operands=operands,
-        ssm_state_indices=ssm_state_indices,
+        ssm_state_indices=ssm_state_indices, padded_grid=False,
     )
     if final_state is None or ssm_state_indices is not None:  # a pool: an empty sequence's row is as it was
         return o, final_state
