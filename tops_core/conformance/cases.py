@@ -159,8 +159,12 @@ def grid(impl: Implementation) -> Grid:
     states = {"initial_state", "output_final_state"}
     if states <= base_features - caps.requires:
         # No state in or out, the usual training call: a packed kernel may take another path for it (simple_gla's varlen
-        # runs fused's kernels then), so it runs by default where every case is packed.
-        supported.append(base.with_features("without-states", signature.closed(base_features - states), slow=not packed_only))
+        # runs fused's kernels then, a constant decay's without per-token gates), so it runs by default, and with each
+        # gate option, where every case is packed.
+        for subset in gate_options if packed_only else [base_gates]:
+            name = "without-states" if subset == base_gates else f"without-states,gates={'+'.join(sorted(subset)) or 'none'}"
+            features = signature.closed((base_features - states - gates) | subset)
+            supported.append(base.with_features(name, features, slow=not packed_only))
     if "grouped_value_heads" in base_features:
         supported.append(dataclasses.replace(base, name="grouped_value_heads=3", value_heads=3, slow=True))
     for key_dim in key_dims[1:]:

@@ -102,8 +102,8 @@ def assert_matches():
 def reference_gradients():
     """``reference_gradients(inputs, do, dht)`` -> float64 gradients (a dict by input name) from ``ref.recurrent``.
 
-    The VJP of ``(o, final_state)`` for cotangents ``do`` and ``dht``; x64 switched on as in ``reference``.
-    ``inputs`` may hold ``cu_seqlens`` (packed), which has no gradient.
+    The VJP of ``(o, final_state)`` for cotangents ``do`` and ``dht``, or of ``o`` alone where ``dht`` is None; x64
+    switched on as in ``reference``. ``inputs`` may hold ``cu_seqlens`` (packed), which has no gradient.
     """
     pytest.importorskip("tops_plugins_ref")
 
@@ -113,10 +113,15 @@ def reference_gradients():
         try:
             args = {n: jnp.asarray(x, jnp.float64) for n, x in inputs.items() if n != "cu_seqlens"}
             packed = {"cu_seqlens": jnp.asarray(inputs["cu_seqlens"])} if "cu_seqlens" in inputs else {}
-            _, vjp = jax.vjp(
-                lambda a: tops_core.op("simple_gla").forward(**a, **packed, output_final_state=True, implementation="ref.recurrent"), args,
-            )
-            (grads,) = vjp((jnp.asarray(do, jnp.float64), jnp.asarray(dht, jnp.float64)))
+            final = dht is not None
+
+            def forward(a):
+                o, final_state = tops_core.op("simple_gla").forward(**a, **packed, output_final_state=final, implementation="ref.recurrent")
+                return (o, final_state) if final else o
+
+            _, vjp = jax.vjp(forward, args)
+            do64 = jnp.asarray(do, jnp.float64)
+            (grads,) = vjp((do64, jnp.asarray(dht, jnp.float64)) if final else do64)
             return {n: np.asarray(x) for n, x in grads.items()}
         finally:
             jax.config.update("jax_enable_x64", previous)

@@ -188,6 +188,28 @@ def test_backward_segments_do_not_change_a_bit(chunk_size, chunks, default_cpu_e
         np.testing.assert_array_equal(x, one[name], err_msg=name)
 
 
+@pytest.mark.parametrize("decay", ["g_gamma", "none"])
+def test_packed_gradients_without_states_or_g_match_the_reference(decay, reference_gradients):
+    # No g and no state in or out, the usual training call of a constant decay: fused's kernels on the reset gates (zeros
+    # but -inf where each sequence starts), dg_gamma the sum of their per-token gradients (exactly 0 at the resets).
+    # Chunks of 64 in segments of 2: the checkpoints walk runs, and the last segment runs past T = 300 (5 chunks).
+    packed, cu_seqlens = _packed(PACKINGS["anywhere"], jnp.float32, seed=4, H=2)
+    inputs = {name: packed[name] for name in ("q", "k", "v")}
+    if decay == "g_gamma":
+        inputs["g_gamma"] = jnp.asarray([-1.0, -0.05], jnp.float32)  # a strong decay and a weak one
+    do = jnp.asarray(np.random.default_rng(5).standard_normal(inputs["v"].shape), jnp.float32)
+
+    def gradients(inputs, cu_seqlens):
+        with tops_core.use(interpret=True, strict=True):
+            implementation = ("tpu_pallas.varlen", dict(chunk_size=64, backward_num_steps=2))
+            _, vjp = jax.vjp(lambda a: sg.forward(**a, cu_seqlens=cu_seqlens, implementation=implementation)[0], inputs)
+            return vjp(do)[0]
+
+    grads = jax.jit(gradients)(inputs, jnp.asarray(cu_seqlens))
+    ref_inputs = {name: np.asarray(x, np.float64) for name, x in inputs.items()}
+    _assert_gradients_match(grads, reference_gradients({**ref_inputs, "cu_seqlens": cu_seqlens}, do, None), jnp.float32)
+
+
 def test_packed_matches_the_reference_at_chunk_128_lane_padded(make_inputs, reference, assert_matches):
     # K = 100, V = 200 go through the lane padding copy; chunk 128 with one chunk per grid step.
     seqlens = PACKINGS["anywhere"]
