@@ -219,10 +219,11 @@ def grid(impl: Implementation) -> Grid:
         label = "config=" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
         config = tuple(sorted(overrides.items()))
         # T=600 crosses chunks of up to 256 twice and ends ragged (T=130, with -m slow, once); the strong cases
-        # fill a whole chunk of 256.
+        # fill a whole chunk of 256. Where every case is packed, the base packing alone by default.
         crossing = [dataclasses.replace(base, name=f"T={seq_len}", seq_len=seq_len, batch=1, slow=seq_len == 130) for seq_len in (130, 600)]
         for case in [base, *crossing, *strong]:
-            supported.append(dataclasses.replace(case, name=f"{label}-{case.name}", config=config))
+            slow = case.slow or (packed_only and case is not base)
+            supported.append(dataclasses.replace(case, name=f"{label}-{case.name}", config=config, slow=slow))
 
     return Grid(tuple(supported), tuple(_unsupported_cases(impl, contract, base, base_features)))
 

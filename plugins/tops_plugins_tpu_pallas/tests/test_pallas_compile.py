@@ -388,6 +388,22 @@ def test_varlen_gradient_compiles_to_its_own_backward(worker, call):
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 
 
+@pytest.mark.parametrize("call", [
+    # T = 4700: 37 chunks of 128; the forward's two steps of 19 and the backward's two segments of 19 (v5e) each end
+    # with a chunk past the end, which the packed kernels read as one of no boundary.
+    dict(generation="v5e", T=4700, K=128, V=128, dtype="bfloat16", g=True, initial_state=True, final_state=True, num_seqs=16),
+    pytest.param(  # 19 chunks of 64: two forward steps of 10, three backward ones of 7 (20 s)
+        dict(op="kda", generation="v6e", T=1200, K=128, V=128, dtype="bfloat16", use_qk_l2norm=True, initial_state=True,
+             final_state=True, num_seqs=5),
+        marks=pytest.mark.slow,
+    ),
+], ids=["simple_gla-v5e-T4700", "kda-v6e-T1200"])
+def test_packed_gradient_on_a_padded_grid_compiles(worker, call):
+    facts = worker.ask({"call": {**call, "kernel": "varlen", "B": 1, "H": 3, "gradient": True}})
+    assert facts["kernels"] == 1 + 2
+    assert facts["implementations"] == ["tpu_pallas.varlen.backward", "tpu_pallas.varlen.forward"]
+
+
 # -- kda: tpu_pallas.fused -------------------------------------------------------------------------
 
 KDA_FACTORS = {

@@ -76,14 +76,12 @@ def test_num_steps_do_not_change_a_bit(make_kda_inputs):
 @pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fused", "varlen"])  # varlen: 19 s
 def test_num_steps_do_not_change_a_bit_of_the_gradients(packed, make_kda_inputs, default_cpu_emitters):
     # The interpreter runs one chunk per step by default (grid.steps_of), a TPU eight: both backward walks, the
-    # packed one's per-sequence loops too, give the same bits at one chunk per step as at two. Unpacked, 3 chunks, the
-    # last ragged, the second step's second past the end; packed, whose per-chunk sequence scalars stop at the end (it
-    # walks a divisor of the chunk count), 4.
-    seq_len = 250 if packed else 190
-    inputs = make_kda_inputs(1, seq_len, 2, 64, 64, jnp.float32, seed=2)
+    # packed one's per-sequence loops too, give the same bits at one chunk per step as at two (3 chunks, the last ragged:
+    # the second step's second chunk is past the end, packed a chunk of no sequence).
+    inputs = make_kda_inputs(1, 190, 2, 64, 64, jnp.float32, seed=2)
     extra = {}
     if packed:
-        extra["cu_seqlens"] = jnp.asarray([0, 3, 3, 100, 128, seq_len], jnp.int32)
+        extra["cu_seqlens"] = jnp.asarray([0, 3, 3, 100, 128, 190], jnp.int32)
         inputs["initial_state"] = inputs["initial_state"] * jnp.arange(1.0, 6.0)[:, None, None, None]  # one per sequence
     implementation = "tpu_pallas.varlen" if packed else "tpu_pallas.fused"
 

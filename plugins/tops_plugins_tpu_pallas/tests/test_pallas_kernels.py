@@ -68,14 +68,13 @@ def test_one_chunk_per_step_matches_reference(kernel, num_steps_runs, reference,
     assert_matches("final_state", final_state, final_ref, jnp.float32)
 
 
-@pytest.mark.parametrize(("num_chunks", "num_steps", "padded_grid", "chunks_per_step"), [
-    (37, 32, True, 19),  # prime: two steps of 19, the second's last chunk past the end
-    (37, 32, False, 1),  # the packed kernels with states walk a divisor
-    (72, 16, True, 12),  # a divisor more than half the even share (15): no chunk past the end
-    (5, 2, True, 2),
+@pytest.mark.parametrize(("num_chunks", "num_steps", "chunks_per_step"), [
+    (37, 32, 19),  # prime: two steps of 19, the second's last chunk past the end
+    (72, 16, 12),  # a divisor more than half the even share (15): no chunk past the end
+    (5, 2, 2),
 ])
-def test_a_grid_step_walks_a_good_divisor_or_an_even_share(num_chunks, num_steps, padded_grid, chunks_per_step):
-    geometry = Geometry(1, num_chunks * 64 - 10, 1, 128, 128, 64, num_steps, padded_grid=padded_grid)
+def test_a_grid_step_walks_a_good_divisor_or_an_even_share(num_chunks, num_steps, chunks_per_step):
+    geometry = Geometry(1, num_chunks * 64 - 10, 1, 128, 128, 64, num_steps)
     assert geometry.chunks_per_step == chunks_per_step
     assert geometry.num_chunks <= geometry.grid_chunks < geometry.num_chunks + geometry.time_steps
 

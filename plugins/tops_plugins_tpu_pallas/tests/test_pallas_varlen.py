@@ -177,10 +177,11 @@ def test_bf16_decay_gradient_under_a_weak_decay(kernel, reference_gradients):
 
 
 @pytest.mark.slow  # 10 s; the fused backward's segments are checked bit for bit by default (test_pallas_backward.py)
-@pytest.mark.parametrize(("chunk_size", "chunks"), [(64, 5), (128, 3)])
+@pytest.mark.parametrize(("chunk_size", "chunks"), [(64, 5), (64, 2), (128, 3)])
 def test_backward_segments_do_not_change_a_bit(chunk_size, chunks, default_cpu_emitters):
     # The backward's segment (1 chunk or several) changes where states are checkpointed, not one result. Chunks of 64
-    # walk pieces of g's columns, chunks of 128 fused's walk on the reset gates' rows.
+    # walk pieces of g's columns, chunks of 128 fused's walk on the reset gates' rows; 5 chunks of 64 in segments of 2
+    # end with one past T = 300, a chunk of no sequence.
     inputs, cu_seqlens = _packed(PACKINGS["anywhere"], jnp.float32, seed=2)
     do, dht = _cotangents(inputs)
     one = _packed_gradients(inputs, cu_seqlens, do, dht, default_cpu_emitters, chunk_size=chunk_size, backward_num_steps=1)

@@ -225,6 +225,8 @@ VARLEN = tops_core.Implementation(
     capabilities=_capabilities(_packed_fits_vmem, _SIMPLE_GLA_FEATURES, packed=True, ndims=_G_GAMMA_RANKS),
     priority=_varlen_priority,
     config=varlen.VarlenConfig(),
+    # A padded grid (the base packing's T=261: 5 chunks of 64 in two steps of 3, forward and backward) and T=600's.
+    config_sweep=({"chunk_size": 64, "num_steps": 4, "backward_num_steps": 4},),
     serves_pools=True,
     description=(
         "without states, fused's kernels with the state reset where each sequence starts (g = -inf there); with them, "
@@ -246,7 +248,8 @@ _KDA_OPTIONS = {"use_qk_l2norm", "grouped_value_heads", "use_gate", "A_log", "dt
 
 PADDED_GRID = {"num_steps": 4}
 """The kit's sweep for the kernels on kda's grid: the interpreter walks one chunk per step by default (``grid.steps_of``),
-a TPU several; at 4, T=600's 10 chunks of 64 take three steps, the last with the ragged chunk and two past the end."""
+a TPU several; at 4, T=600's 10 chunks of 64 take three steps, the last with the ragged chunk and two past the end (the
+packed base's T=261, two steps of 3, one past the end)."""
 
 KDA_FUSED = tops_core.Implementation(
     op="kda",
@@ -287,6 +290,7 @@ KDA_VARLEN = tops_core.Implementation(
     ),
     priority=_varlen_priority,
     config=KDA_FUSED_CONFIG,
+    config_sweep=(PADDED_GRID,),
     serves_pools=True,
     description=(
         "fused's pallas_call over packed sequences: cu_seqlens in SMEM, every key's decay 0 on each sequence's first token "
@@ -334,6 +338,7 @@ def _delta_rule_family(
         ),
         priority=_varlen_priority,
         config=config,
+        config_sweep=(PADDED_GRID,),
         explain_config=packed_explain_config,
         serves_pools=True,
         description=(

@@ -24,13 +24,10 @@ from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, InHbm, LaunchPl
 _F32 = jnp.float32
 
 
-def geometry_of(
-    B: int, T: int, H: int, K: int, V: int, config, groups: int = 1, backward: bool = False, padded_grid: bool = True,
-) -> Geometry:
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config, groups: int = 1, backward: bool = False) -> Geometry:
     """The grid's geometry for a call of ``H`` (value) heads, ``groups`` of them per query/key head;
-    ``config``: any config with ``chunk_size``, ``num_steps`` (``steps_of``) and ``full_values``; ``padded_grid`` as
-    ``Geometry``'s (False for the packed kernels with per-chunk sequence scalars)."""
-    return Geometry(B, T, H, K, V, config.chunk_size, steps_of(config, backward), config.full_values, groups, padded_grid)
+    ``config``: any config with ``chunk_size``, ``num_steps`` (``steps_of``) and ``full_values``."""
+    return Geometry(B, T, H, K, V, config.chunk_size, steps_of(config, backward), config.full_values, groups)
 
 
 def steps_of(config, backward: bool = False) -> int:
@@ -75,7 +72,7 @@ def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Wor
 
 
 def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config, operands=None,
-        ssm_state_indices=None, padded_grid: bool = True):
+        ssm_state_indices=None):
     """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
 
     ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (the signature of
@@ -87,7 +84,6 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
     heads, kda), each group reads its query/key head in place (``blocks.key_rows``). With ``ssm_state_indices``,
     ``initial_state`` is a pool whose rows the sequences read and write in place: the plans get ``pool_rows``, the
     kernel the indices as ``state_rows`` (``SequenceStates``), and the final state returned is the pool.
-    ``padded_grid`` as ``geometry_of``'s.
     """
     B, T, H, K = q.shape
     value_heads = v.shape[2]
@@ -99,7 +95,7 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
     if ssm_state_indices is not None:
         inputs["pool_rows"] = initial_state.shape[0]
     geometry, (plan,), run_plan = launch.prepare(
-        build_plans, geometry_of(B, T, value_heads, K, v.shape[-1], config, value_heads // H, padded_grid=padded_grid), q.dtype, config.interpret, **inputs,
+        build_plans, geometry_of(B, T, value_heads, K, v.shape[-1], config, value_heads // H), q.dtype, config.interpret, **inputs,
     )
     arrays = {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **(operands or {})}
     if ssm_state_indices is not None:

@@ -69,7 +69,6 @@ class Geometry:
     num_steps: int
     full_values: bool = False  # one value block of all of V_pad (else 128-lane value tiles)
     groups: int = 1
-    padded_grid: bool = True  # the last grid step may run past T by whole chunks (``chunks_per_step``)
 
     @property
     def key_heads(self) -> int:
@@ -107,15 +106,15 @@ class Geometry:
         does better, sharing the chunks evenly by the fewest steps of at most ``num_steps`` (37 chunks at 32: two steps
         of 19, the second's last past the end, where the divisor is 1). The divisor stays where it is more than half
         that share: no chunk is computed past the end, and the extra steps cost less (kda's forward, 72 chunks at 16 per
-        step, v6e: six steps of 12 issue 2.2% fewer cycles than five of 15). The packed kernels with states keep the
-        divisor (``padded_grid`` False): their per-chunk sequence scalars have no entry past the end.
+        step, v6e: six steps of 12 issue 2.2% fewer cycles than five of 15). The packed kernels read a chunk past the
+        end as one of no boundary (``simple_gla.varlen.chunk_sequences``).
 
         The divisor alone walked a chunk count with no good one a chunk or a few per step, each step paying its own
         cycles: simple_gla's forward with ``g`` at T=4736 (37 chunks of 128, v5e) issued 2.9x the cycles per token of
         T=4608's (README "Chunk counts with no good divisor")."""
         divisor = largest_divisor_at_most(self.num_chunks, self.num_steps)
         even = _ceil_div(self.num_chunks, _ceil_div(self.num_chunks, self.num_steps))
-        return divisor if not self.padded_grid or 2 * divisor > even else even
+        return divisor if 2 * divisor > even else even
 
     @property
     def time_steps(self) -> int:

@@ -326,7 +326,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
     packed_chunks = None
     if packed:
         first = forward_step * geometry.chunks_per_step
-        packed_chunks = [PackedChunk.of(refs, first + chunk.index, geometry.chunk_size, states) for chunk in chunks]
+        packed_chunks = [PackedChunk.of(refs, first + chunk.index, geometry, states) for chunk in chunks]
     every_gradients, dstate = _step_gradients(
         chunks, refs, head, A_log, dt_bias, dstate, packed_chunks, scale=scale, use_qk_l2norm=use_qk_l2norm,
         activations=activations, recurrence=recurrence,
@@ -382,7 +382,7 @@ def gradients(
     value_heads, V = v.shape[2:]
     num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
-        plans, geometry_of(B, T, value_heads, K, V, config, value_heads // H, backward=True, padded_grid=cu_seqlens is None), q.dtype, config.interpret,
+        plans, geometry_of(B, T, value_heads, K, V, config, value_heads // H, backward=True), q.dtype, config.interpret,
         gate_dtype=g.dtype, beta_dtype=None if beta is None else beta.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype, output_final_state=dht is not None,
         use_qk_l2norm=use_qk_l2norm, activations=activations, with_A_log=A_log is not None,

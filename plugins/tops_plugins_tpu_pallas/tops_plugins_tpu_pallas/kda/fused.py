@@ -233,7 +233,7 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
         g, beta = activated_gate_and_strength(chunk, g, beta, A_log, dt_bias, activations)
         sequences = None
         if packed:
-            sequences = PackedChunk.of(refs, step * geometry.chunks_per_step + chunk.index, geometry.chunk_size, states)
+            sequences = PackedChunk.of(refs, step * geometry.chunks_per_step + chunk.index, geometry, states)
         inputs.append((q, k, v, g, beta, sequences))
     outputs, entering, state, every_factors = chunk_steps(
         inputs, refs["state"][...], scale=scale, use_qk_l2norm=use_qk_l2norm, recurrence=recurrence,
@@ -324,5 +324,5 @@ def run(
             recurrence=recurrence,
         ),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        config=config, operands=operands, ssm_state_indices=ssm_state_indices, padded_grid=cu_seqlens is None,
+        config=config, operands=operands, ssm_state_indices=ssm_state_indices,
     )

@@ -38,6 +38,7 @@ from tops_plugins_tpu_pallas.kda.chunkwise import column_sums, run_sums
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, row_and_column_iotas
 from tops_plugins_tpu_pallas.grid import SequenceStates, Work
+from tops_plugins_tpu_pallas.simple_gla.varlen import chunk_sequences
 
 _F32 = jnp.float32
 
@@ -86,20 +87,26 @@ class PackedChunk:
     chunk_size: int
     states: SequenceStates
     resets: jax.Array  # (C, 1) bool: the rows that are a sequence's first token
+    past_end: jax.Array | bool  # a padded grid's chunk past the end of T: the middle of the last sequence, no boundary
 
     @classmethod
-    def of(cls, refs: dict, number: jax.Array, chunk_size: int, states: SequenceStates) -> PackedChunk:
-        """Chunk ``number`` of the packed ``T``, its resets from the bits of ``start_bits`` in SMEM (``fused.packed_operands``):
-        a shift of the row's word by the row, compared, exact and without a loop over the chunk's sequences."""
+    def of(cls, refs: dict, number: jax.Array, geometry: Geometry, states: SequenceStates) -> PackedChunk:
+        """Chunk ``number`` of the packed ``T``, its sequences (``varlen.chunk_sequences``) and its resets from the bits of
+        ``start_bits`` in SMEM (``fused.packed_operands``): a shift of the row's word by the row, compared, exact and
+        without a loop over the chunk's sequences. A chunk past the end has no reset and no boundary."""
+        chunk_size = geometry.chunk_size
+        first_sequence, last_sequence = chunk_sequences(refs, number, geometry)
+        padded = geometry.grid_chunks > geometry.num_chunks
+        word_of = (jnp.minimum(number, geometry.num_chunks - 1) if padded else number) * (chunk_size // 32)
         rows = lax.broadcasted_iota(jnp.int32, (chunk_size, 1), 0)
-        words_per_chunk = chunk_size // 32
-        word = refs["start_bits"][number * words_per_chunk]
-        for index in range(1, words_per_chunk):
-            word = jnp.where(rows >= 32 * index, refs["start_bits"][number * words_per_chunk + index], word)
-        return cls(
-            refs["cu_seqlens"], number * chunk_size, refs["first_sequence"][number], refs["last_sequence"][number],
-            chunk_size, states, (lax.shift_right_logical(word, rows % 32) & 1) > 0,
-        )
+        word = refs["start_bits"][word_of]
+        for index in range(1, chunk_size // 32):
+            word = jnp.where(rows >= 32 * index, refs["start_bits"][word_of + index], word)
+        resets = (lax.shift_right_logical(word, rows % 32) & 1) > 0
+        past_end = number >= geometry.num_chunks if padded else False
+        if padded:
+            resets = resets & jnp.logical_not(past_end)
+        return cls(refs["cu_seqlens"], number * chunk_size, first_sequence, last_sequence, chunk_size, states, resets, past_end)
 
     def _rows_of(self, sequence: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``[start, end)``: the rows of the chunk ``sequence`` covers (empty when it covers none)."""
@@ -111,7 +118,7 @@ class PackedChunk:
         return self.cu_seqlens[sequence] < self.first_token
 
     def _goes_on(self, sequence: jax.Array) -> jax.Array:
-        return self.cu_seqlens[sequence + 1] > self.first_token + self.chunk_size
+        return (self.cu_seqlens[sequence + 1] > self.first_token + self.chunk_size) | self.past_end
 
     def _starting(self) -> tuple[jax.Array, jax.Array]:
         """The bounds of a loop over the sequences that start in the chunk: all it overlaps but a first one begun before it."""

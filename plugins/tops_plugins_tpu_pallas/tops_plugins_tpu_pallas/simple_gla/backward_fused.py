@@ -73,15 +73,12 @@ def chunk_size_of(config) -> int:
     return config.chunk_size or CHUNK_SIZE
 
 
-def geometry_of(
-    B: int, T: int, H: int, K: int, V: int, config, segment_tokens: int = SEGMENT_TOKENS, padded_grid: bool = True,
-) -> Geometry:
+def geometry_of(B: int, T: int, H: int, K: int, V: int, config, segment_tokens: int = SEGMENT_TOKENS) -> Geometry:
     """The backward's geometry for a ``FusedConfig``: its chunk size (None: ``CHUNK_SIZE``), ``backward_num_steps``
-    chunks per segment (None: ``segment_tokens`` tokens' worth), all of ``V`` per block, ``padded_grid`` as
-    ``Geometry``'s; before VMEM fitting (``fitted_plans``)."""
+    chunks per segment (None: ``segment_tokens`` tokens' worth), all of ``V`` per block; before VMEM fitting (``fitted_plans``)."""
     chunk_size = chunk_size_of(config)
     chunks = config.backward_num_steps or max(1, segment_tokens // chunk_size)
-    return grid.backward_geometry(Geometry(B, T, H, K, V, chunk_size, chunks, padded_grid=padded_grid))
+    return grid.backward_geometry(Geometry(B, T, H, K, V, chunk_size, chunks))
 
 
 def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, LaunchPlan]:

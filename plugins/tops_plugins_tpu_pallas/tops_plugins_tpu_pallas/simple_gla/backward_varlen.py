@@ -56,7 +56,7 @@ SEGMENT_TOKENS = 2048
 issue 0.6% fewer cycles on v6e and 3% fewer on v5e (16 sequences in T=8192, ``g``, both states: 784442 -> 779561,
 890304 -> 862830) for twice the compile (13 -> 27 s)."""
 
-geometry_of = functools.partial(backward_fused.geometry_of, segment_tokens=SEGMENT_TOKENS, padded_grid=False)
+geometry_of = functools.partial(backward_fused.geometry_of, segment_tokens=SEGMENT_TOKENS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +196,7 @@ def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
         every_gates = step_gates(chunks, refs, head, None, attention=False, along_lanes=True)
         # Every chunk's initial states before the chain: their loads' branches would cut it into one block per chunk.
         entering = [
-            _entering_state(refs, states, step * geometry.chunks_per_step + chunk.index, C, gates.log) if states.has("initial_state") else None
+            _entering_state(refs, states, step * geometry.chunks_per_step + chunk.index, geometry, gates.log) if states.has("initial_state") else None
             for chunk, gates in zip(chunks, every_gates)
         ]
         for chunk, gates in zip(chunks, every_gates):
@@ -211,7 +211,7 @@ def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
             refs["checkpoints"][chunk.index] = state
             number = step * geometry.chunks_per_step + chunk.index
             # Only the chunk's last piece leaves a state that goes on: its sequence's carried state or initial state.
-            piece = Piece.of(refs["cu_seqlens"], refs["last_sequence"][number], number * C, log_decays(chunk, refs, head, decay))
+            piece = Piece.of(refs["cu_seqlens"], varlen.chunk_sequences(refs, number, geometry)[1], number * C, log_decays(chunk, refs, head, decay))
             entering = jnp.where(piece.continuing, state, states.load("initial_state", piece.sequence, ~piece.continuing))
             k = chunk.read(refs["k"])
             state = advance_state(entering, k, chunk.read(refs["v"]), piece, gradients.decay_gradient_operands(k.dtype))
@@ -219,11 +219,11 @@ def _checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry):
     states.finish(step == geometry.time_steps - 1)
 
 
-def _entering_state(refs: dict, states: grid.SequenceStates, number: jax.Array, chunk_size: int, log: LogDecays) -> jax.Array:
+def _entering_state(refs: dict, states: grid.SequenceStates, number: jax.Array, geometry: Geometry, log: LogDecays) -> jax.Array:
     """What the initial state of chunk ``number``'s last sequence adds to the state leaving the chunk, where that sequence
     starts inside the chunk (at row ``r``, whose reset gate dropped it) and goes on past it: ``exp(b_C - b_r + g_r) h0``,
     ``g_r`` its first token's own log decay (``varlen.first_gates``)."""
-    cu, last = refs["cu_seqlens"], refs["last_sequence"][number]
+    cu, (_, last), chunk_size = refs["cu_seqlens"], varlen.chunk_sequences(refs, number, geometry), geometry.chunk_size
     start, end = cu[last] - number * chunk_size, cu[last + 1] - number * chunk_size
     enters = (start >= 0) & (end > chunk_size)
     initial = states.load("initial_state", last, enters)
@@ -267,8 +267,8 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
     for chunk in reversed(chunks):
         leaving[chunk.index] = dstate
         number = number_of(chunk)
-        first, last_sequence = number * C, refs["last_sequence"][number]
-        first_sequence, carried_in, goes_on = varlen.first_sequence_of(refs, number, C)
+        first, (_, last_sequence) = number * C, varlen.chunk_sequences(refs, number, geometry)
+        first_sequence, carried_in, goes_on = varlen.first_sequence_of(refs, number, geometry)
         boundary_terms = functools.partial(
             _boundary_terms, refs=refs, states=states, chunk=chunk, log=every_log[chunk.index], first=first,
             last_sequence=last_sequence, first_sequence=first_sequence, entering=refs["checkpoints"][chunk.index],

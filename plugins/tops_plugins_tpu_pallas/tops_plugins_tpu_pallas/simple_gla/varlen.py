@@ -128,11 +128,27 @@ def plans(
     ),)
 
 
-def first_sequence_of(refs: dict, number: jax.Array, chunk_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Chunk ``number``'s first sequence (``boundaries``), whether it started before the chunk (its state is carried in),
-    and whether it goes on past the chunk (then it has no boundary in it)."""
-    cu, sequence, first = refs["cu_seqlens"], refs["first_sequence"][number], number * chunk_size
-    return sequence, cu[sequence] < first, cu[sequence + 1] > first + chunk_size
+def chunk_sequences(refs: dict, number: jax.Array, geometry: Geometry) -> tuple[jax.Array, jax.Array]:
+    """Chunk ``number``'s first and last sequence (``boundaries``). A chunk of a padded grid past the end of ``T`` (which
+    the scalars do not reach) reads as the middle of the last real chunk's last sequence, which ``first_sequence_of``
+    says goes on through it: a chunk with no boundary, its rows zeros."""
+    if geometry.grid_chunks == geometry.num_chunks:
+        return refs["first_sequence"][number], refs["last_sequence"][number]
+    last_real = geometry.num_chunks - 1
+    index = jnp.minimum(number, last_real)
+    last = refs["last_sequence"][index]
+    return jnp.where(number > last_real, last, refs["first_sequence"][index]), last
+
+
+def first_sequence_of(refs: dict, number: jax.Array, geometry: Geometry) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Chunk ``number``'s first sequence (``chunk_sequences``), whether it started before the chunk (its state is carried
+    in), and whether it goes on past the chunk (then it has no boundary in it; as a chunk past the end has none)."""
+    sequence, _ = chunk_sequences(refs, number, geometry)
+    cu, first, C = refs["cu_seqlens"], number * geometry.chunk_size, geometry.chunk_size
+    goes_on = cu[sequence + 1] > first + C
+    if geometry.grid_chunks > geometry.num_chunks:
+        goes_on = goes_on | (number >= geometry.num_chunks)
+    return sequence, cu[sequence] < first, goes_on
 
 
 def first_gates_block(geometry: Geometry, num_seqs: int) -> Blocked:
@@ -246,7 +262,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     # into blocks the scheduler cannot overlap, so inside the chain they would stop it at every chunk.
     carried = [
         _boundary_terms(refs, states, chunk, number, gates.log if along_lanes else log_decays(chunk, refs, head),
-                        scale=scale, operands=operands, along_lanes=along_lanes)
+                        geometry=geometry, scale=scale, operands=operands, along_lanes=along_lanes)
         for chunk, number, gates in zip(chunks, numbers, every_gates)
     ]
     with_initial, with_final = states.has("initial_state"), states.has("final_state")
@@ -262,12 +278,12 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, attention
     )
     if with_final:  # the final states of the sequences carried into the chunk they end in, now that the chain gave them
         for chunk, number in zip(chunks, numbers):
-            sequence, carried_in, goes_on = first_sequence_of(refs, number, geometry.chunk_size)
+            sequence, carried_in, goes_on = first_sequence_of(refs, number, geometry)
             states.store("final_state", sequence, refs["final_pieces"][chunk.index], carried_in & ~goes_on)
     states.finish(step == geometry.time_steps - 1)
 
 
-def _boundary_terms(refs, states, chunk, number, log: LogDecays, *, scale, operands, along_lanes: bool) -> jax.Array:
+def _boundary_terms(refs, states, chunk, number, log: LogDecays, *, geometry: Geometry, scale, operands, along_lanes: bool) -> jax.Array:
     """What the reset gates leave out of chunk ``number``, for each sequence with a boundary inside it (a loop over those
     alone, ``Boundary``), into VMEM for the chain (``_kernel``): where a sequence starts, its initial state's share of
     the chunk's outputs (``initial_outputs``) and, where it goes on past the chunk, of the state leaving it
@@ -305,10 +321,10 @@ def _boundary_terms(refs, states, chunk, number, log: LogDecays, *, scale, opera
 
     # The chunk's first sequence when it starts here, or ends here and its final state is wanted; every later one (each
     # starts here).
-    first_sequence, carried_in, goes_on = first_sequence_of(refs, number, C)
+    first_sequence, carried_in, goes_on = first_sequence_of(refs, number, geometry)
     skipped = carried_in & goes_on if with_final else carried_in
     final_piece, carried = lax.fori_loop(
-        first_sequence + skipped.astype(jnp.int32), refs["last_sequence"][number] + 1, boundary,
+        first_sequence + skipped.astype(jnp.int32), chunk_sequences(refs, number, geometry)[1] + 1, boundary,
         (jnp.zeros((K, Vb), _F32), jnp.zeros((1, 1), _F32)),
     )
     if with_final:
@@ -381,7 +397,7 @@ def _forward(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, c
     o, final_state = grid.run(
         kernel, functools.partial(plans, num_seqs=cu_seqlens.shape[0] - 1), q, k, v, g=gates, g_gamma=g_gamma, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, config=unpacked, operands=operands,
-        ssm_state_indices=ssm_state_indices, padded_grid=False,
+        ssm_state_indices=ssm_state_indices,
     )
     if final_state is None or ssm_state_indices is not None:  # a pool: an empty sequence's row is as it was
         return o, final_state
