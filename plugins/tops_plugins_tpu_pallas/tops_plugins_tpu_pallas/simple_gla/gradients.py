@@ -275,9 +275,11 @@ def query_key_gradients_of(
         return dq, dk, summed_decay_gradient(pairs, q, k, reads, writes, across, scale, summed_over)
     # (i, t): sum over j < t of pairs; then over i >= t. The 0/1 matrix is exact in bf16.
     keys_before = matmul(pairs, (rows < tokens).astype(jnp.bfloat16), decay_gradient_operands(q.dtype))
-    within = jnp.sum(jnp.where(rows >= tokens, keys_before, 0.0), axis=0, keepdims=True)
-    later_queries, earlier_keys = state_decay_gradients(q, k, reads, writes, scale, rows >= tokens, rows < tokens)
-    return dq, dk, within + later_queries + earlier_keys + across
+    query_reads_state, key_reaches_end = state_products(q, k, reads, writes, scale)
+    # Row r gives token t, where r >= t, its pairs with earlier keys and its query's read of the entering state, and
+    # where r < t its key's way to the leaving state: one select and one sum over sublanes for the three.
+    terms = jnp.where(rows >= tokens, keys_before + query_reads_state, key_reaches_end)
+    return dq, dk, jnp.sum(terms, axis=0, keepdims=True) + across
 
 
 def summed_decay_gradient(pairs, q, k, reads, writes, across, scale: float, tokens) -> jax.Array:
@@ -300,11 +302,16 @@ def state_decay_gradients(q, k, reads, writes, scale: float, later, earlier) -> 
     """The decay gradient rows ``(1, C)`` of a state's reads and of its writes: token ``t``'s decay scales query ``i``'s
     read of the state entering where ``later[i, t]`` (``i >= t``), and key ``j``'s way to the state leaving where
     ``earlier[j, t]`` (``j < t``); ``reads`` and ``writes`` are ``state_reads`` and ``state_writes``."""
-    query_reads_state = scale * jnp.sum(q.astype(_F32) * reads, axis=1, keepdims=True)  # (C, 1), i
-    key_reaches_end = jnp.sum(k.astype(_F32) * writes, axis=1, keepdims=True)  # (C, 1), j
+    query_reads_state, key_reaches_end = state_products(q, k, reads, writes, scale)
     later_queries = jnp.sum(jnp.where(later, query_reads_state, 0.0), axis=0, keepdims=True)
     earlier_keys = jnp.sum(jnp.where(earlier, key_reaches_end, 0.0), axis=0, keepdims=True)
     return later_queries, earlier_keys
+
+
+def state_products(q, k, reads, writes, scale: float) -> tuple[jax.Array, jax.Array]:
+    """``(C, 1)`` each: what query ``i``'s read of the entering state and key ``j``'s way to the leaving state add to the
+    decay gradient of every token whose decay scales them (``reads`` and ``writes``: ``state_reads``, ``state_writes``)."""
+    return scale * jnp.sum(q.astype(_F32) * reads, axis=1, keepdims=True), jnp.sum(k.astype(_F32) * writes, axis=1, keepdims=True)
 
 
 def state_gradient_entering(gates: ChunkGates, q, do, dstate, scale: float, operands=None) -> jax.Array:
