@@ -163,7 +163,16 @@ def test_explain_says_which_chunk_the_fused_kernel_runs_for_the_chip(chip, forwa
     backward = sg.decide(spec, "backward").explain().splitlines()
     assert any(line.startswith("  for this call: chunk_size=128 (None: the backward's, on every chip); segments of") for line in backward)
     told = FUSED.explain_config(FusedConfig(chunk_size=64, attention_first=True), spec, "forward")
-    assert told == "chunk_size=64, attention ahead of the state chain"
+    assert told.startswith("chunk_size=64, attention ahead of the state chain; 64 chunks in "), told
+
+
+def test_explain_says_where_a_grid_runs_past_the_end():
+    # T = 4736 on v5e: 37 chunks of 128, 32 per step at most: two steps of 19 both ways, one chunk past the end.
+    spec = dataclasses.replace(_spec(2, 8, 128), seq_len=4736, chip="v5e")
+    forward = FUSED.explain_config(FusedConfig(), spec, "forward")
+    assert forward.endswith("; 37 chunks in 2 grid steps of 19, 1 past the end"), forward
+    backward = FUSED.explain_config(FusedConfig(), spec, "backward")
+    assert backward.endswith("segments of 2432 tokens: 2, the checkpoints walk over the first 1, 1 chunk of the last past the end"), backward
 
 
 # Both kernels pad K = 100 and V = 256 by default; the other way round, tpu_pallas.chunk with -m slow (the kit's edge

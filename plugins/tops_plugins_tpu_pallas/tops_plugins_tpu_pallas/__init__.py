@@ -142,7 +142,10 @@ def _explain_fused_config(config: fused.FusedConfig, spec: tops_core.CallSpec, d
     if direction == "backward":
         left = " (None: the backward's, on every chip)" if config.chunk_size is None else ""
         return f"chunk_size={backward_fused.chunk_size_of(config)}{left}; {_backward_segments(config, spec)}"
-    return fused.explain(config, spec.dtype, spec.key_dim, spec.chip)
+    resolved = fused.resolved(config, spec.key_dim, spec.chip)
+    geometry = grid.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, resolved)
+    geometry, _ = launch.fit(fused.plans, geometry, spec.dtype, launch.Target.of(spec.chip), **_plan_inputs(spec))
+    return f"{fused.explain(config, spec.dtype, spec.key_dim, spec.chip)}; {geometry.describe_steps()}"
 
 
 def _backward_segments(config: fused.FusedConfig, spec: tops_core.CallSpec) -> str:
@@ -150,9 +153,11 @@ def _backward_segments(config: fused.FusedConfig, spec: tops_core.CallSpec) -> s
     geometry = backward_fused.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
     geometry, _ = launch.fit(backward_fused.plans, geometry, spec.dtype, launch.Target.of(spec.chip), **_plan_inputs(spec))
     tokens = f"segments of {geometry.rows_per_step} tokens"
+    past = geometry.grid_chunks - geometry.num_chunks
+    beyond = f", {past} chunk{'s' if past > 1 else ''} of the last past the end" if past else ""
     if geometry.time_steps == 1:
-        return f"{tokens}: one, no checkpoints walk"
-    return f"{tokens}: {geometry.time_steps}, the checkpoints walk over the first {geometry.time_steps - 1}"
+        return f"{tokens}: one, no checkpoints walk{beyond}"
+    return f"{tokens}: {geometry.time_steps}, the checkpoints walk over the first {geometry.time_steps - 1}{beyond}"
 
 
 FUSED = tops_core.Implementation(

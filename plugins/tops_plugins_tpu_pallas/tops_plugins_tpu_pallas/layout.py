@@ -145,6 +145,12 @@ class Geometry:
         in_last_step = self.num_chunks - (self.time_steps - 1) * self.chunks_per_step
         return in_last_step - 1 if self.seq_len % self.chunk_size else in_last_step
 
+    def describe_steps(self) -> str:
+        """For ``explain``: the chunks, the grid steps that walk them, and the last step's chunks past the end."""
+        past = self.grid_chunks - self.num_chunks
+        steps = f"{self.time_steps} grid step{'s' if self.time_steps > 1 else ''} of {self.chunks_per_step}"
+        return f"{self.num_chunks} chunks in {steps}" + (f", {past} past the end" if past else "")
+
     def valid_rows(self, chunk: jax.Array) -> jax.Array:
         """How many rows of chunk number ``chunk`` are real tokens: ``chunk_size``, fewer in the ragged last, 0 past it."""
         return jnp.clip(self.seq_len - chunk * self.chunk_size, 0, self.chunk_size)
