@@ -110,8 +110,9 @@ class Work:
     """Matmul flops (2 per multiply-add) and transcendentals (``exp``) of a piece of kernel code.
 
     Counted op by op from each op's chunk code, per value block, as the kernels run it: a ragged last
-    chunk computes whole, as do the chunks of the last grid step past the end, and ``scores`` is recomputed for every value block. Elementwise
-    arithmetic is left out: it is small beside the matmuls and runs on other units.
+    chunk computes whole, as do the chunks of the last grid step past the end, and ``scores`` is
+    recomputed for every value block. Elementwise arithmetic is left out: it is small beside the
+    matmuls and runs on other units.
     """
 
     flops: int = 0
@@ -182,9 +183,9 @@ def step_chunks(geometry: Geometry, step: jax.Array) -> list[Chunk]:
     operations whatever the step size, so no result depends on ``num_steps``. The chunks from
     ``first_short_chunk`` on may be the sequence's ragged last chunk or past its end (in the last step).
     """
-    size, count = geometry.chunk_size, geometry.chunks_per_step
+    size, count, short = geometry.chunk_size, geometry.chunks_per_step, geometry.first_short_chunk
     return [
-        Chunk(index, pl.ds(index * size, size), geometry.valid_rows(step * count + index) if index >= geometry.first_short_chunk else None)
+        Chunk(index, pl.ds(index * size, size), geometry.valid_rows(step * count + index) if index >= short else None)
         for index in range(count)
     ]
 
