@@ -355,8 +355,9 @@ def test_kda_grouped_backward_faithful_interpreter_matches_reference(packing, ra
 def test_packed_prefill_into_pool_rows_under_the_faithful_interpreter(op, race_reports, make_inputs, make_kda_inputs, assert_matches):
     # A packed prefill that reads and writes its sequences' pool rows by DMA, the next sequence's row read ahead while the
     # kernel works and each final row written while it goes on: an empty sequence (its row passes through), a padding
-    # slot (no row), several sequences in one chunk, sequences across grid steps, two simulated cores, NaN-filled memory.
-    seed, seqlens, indices, pool_rows = SEEDS[0], (70, 0, 1, 57, 3, 119), (4, 0, 6, -1, 2, 5), 8
+    # slot (no row), several sequences in one chunk, sequences across grid steps, a last step whose second chunk is past
+    # the end (T=300: 5 chunks of 64, two a step), two simulated cores, NaN-filled memory.
+    seed, seqlens, indices, pool_rows = SEEDS[0], (70, 0, 1, 57, 3, 169), (4, 0, 6, -1, 2, 5), 8
     T, H = sum(seqlens), 2
     if op == "simple_gla":
         arrays = make_inputs(1, T, H, 128, 128, jnp.float32, seed=seed, g=True)[0]
