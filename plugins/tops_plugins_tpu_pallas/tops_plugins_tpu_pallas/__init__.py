@@ -153,7 +153,7 @@ def _backward_segments(config: fused.FusedConfig, spec: tops_core.CallSpec) -> s
     geometry = backward_fused.geometry_of(spec.batch, spec.seq_len, spec.heads, spec.key_dim, spec.value_dim, config)
     geometry, _ = launch.fit(backward_fused.plans, geometry, spec.dtype, launch.Target.of(spec.chip), **_plan_inputs(spec))
     tokens = f"segments of {geometry.rows_per_step} tokens"
-    past = geometry.grid_chunks - geometry.num_chunks
+    past = geometry.chunks_past_end
     beyond = f", {past} chunk{'s' if past > 1 else ''} of the last past the end" if past else ""
     if geometry.time_steps == 1:
         return f"{tokens}: one, no checkpoints walk{beyond}"

@@ -126,6 +126,15 @@ class Geometry:
         return self.time_steps * self.chunks_per_step
 
     @property
+    def chunks_past_end(self) -> int:
+        """Chunks of the last grid step past the end of the sequence (0 where the steps divide the chunks)."""
+        return self.grid_chunks - self.num_chunks
+
+    def past_end(self, chunk: jax.Array) -> jax.Array | bool:
+        """Whether chunk number ``chunk`` lies past the end of the sequence (False, statically, where none can)."""
+        return chunk >= self.num_chunks if self.chunks_past_end else False
+
+    @property
     def rows_per_step(self) -> int:
         return self.chunks_per_step * self.chunk_size
 
@@ -147,7 +156,7 @@ class Geometry:
 
     def describe_steps(self) -> str:
         """For ``explain``: the chunks, the grid steps that walk them, and the last step's chunks past the end."""
-        past = self.grid_chunks - self.num_chunks
+        past = self.chunks_past_end
         steps = f"{self.time_steps} grid step{'s' if self.time_steps > 1 else ''} of {self.chunks_per_step}"
         return f"{self.num_chunks} chunks in {steps}" + (f", {past} past the end" if past else "")
 

@@ -96,15 +96,14 @@ class PackedChunk:
         without a loop over the chunk's sequences. A chunk past the end has no reset and no boundary."""
         chunk_size = geometry.chunk_size
         first_sequence, last_sequence = chunk_sequences(refs, number, geometry)
-        padded = geometry.grid_chunks > geometry.num_chunks
-        word_of = (jnp.minimum(number, geometry.num_chunks - 1) if padded else number) * (chunk_size // 32)
+        past_end = geometry.past_end(number)
+        word_of = (jnp.minimum(number, geometry.num_chunks - 1) if geometry.chunks_past_end else number) * (chunk_size // 32)
         rows = lax.broadcasted_iota(jnp.int32, (chunk_size, 1), 0)
         word = refs["start_bits"][word_of]
         for index in range(1, chunk_size // 32):
             word = jnp.where(rows >= 32 * index, refs["start_bits"][word_of + index], word)
         resets = (lax.shift_right_logical(word, rows % 32) & 1) > 0
-        past_end = number >= geometry.num_chunks if padded else False
-        if padded:
+        if geometry.chunks_past_end:
             resets = resets & jnp.logical_not(past_end)
         return cls(refs["cu_seqlens"], number * chunk_size, first_sequence, last_sequence, chunk_size, states, resets, past_end)
 

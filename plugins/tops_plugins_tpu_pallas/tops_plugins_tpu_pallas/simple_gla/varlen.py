@@ -132,12 +132,11 @@ def chunk_sequences(refs: dict, number: jax.Array, geometry: Geometry) -> tuple[
     """Chunk ``number``'s first and last sequence (``boundaries``). A chunk of a padded grid past the end of ``T`` (which
     the scalars do not reach) reads as the middle of the last real chunk's last sequence, which ``first_sequence_of``
     says goes on through it: a chunk with no boundary, its rows zeros."""
-    if geometry.grid_chunks == geometry.num_chunks:
+    if not geometry.chunks_past_end:
         return refs["first_sequence"][number], refs["last_sequence"][number]
-    last_real = geometry.num_chunks - 1
-    index = jnp.minimum(number, last_real)
+    index = jnp.minimum(number, geometry.num_chunks - 1)
     last = refs["last_sequence"][index]
-    return jnp.where(number > last_real, last, refs["first_sequence"][index]), last
+    return jnp.where(geometry.past_end(number), last, refs["first_sequence"][index]), last
 
 
 def first_sequence_of(refs: dict, number: jax.Array, geometry: Geometry) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -145,10 +144,7 @@ def first_sequence_of(refs: dict, number: jax.Array, geometry: Geometry) -> tupl
     in), and whether it goes on past the chunk (then it has no boundary in it; as a chunk past the end has none)."""
     sequence, _ = chunk_sequences(refs, number, geometry)
     cu, first, C = refs["cu_seqlens"], number * geometry.chunk_size, geometry.chunk_size
-    goes_on = cu[sequence + 1] > first + C
-    if geometry.grid_chunks > geometry.num_chunks:
-        goes_on = goes_on | (number >= geometry.num_chunks)
-    return sequence, cu[sequence] < first, goes_on
+    return sequence, cu[sequence] < first, (cu[sequence + 1] > first + C) | geometry.past_end(number)
 
 
 def first_gates_block(geometry: Geometry, num_seqs: int) -> Blocked:
