@@ -602,26 +602,35 @@ def test_split_products_stacked_along_the_contraction_are_the_split_products(con
 
 
 def test_lowered_for_v6e_the_fused_backward_stacks_its_state_products_and_matches_the_reference(monkeypatch):
-    # gradients.stacked_operands as the backward applies it (a v6e target in the interpreter): the kit's bfloat16 case,
-    # every gradient against the float64 reference; on a 128-deep MXU, and for float32 inputs, the products stay split.
-    assert gradients.stacked_operands(jnp.bfloat16, "v5e") == mxu.SPLIT_BFLOAT16
-    assert gradients.stacked_operands(jnp.float32, "v6e") == jnp.float32
+    # gradients.state_passes as the backward applies it (a v6e target in the interpreter): the kit's bfloat16 case (with
+    # g, every token's decay gradient), every gradient against the float64 reference; on a 128-deep MXU, and for float32
+    # inputs, the products stay split (or float32).
+    split, stacked = mxu.SPLIT_BFLOAT16, mxu.SPLIT_BFLOAT16_STACKED
+    assert gradients.state_passes(jnp.bfloat16, "v5e", False) == gradients.StatePasses(split, split, split)
+    assert gradients.state_passes(jnp.float32, "v6e", False) == gradients.StatePasses(jnp.float32, jnp.float32, jnp.float32)
     implementation = tops_core.default_registry().get("simple_gla", "tpu_pallas.fused")
     case = next(case for case in grid(implementation).supported if case.name == "bfloat16")
-    assert _choices_running_for_v6e(monkeypatch, "stacked_operands", implementation, case) == [mxu.SPLIT_BFLOAT16_STACKED]
+    chosen = _choices_running_for_v6e(monkeypatch, ("state_passes",), implementation, case)
+    assert chosen["state_passes"] == [gradients.StatePasses(stacked, stacked, stacked)]
 
 
-def _choices_running_for_v6e(monkeypatch, rule: str, implementation, case) -> list:
+def _choices_running_for_v6e(monkeypatch, rules: tuple[str, ...], implementation, case) -> dict[str, list]:
     """Run the kit's ``case`` through ``implementation`` traced for a v6e (in the interpreter), checked against the
-    reference, and return what ``gradients.<rule>`` chose on the way."""
+    reference, and return what each ``gradients.<rule>`` of ``rules`` chose on the way."""
     monkeypatch.setattr(launch.Target, "lowered_for", classmethod(lambda cls: cls.of("v6e")))
-    chosen, choose = [], getattr(gradients, rule)
+    chosen = {rule: [] for rule in rules}
 
-    def recorded(*args):
-        chosen.append(choose(*args))
-        return chosen[-1]
+    def recorder(rule):
+        choose = getattr(gradients, rule)
 
-    monkeypatch.setattr(gradients, rule, recorded)
+        def recorded(*args):
+            chosen[rule].append(choose(*args))
+            return chosen[rule][-1]
+
+        return recorded
+
+    for rule in rules:
+        monkeypatch.setattr(gradients, rule, recorder(rule))
     jax.clear_caches()  # the kit's own run of this case may have left its program, traced for no chip, in jit's cache
     try:
         checks.run_case(implementation, case)
@@ -648,4 +657,8 @@ def test_lowered_for_v6e_the_backwards_sum_g_gammas_decay_gradient_and_match_the
     case = next(case for case in grid(implementation).supported if case.name == case_name)
     if without_states:  # the packed backward without states: fused's on the reset gates
         case = case.with_features(case.name + "-without-states", case.features - {"initial_state", "output_final_state"})
-    assert _choices_running_for_v6e(monkeypatch, "per_token_decay_gradient", implementation, case) == [False]
+    chosen = _choices_running_for_v6e(monkeypatch, ("per_token_decay_gradient", "state_passes"), implementation, case)
+    assert chosen["per_token_decay_gradient"] == [False]
+    # bfloat16 (the weak decay among them): the entering state's reads in one bf16 pass (gradients.state_passes).
+    if case.dtype == "bfloat16" and name != "tpu_pallas.chunk":
+        assert [passes.reads for passes in chosen["state_passes"]] == [jnp.bfloat16]

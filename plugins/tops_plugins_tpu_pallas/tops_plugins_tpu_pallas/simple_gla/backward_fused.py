@@ -154,7 +154,7 @@ def segment_vmem(geometry: Geometry) -> int:
     return gradients.body_vmem(geometry) + 4 * (n * (C * C + 2 * C) + (n - 1) * K * V)
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands, per_token: bool):
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, passes: gradients.StatePasses, per_token: bool):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     grid.start_state_gradient(refs, step)
@@ -170,14 +170,14 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
     refs["states"][0] = state
     for chunk in chunks[:-1]:
         k = chunk.read(refs["k"])
-        state = advance_state(state, k, chunk.read(refs["v"]), every_gates[chunk.index], operands)
+        state = advance_state(state, k, chunk.read(refs["v"]), every_gates[chunk.index], passes.chain)
         refs["states"][chunk.index + 1] = state
 
     dstate, leaving = refs["dstate"][...], [None] * len(chunks)
     for chunk in reversed(chunks):
         leaving[chunk.index] = dstate
         q, do = chunk.read(refs["q"]), chunk.read(refs["do"])
-        dstate = gradients.state_gradient_entering(every_gates[chunk.index], q, do, dstate, scale, operands)
+        dstate = gradients.state_gradient_entering(every_gates[chunk.index], q, do, dstate, scale, passes.chain)
     refs["dstate"][...] = dstate
     for chunk in reversed(chunks):
         gates, dstate = every_gates[chunk.index].with_decays(), leaving[chunk.index]
@@ -186,7 +186,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands,
         refs["dv"][chunk.rows, :] = gradients.value_gradient(gates, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
         dq, dk, da = gradients.query_key_gradients(
             gates, attention, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs,
-            gradients.summed_tokens(chunk, per_token),
+            gradients.summed_tokens(chunk, per_token), passes,
         )
         refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)
@@ -217,7 +217,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
     checkpoints = run(walk[0], gradients.checkpoints_kernel, arrays, every_chunk=False) if walk else {}
     chip = launch.Target.lowered_for().chip
-    operands = gradients.stacked_operands(q.dtype, chip)
     per_token = gradients.per_token_decay_gradient(g is not None if caller_gated is None else caller_gated, chip)
-    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, operands=operands, per_token=per_token)
+    passes = gradients.state_passes(q.dtype, chip, per_token)
+    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, passes=passes, per_token=per_token)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

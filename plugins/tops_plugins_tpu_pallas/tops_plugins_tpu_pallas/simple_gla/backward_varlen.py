@@ -231,7 +231,7 @@ def _entering_state(refs: dict, states: grid.SequenceStates, number: jax.Array, 
     return varlen.to_chunk_end(log, since, start_resets, enters) * initial
 
 
-def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, operands, per_token: bool):
+def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, passes: gradients.StatePasses, per_token: bool):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     C = geometry.chunk_size
@@ -256,7 +256,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
     # The dS chain's products first: between the loops below, each would have waited on its own.
     reads = [
-        gradients.state_gradient_of_reads(every_gates[chunk.index], chunk.read(refs["q"]), chunk.read(refs["do"]), scale, operands)
+        gradients.state_gradient_of_reads(every_gates[chunk.index], chunk.read(refs["q"]), chunk.read(refs["do"]), scale, passes.chain)
         for chunk in chunks
     ]
     # The dS chain, as fused's (the reset gates stop it where a sequence starts), and before each chunk's step what the
@@ -302,7 +302,7 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
         attention = gradients.attention(gates.decays, q, k)
         dv = gradients.value_gradient(gates, attention, k, do, dleaving, scale) + refs["boundary_dv"][chunk.index]
         dq, dk, da = gradients.query_key_gradients(
-            gates, attention, q, k, v, do, entering, dleaving, scale, with_decay, gradients.summed_tokens(chunk, per_token),
+            gates, attention, q, k, v, do, entering, dleaving, scale, with_decay, gradients.summed_tokens(chunk, per_token), passes,
         )
         refs["dv"][chunk.rows, :] = dv.astype(refs["dv"].dtype)
         refs["dq"][chunk.rows, :] = (dq + refs["boundary_dq"][chunk.index]).astype(refs["dq"].dtype)
@@ -384,8 +384,9 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     walk_arrays = arrays if walks_along_lanes(geometry.chunk_size) else {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **boundaries}
     checkpoints = run(checkpoints_plan, _checkpoints_kernel, walk_arrays)
     chip = launch.Target.lowered_for().chip
-    operands, per_token = gradients.stacked_operands(q.dtype, chip), gradients.per_token_decay_gradient(g is not None, chip)
-    results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale, operands=operands, per_token=per_token)
+    per_token = gradients.per_token_decay_gradient(g is not None, chip)
+    passes = gradients.state_passes(q.dtype, chip, per_token)
+    results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale, passes=passes, per_token=per_token)
     grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)
     if initial_state is None:
         return grads

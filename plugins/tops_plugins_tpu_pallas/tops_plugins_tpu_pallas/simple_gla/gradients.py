@@ -172,14 +172,33 @@ def decay_gradient_operands(input_dtype):
     return SPLIT_BFLOAT16 if jnp.dtype(input_dtype) == jnp.bfloat16 else mxu_operand_dtype(input_dtype)
 
 
-def stacked_operands(input_dtype, chip: str | None):
-    """``decay_gradient_operands`` for the gradients kernel's state recompute and ``dS`` chain: on a 256-deep MXU (v6e)
-    with bf16 inputs, the float32 operand's two halves stacked along the contraction (``SPLIT_BFLOAT16_STACKED``), one
-    pass instead of two. Modelled, the gradients kernel on v6e (B=2 T=4096 H=8 K=V=128 bf16 ``g_gamma``), issue and
-    MXU: 133 and 149 us -> 136 and 131 us (with ``g`` 158 us either way). Stacking the other split products too raises
-    the issue more than it cuts the MXU (with the state's reads: 144 us); on a 128-deep MXU it saves no pass."""
-    operands = decay_gradient_operands(input_dtype)
-    return SPLIT_BFLOAT16_STACKED if operands == SPLIT_BFLOAT16 and wide_mxu(chip) else operands
+@dataclasses.dataclass(frozen=True)
+class StatePasses:
+    """How a gradients kernel's products with a float32 state or state gradient take the MXU (``matmul``'s operands):
+    ``chain`` recomputing the states and stepping ``dS``, ``reads`` the rows' reads of the entering state (``do S^T``),
+    ``writes`` their way to the leaving one (``v dS^T``)."""
+
+    chain: object
+    reads: object
+    writes: object
+
+
+def state_passes(input_dtype, chip: str | None, per_token: bool) -> StatePasses:
+    """``StatePasses`` for bf16 inputs on a 256-deep MXU (v6e), where one pass takes both halves of a split float32 operand
+    stacked along the contraction (``SPLIT_BFLOAT16_STACKED``), and where only ``dg_gamma`` is wanted (not ``per_token``)
+    ``do S^T`` takes one bf16 pass; else ``decay_gradient_operands`` for all three.
+
+    Modelled, the fused backward's gradients kernel on v6e (B=2 T=4096 H=8 K=V=128 bf16; cycles, MXU rows per token):
+    with ``g_gamma``, states and ``dS`` stacked, reads and writes split: 183326, 11.97; reads in one pass, writes stacked:
+    **152270, 9.97** (reads one pass alone 200654: Mosaic's schedule moves by tens of percent with the products' forms,
+    so each form here is the measured best, not a rule). With ``g``: 253538 -> **245393** with all three stacked (reads
+    in one pass: 260177). On v5e (128 deep) no form measured beat two passes: reads in one pass, ``g_gamma`` 278556 ->
+    291100. ``do S^T`` in one pass costs ``dg_gamma`` on the kit's weak bf16 decay 9.8e-6 -> 1.0e-3 against the float64
+    reference (tolerance 1e-2); ``v dS^T`` in one pass would miss it (1.4e-2), as ``decay_gradient_operands`` says."""
+    split = decay_gradient_operands(input_dtype)
+    if split != SPLIT_BFLOAT16 or not wide_mxu(chip):
+        return StatePasses(split, split, split)
+    return StatePasses(SPLIT_BFLOAT16_STACKED, SPLIT_BFLOAT16_STACKED if per_token else jnp.bfloat16, SPLIT_BFLOAT16_STACKED)
 
 
 def attention(decays, q, k) -> jax.Array:
@@ -202,28 +221,35 @@ def state_value_gradient(gates: ChunkGates, k, dstate) -> jax.Array:
     return gates.key * matmul(k, dstate, mxu_operand_dtype(k.dtype))
 
 
-def state_reads(gates: ChunkGates, do, entering) -> jax.Array:
-    """``(C, K)``: ``exp(b_i) do_i S^T``, what the rows' reading of the entering state adds to ``dq`` (before ``scale``)."""
-    return gates.query * matmul(do, entering, decay_gradient_operands(do.dtype), ROWS_BY_ROWS)
+def state_reads(gates: ChunkGates, do, entering, operands=None) -> jax.Array:
+    """``(C, K)``: ``exp(b_i) do_i S^T``, what the rows' reading of the entering state adds to ``dq`` (before ``scale``);
+    ``operands`` None: ``decay_gradient_operands``."""
+    operands = decay_gradient_operands(do.dtype) if operands is None else operands
+    return gates.query * matmul(do, entering, operands, ROWS_BY_ROWS)
 
 
-def state_writes(gates: ChunkGates, v, dstate) -> jax.Array:
-    """``(C, K)``: ``exp(b_C - b_j) v_j dS^T``, what the rows' writing into the leaving state adds to ``dk``."""
-    return gates.key * matmul(v, dstate, decay_gradient_operands(v.dtype), ROWS_BY_ROWS)
+def state_writes(gates: ChunkGates, v, dstate, operands=None) -> jax.Array:
+    """``(C, K)``: ``exp(b_C - b_j) v_j dS^T``, what the rows' writing into the leaving state adds to ``dk``; ``operands``
+    as ``state_reads``'."""
+    operands = decay_gradient_operands(v.dtype) if operands is None else operands
+    return gates.key * matmul(v, dstate, operands, ROWS_BY_ROWS)
 
 
 def query_key_gradients(
     gates: ChunkGates, attention, q, k, v, do, entering, dstate, scale: float, with_decay: bool, summed_over=None,
+    passes: StatePasses | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``dq``, ``dk`` (float32 ``(C, K_pad)``) and, ``with_decay``, the decay gradient row ``(1, C)`` of the chunk:
     every token's, or with ``summed_over`` (``summed_tokens``) a row whose sum is theirs (``summed_decay_gradient``).
 
-    ``entering`` is the forward state entering the chunk, ``dstate`` the gradient of the one leaving it.
+    ``entering`` is the forward state entering the chunk, ``dstate`` the gradient of the one leaving it; ``passes``
+    (``state_passes``) None: ``decay_gradient_operands`` for both state products.
     """
     # do v^T is traced before the state's terms: the other way round, the same instructions issued
     # 10% more cycles on v5e (the scheduler keeps much of the order of the MXU pushes as traced).
     scores = output_by_value(do, v)
-    reads, writes = state_reads(gates, do, entering), state_writes(gates, v, dstate)
+    reads = state_reads(gates, do, entering, passes and passes.reads)
+    writes = state_writes(gates, v, dstate, passes and passes.writes)
     across = gates.chunk * jnp.sum(entering * dstate) if with_decay else None
     return query_key_gradients_of(gates.decays, attention, scores, q, k, reads, writes, across, scale, summed_over)
 
