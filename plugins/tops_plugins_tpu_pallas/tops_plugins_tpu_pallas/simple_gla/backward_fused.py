@@ -217,7 +217,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
     checkpoints = run(walk[0], gradients.checkpoints_kernel, arrays, every_chunk=False) if walk else {}
     chip = launch.Target.lowered_for().chip
-    per_token = gradients.per_token_decay_gradient(g is not None if caller_gated is None else caller_gated, chip)
+    per_token = gradients.per_token_decay_gradient(g is not None if caller_gated is None else caller_gated, chip, g is None)
     passes = gradients.state_passes(q.dtype, chip, per_token)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, passes=passes, per_token=per_token)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

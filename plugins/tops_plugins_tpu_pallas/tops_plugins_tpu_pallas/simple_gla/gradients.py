@@ -254,14 +254,16 @@ def query_key_gradients(
     return query_key_gradients_of(gates.decays, attention, scores, q, k, reads, writes, across, scale, summed_over)
 
 
-def per_token_decay_gradient(gated: bool, chip: str | None) -> bool:
-    """Whether a backward's kernels compute every token's decay gradient: where the caller gave ``g`` (``gated``), and
-    where the pair sums' ``C x C x C`` product costs less than ``summed_decay_gradient``'s weighted sums, on a 128-wide
-    MXU. Else (``g_gamma`` alone on v6e) only the row's sum, all ``dg_gamma`` needs. Modelled (B=2 T=4096 H=8 K=V=128
-    bf16 ``g_gamma``), the backward's kernels against their floor, per-token -> summed: fused v6e 2.20x -> 1.88x and
-    v5e 1.68x -> 1.68x, chunk's (split) v6e 3.51x -> 3.24x; the packed backward without states (16 sequences in
-    T=8192) v6e 2.43x -> 2.31x but v5e 1.85x -> 1.90x."""
-    return gated or not wide_mxu(chip)
+def per_token_decay_gradient(gated: bool, chip: str | None, constant_gates_fused: bool = False) -> bool:
+    """Whether a backward kernel computes every token's decay gradient: where the caller gave ``g`` (``gated``), and in
+    the fused kernel with constant gates (``g_gamma`` alone, not packed: ``constant_gates_fused``) on a 128-wide MXU,
+    where the pair sums' ``C x C x C`` product issued fewer cycles than ``summed_decay_gradient``'s weighted sums. Else
+    only the row's sum, all ``dg_gamma`` needs. Modelled (B=2 T=4096 H=8 K=V=128 bf16 ``g_gamma``; packed: 16 sequences
+    in T=8192), cycles of the kernel that computes the decay gradient, per-token -> summed: fused v6e 2.20x -> 1.88x
+    the backward's floor, v5e 278556 -> 287388; split's query/key gradients v6e 3.51x -> 3.24x, v5e 236659 -> 174575;
+    packed without states (fused's kernel on the reset gates) v6e 2.43x -> 2.31x, v5e 339345 -> 329298; packed with
+    states v5e 786416 -> 791502."""
+    return gated or (constant_gates_fused and not wide_mxu(chip))
 
 
 def summed_tokens(chunk: Chunk, per_token: bool):
