@@ -623,8 +623,8 @@ def _choices_running_for_v6e(monkeypatch, rules: tuple[str, ...], implementation
     def recorder(rule):
         choose = getattr(gradients, rule)
 
-        def recorded(*args):
-            chosen[rule].append(choose(*args))
+        def recorded(*args, **kwargs):
+            chosen[rule].append(choose(*args, **kwargs))
             return chosen[rule][-1]
 
         return recorded
@@ -651,10 +651,10 @@ SUMMED_DECAY_GRADIENT_CASES = [
 @pytest.mark.parametrize(("name", "case_name", "without_states"), SUMMED_DECAY_GRADIENT_CASES)
 def test_lowered_for_v6e_the_backwards_sum_g_gammas_decay_gradient_and_match_the_reference(monkeypatch, name, case_name, without_states):
     # gradients.per_token_decay_gradient as the backwards apply it (a v6e target in the interpreter): with g_gamma alone
-    # each chunk's row holds only the sum dg_gamma needs; with g, or in the fused kernel's constant gates on a 128-wide
-    # MXU, every token's.
-    assert gradients.per_token_decay_gradient(True, "v6e") and gradients.per_token_decay_gradient(False, "v5e", True)
-    assert not gradients.per_token_decay_gradient(False, "v5e") and not gradients.per_token_decay_gradient(False, "v6e", True)
+    # each chunk's row holds only the sum dg_gamma needs; with g, or on a 128-wide MXU in the kernels that compute every
+    # gradient of a chunk (not the split backward's query/key kernel), every token's.
+    assert gradients.per_token_decay_gradient(True, "v6e") and gradients.per_token_decay_gradient(False, "v5e")
+    assert not gradients.per_token_decay_gradient(False, "v5e", split=True) and not gradients.per_token_decay_gradient(False, "v6e")
     implementation = tops_core.default_registry().get("simple_gla", name)
     case = next(case for case in grid(implementation).supported if case.name == case_name)
     if without_states:  # the packed backward without states: fused's on the reset gates

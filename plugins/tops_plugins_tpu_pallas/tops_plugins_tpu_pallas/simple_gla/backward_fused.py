@@ -154,7 +154,9 @@ def segment_vmem(geometry: Geometry) -> int:
     return gradients.body_vmem(geometry) + 4 * (n * (C * C + 2 * C) + (n - 1) * K * V)
 
 
-def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, passes: gradients.StatePasses, per_token: bool):
+def _kernel(
+    *refs, plan: LaunchPlan, geometry: Geometry, scale: float, passes: gradients.StatePasses, per_token: bool, values_last: bool,
+):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     grid.start_state_gradient(refs, step)
@@ -182,12 +184,11 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, passes: g
     for chunk in reversed(chunks):
         gates, dstate = every_gates[chunk.index].with_decays(), leaving[chunk.index]
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
-        attention = gradients.attention(gates.decays, q, k)
-        refs["dv"][chunk.rows, :] = gradients.value_gradient(gates, attention, k, do, dstate, scale).astype(refs["dv"].dtype)
-        dq, dk, da = gradients.query_key_gradients(
-            gates, attention, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs,
-            gradients.summed_tokens(chunk, per_token), passes,
+        dq, dk, dv, da = gradients.chunk_gradients(
+            gates, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs,
+            gradients.summed_tokens(chunk, per_token), passes, values_last,
         )
+        refs["dv"][chunk.rows, :] = dv.astype(refs["dv"].dtype)
         refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)
         if da is not None:
@@ -217,7 +218,10 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
     checkpoints = run(walk[0], gradients.checkpoints_kernel, arrays, every_chunk=False) if walk else {}
     chip = launch.Target.lowered_for().chip
-    per_token = gradients.per_token_decay_gradient(g is not None if caller_gated is None else caller_gated, chip, g is None)
+    per_token = gradients.per_token_decay_gradient(g is not None if caller_gated is None else caller_gated, chip)
     passes = gradients.state_passes(q.dtype, chip, per_token)
-    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, passes=passes, per_token=per_token)
+    results = run(
+        gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, passes=passes, per_token=per_token,
+        values_last=gradients.value_gradient_last(chip),
+    )
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

@@ -139,6 +139,6 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     arrays = gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry)
     states = run(states_plan, gradients.checkpoints_kernel, gradients.with_gate_rows(arrays, g, geometry), every_chunk=True)
     pass1 = run(state_gradients_plan, _state_gradients_kernel, arrays, scale=scale)
-    per_token = gradients.per_token_decay_gradient(g is not None, launch.Target.lowered_for().chip)
+    per_token = gradients.per_token_decay_gradient(g is not None, launch.Target.lowered_for().chip, split=True)
     pass2 = run(query_key_plan, _query_key_gradients_kernel, {**arrays, **states, "dstates": pass1["dstates"]}, scale=scale, per_token=per_token)
     return gradients.caller_gradients({**pass1, **pass2}, q, k, v, g, g_gamma, initial_state, geometry)

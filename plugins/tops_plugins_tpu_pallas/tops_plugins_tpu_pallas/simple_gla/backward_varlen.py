@@ -231,7 +231,9 @@ def _entering_state(refs: dict, states: grid.SequenceStates, number: jax.Array, 
     return varlen.to_chunk_end(log, since, start_resets, enters) * initial
 
 
-def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, passes: gradients.StatePasses, per_token: bool):
+def _gradients_kernel(
+    *refs, plan: LaunchPlan, geometry: Geometry, scale: float, passes: gradients.StatePasses, per_token: bool, values_last: bool,
+):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     C = geometry.chunk_size
@@ -299,12 +301,10 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
     for chunk in reversed(chunks):
         gates, dleaving, entering = every_gates[chunk.index].with_decays(), leaving[chunk.index], refs["checkpoints"][chunk.index]
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
-        attention = gradients.attention(gates.decays, q, k)
-        dv = gradients.value_gradient(gates, attention, k, do, dleaving, scale) + refs["boundary_dv"][chunk.index]
-        dq, dk, da = gradients.query_key_gradients(
-            gates, attention, q, k, v, do, entering, dleaving, scale, with_decay, gradients.summed_tokens(chunk, per_token), passes,
+        dq, dk, dv, da = gradients.chunk_gradients(
+            gates, q, k, v, do, entering, dleaving, scale, with_decay, gradients.summed_tokens(chunk, per_token), passes, values_last,
         )
-        refs["dv"][chunk.rows, :] = dv.astype(refs["dv"].dtype)
+        refs["dv"][chunk.rows, :] = (dv + refs["boundary_dv"][chunk.index]).astype(refs["dv"].dtype)
         refs["dq"][chunk.rows, :] = (dq + refs["boundary_dq"][chunk.index]).astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = (dk + refs["boundary_dk"][chunk.index]).astype(refs["dk"].dtype)
         if da is not None:
@@ -386,7 +386,10 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     chip = launch.Target.lowered_for().chip
     per_token = gradients.per_token_decay_gradient(g is not None, chip)
     passes = gradients.state_passes(q.dtype, chip, per_token)
-    results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale, passes=passes, per_token=per_token)
+    results = run(
+        gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale, passes=passes, per_token=per_token,
+        values_last=gradients.value_gradient_last(chip),
+    )
     grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)
     if initial_state is None:
         return grads

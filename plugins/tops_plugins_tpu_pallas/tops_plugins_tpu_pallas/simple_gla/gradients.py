@@ -254,16 +254,16 @@ def query_key_gradients(
     return query_key_gradients_of(gates.decays, attention, scores, q, k, reads, writes, across, scale, summed_over)
 
 
-def per_token_decay_gradient(gated: bool, chip: str | None, constant_gates_fused: bool = False) -> bool:
-    """Whether a backward kernel computes every token's decay gradient: where the caller gave ``g`` (``gated``), and in
-    the fused kernel with constant gates (``g_gamma`` alone, not packed: ``constant_gates_fused``) on a 128-wide MXU,
-    where the pair sums' ``C x C x C`` product issued fewer cycles than ``summed_decay_gradient``'s weighted sums. Else
-    only the row's sum, all ``dg_gamma`` needs. Modelled (B=2 T=4096 H=8 K=V=128 bf16 ``g_gamma``; packed: 16 sequences
-    in T=8192), cycles of the kernel that computes the decay gradient, per-token -> summed: fused v6e 2.20x -> 1.88x
-    the backward's floor, v5e 278556 -> 287388; split's query/key gradients v6e 3.51x -> 3.24x, v5e 236659 -> 174575;
-    packed without states (fused's kernel on the reset gates) v6e 2.43x -> 2.31x, v5e 339345 -> 329298; packed with
-    states v5e 786416 -> 791502."""
-    return gated or (constant_gates_fused and not wide_mxu(chip))
+def per_token_decay_gradient(gated: bool, chip: str | None, split: bool = False) -> bool:
+    """Whether a backward kernel computes every token's decay gradient: where the caller gave ``g`` (``gated``), and on
+    a 128-wide MXU in the kernels that compute every gradient of a chunk (fused's, and varlen's with states; not the
+    ``split`` backward's query/key kernel), where the pair sums' ``C x C x C`` product issued fewer cycles than
+    ``summed_decay_gradient``'s weighted sums. Else only the row's sum, all ``dg_gamma`` needs. Modelled (B=2 T=4096
+    H=8 K=V=128 bf16 ``g_gamma``; packed: 16 sequences in T=8192), per-token -> summed: on v6e the backward's kernels
+    against their floor fused 2.20x -> 1.88x, split 3.51x -> 3.24x, packed without states 2.43x -> 2.31x; on v5e, with
+    ``value_gradient_last``, cycles of the kernel that computes the decay gradient: fused 271184 -> 292300, packed
+    without states 303812 -> 322481, packed with states 763794 -> 779794, split's query/key kernel 236659 -> 174575."""
+    return gated or (not split and not wide_mxu(chip))
 
 
 def summed_tokens(chunk: Chunk, per_token: bool):
@@ -272,6 +272,31 @@ def summed_tokens(chunk: Chunk, per_token: bool):
     if per_token:
         return None
     return chunk.rows.size if chunk.valid_rows is None else chunk.valid_rows
+
+
+def chunk_gradients(
+    gates: ChunkGates, q, k, v, do, entering, dstate, scale: float, with_decay: bool, summed_over, passes: StatePasses,
+    values_last: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """``dq``, ``dk``, ``dv`` (float32) and the decay gradient row of one chunk (``query_key_gradients``; ``gates`` with
+    their decays); ``values_last``: ``dv`` traced after the rest (``value_gradient_last``)."""
+    scores = attention(gates.decays, q, k)
+    if not values_last:
+        dv = value_gradient(gates, scores, k, do, dstate, scale)
+    dq, dk, da = query_key_gradients(gates, scores, q, k, v, do, entering, dstate, scale, with_decay, summed_over, passes)
+    if values_last:
+        dv = value_gradient(gates, scores, k, do, dstate, scale)
+    return dq, dk, dv, da
+
+
+def value_gradient_last(chip: str | None) -> bool:
+    """Whether ``chunk_gradients`` traces ``dv`` after ``dq`` and ``dk``: on a 128-wide MXU (every chip but v6e), where
+    Mosaic's schedule then issues fewer cycles. Modelled (B=2 T=4096 H=8 K=V=128 bf16; packed: 16 sequences in
+    T=8192), cycles of the gradients kernel, ``dv`` first -> last: v5e ``g`` 336647 -> 300326, ``g_gamma`` 278556 ->
+    271184, packed without states 339345 -> 303812, packed with both states 786416 -> 763794; v5p ``g`` 169074 ->
+    151082; v4 ``g`` 541377 -> 467358. On v6e every one is worse (``g`` 245393 -> 295713, ``g_gamma`` 152270 ->
+    216942)."""
+    return not wide_mxu(chip)
 
 
 def output_by_value(do, v) -> jax.Array:
