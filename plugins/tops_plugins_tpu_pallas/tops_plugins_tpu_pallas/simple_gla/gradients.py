@@ -192,8 +192,8 @@ def state_passes(input_dtype, chip: str | None, per_token: bool) -> StatePasses:
     with ``g_gamma``, states and ``dS`` stacked, reads and writes split: 183326, 11.97; reads in one pass, writes stacked:
     **152270, 9.97** (reads one pass alone 200654: Mosaic's schedule moves by tens of percent with the products' forms,
     so each form here is the measured best, not a rule). With ``g``: 253538 -> **245393** with all three stacked (reads
-    in one pass: 260177). On v5e (128 deep) no form measured beat two passes: reads in one pass, ``g_gamma`` 278556 ->
-    291100. ``do S^T`` in one pass costs ``dg_gamma`` on the kit's weak bf16 decay 9.8e-6 -> 1.0e-3 against the float64
+    in one pass: 260177). On v5e (128 deep) no form measured beat two passes: reads in one pass, with ``dv`` last
+    (``value_gradient_last``), ``g`` 300326 -> 308532, ``g_gamma`` 271184 -> 275776. ``do S^T`` in one pass costs ``dg_gamma`` on the kit's weak bf16 decay 9.8e-6 -> 1.0e-3 against the float64
     reference (tolerance 1e-2); ``v dS^T`` in one pass would miss it (1.4e-2), as ``decay_gradient_operands`` says."""
     split = decay_gradient_operands(input_dtype)
     if split != SPLIT_BFLOAT16 or not wide_mxu(chip):
