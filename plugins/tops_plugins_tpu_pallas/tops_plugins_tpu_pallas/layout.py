@@ -134,6 +134,11 @@ class Geometry:
         """Whether chunk number ``chunk`` lies past the end of the sequence (False, statically, where none can)."""
         return chunk >= self.num_chunks if self.chunks_past_end else False
 
+    def real_chunk(self, chunk: jax.Array) -> jax.Array:
+        """Chunk number ``chunk``, or the last chunk of the sequence for one past its end: where a chunk's SMEM scalars
+        (which stop at the end) are read."""
+        return jnp.minimum(chunk, self.num_chunks - 1) if self.chunks_past_end else chunk
+
     @property
     def rows_per_step(self) -> int:
         return self.chunks_per_step * self.chunk_size

@@ -97,7 +97,7 @@ class PackedChunk:
         chunk_size = geometry.chunk_size
         first_sequence, last_sequence = chunk_sequences(refs, number, geometry)
         past_end = geometry.past_end(number)
-        word_of = (jnp.minimum(number, geometry.num_chunks - 1) if geometry.chunks_past_end else number) * (chunk_size // 32)
+        word_of = geometry.real_chunk(number) * (chunk_size // 32)
         rows = lax.broadcasted_iota(jnp.int32, (chunk_size, 1), 0)
         word = refs["start_bits"][word_of]
         for index in range(1, chunk_size // 32):

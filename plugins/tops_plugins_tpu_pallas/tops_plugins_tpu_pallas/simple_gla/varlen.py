@@ -134,7 +134,7 @@ def chunk_sequences(refs: dict, number: jax.Array, geometry: Geometry) -> tuple[
     says goes on through it: a chunk with no boundary, its rows zeros."""
     if not geometry.chunks_past_end:
         return refs["first_sequence"][number], refs["last_sequence"][number]
-    index = jnp.minimum(number, geometry.num_chunks - 1)
+    index = geometry.real_chunk(number)
     last = refs["last_sequence"][index]
     return jnp.where(geometry.past_end(number), last, refs["first_sequence"][index]), last
 
