@@ -154,9 +154,7 @@ def segment_vmem(geometry: Geometry) -> int:
     return gradients.body_vmem(geometry) + 4 * (n * (C * C + 2 * C) + (n - 1) * K * V)
 
 
-def _kernel(
-    *refs, plan: LaunchPlan, geometry: Geometry, scale: float, passes: gradients.StatePasses, per_token: bool, values_last: bool,
-):
+def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gradients.ChunkForm):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     grid.start_state_gradient(refs, step)
@@ -172,21 +170,20 @@ def _kernel(
     refs["states"][0] = state
     for chunk in chunks[:-1]:
         k = chunk.read(refs["k"])
-        state = advance_state(state, k, chunk.read(refs["v"]), every_gates[chunk.index], passes.chain)
+        state = advance_state(state, k, chunk.read(refs["v"]), every_gates[chunk.index], form.passes.chain)
         refs["states"][chunk.index + 1] = state
 
     dstate, leaving = refs["dstate"][...], [None] * len(chunks)
     for chunk in reversed(chunks):
         leaving[chunk.index] = dstate
         q, do = chunk.read(refs["q"]), chunk.read(refs["do"])
-        dstate = gradients.state_gradient_entering(every_gates[chunk.index], q, do, dstate, scale, passes.chain)
+        dstate = gradients.state_gradient_entering(every_gates[chunk.index], q, do, dstate, scale, form.passes.chain)
     refs["dstate"][...] = dstate
     for chunk in reversed(chunks):
         gates, dstate = every_gates[chunk.index].with_decays(), leaving[chunk.index]
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
         dq, dk, dv, da = gradients.chunk_gradients(
-            gates, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs,
-            gradients.summed_tokens(chunk, per_token), passes, values_last,
+            gates, chunk, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs, form,
         )
         refs["dv"][chunk.rows, :] = dv.astype(refs["dv"].dtype)
         refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
@@ -218,10 +215,6 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
     checkpoints = run(walk[0], gradients.checkpoints_kernel, arrays, every_chunk=False) if walk else {}
     chip = launch.Target.lowered_for().chip
-    per_token = gradients.per_token_decay_gradient(g is not None if caller_gated is None else caller_gated, chip)
-    passes = gradients.state_passes(q.dtype, chip, per_token)
-    results = run(
-        gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, passes=passes, per_token=per_token,
-        values_last=gradients.value_gradient_last(chip),
-    )
+    form = gradients.chunk_form(q.dtype, chip, g is not None if caller_gated is None else caller_gated)
+    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, form=form)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

@@ -231,9 +231,7 @@ def _entering_state(refs: dict, states: grid.SequenceStates, number: jax.Array, 
     return varlen.to_chunk_end(log, since, start_resets, enters) * initial
 
 
-def _gradients_kernel(
-    *refs, plan: LaunchPlan, geometry: Geometry, scale: float, passes: gradients.StatePasses, per_token: bool, values_last: bool,
-):
+def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gradients.ChunkForm):
     refs = plan.bind(refs)
     head, step = pl.program_id(1), pl.program_id(3)
     C = geometry.chunk_size
@@ -258,7 +256,7 @@ def _gradients_kernel(
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
     # The dS chain's products first: between the loops below, each would have waited on its own.
     reads = [
-        gradients.state_gradient_of_reads(every_gates[chunk.index], chunk.read(refs["q"]), chunk.read(refs["do"]), scale, passes.chain)
+        gradients.state_gradient_of_reads(every_gates[chunk.index], chunk.read(refs["q"]), chunk.read(refs["do"]), scale, form.passes.chain)
         for chunk in chunks
     ]
     # The dS chain, as fused's (the reset gates stop it where a sequence starts), and before each chunk's step what the
@@ -301,9 +299,7 @@ def _gradients_kernel(
     for chunk in reversed(chunks):
         gates, dleaving, entering = every_gates[chunk.index].with_decays(), leaving[chunk.index], refs["checkpoints"][chunk.index]
         q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
-        dq, dk, dv, da = gradients.chunk_gradients(
-            gates, q, k, v, do, entering, dleaving, scale, with_decay, gradients.summed_tokens(chunk, per_token), passes, values_last,
-        )
+        dq, dk, dv, da = gradients.chunk_gradients(gates, chunk, q, k, v, do, entering, dleaving, scale, with_decay, form)
         refs["dv"][chunk.rows, :] = (dv + refs["boundary_dv"][chunk.index]).astype(refs["dv"].dtype)
         refs["dq"][chunk.rows, :] = (dq + refs["boundary_dq"][chunk.index]).astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = (dk + refs["boundary_dk"][chunk.index]).astype(refs["dk"].dtype)
@@ -384,12 +380,8 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     walk_arrays = arrays if walks_along_lanes(geometry.chunk_size) else {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **boundaries}
     checkpoints = run(checkpoints_plan, _checkpoints_kernel, walk_arrays)
     chip = launch.Target.lowered_for().chip
-    per_token = gradients.per_token_decay_gradient(g is not None, chip)
-    passes = gradients.state_passes(q.dtype, chip, per_token)
-    results = run(
-        gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale, passes=passes, per_token=per_token,
-        values_last=gradients.value_gradient_last(chip),
-    )
+    form = gradients.chunk_form(q.dtype, chip, g is not None)
+    results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale, form=form)
     grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)
     if initial_state is None:
         return grads

@@ -193,8 +193,9 @@ def state_passes(input_dtype, chip: str | None, per_token: bool) -> StatePasses:
     **152270, 9.97** (reads one pass alone 200654: Mosaic's schedule moves by tens of percent with the products' forms,
     so each form here is the measured best, not a rule). With ``g``: 253538 -> **245393** with all three stacked (reads
     in one pass: 260177). On v5e (128 deep) no form measured beat two passes: reads in one pass, with ``dv`` last
-    (``value_gradient_last``), ``g`` 300326 -> 308532, ``g_gamma`` 271184 -> 275776. ``do S^T`` in one pass costs ``dg_gamma`` on the kit's weak bf16 decay 9.8e-6 -> 1.0e-3 against the float64
-    reference (tolerance 1e-2); ``v dS^T`` in one pass would miss it (1.4e-2), as ``decay_gradient_operands`` says."""
+    (``value_gradient_last``), ``g`` 300326 -> 308532, ``g_gamma`` 271184 -> 275776. ``do S^T`` in one pass costs
+    ``dg_gamma`` on the kit's weak bf16 decay 9.8e-6 -> 1.0e-3 against the float64 reference (tolerance 1e-2); ``v dS^T``
+    in one pass would miss it (1.4e-2), as ``decay_gradient_operands`` says."""
     split = decay_gradient_operands(input_dtype)
     if split != SPLIT_BFLOAT16 or not wide_mxu(chip):
         return StatePasses(split, split, split)
@@ -274,17 +275,34 @@ def summed_tokens(chunk: Chunk, per_token: bool):
     return chunk.rows.size if chunk.valid_rows is None else chunk.valid_rows
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkForm:
+    """How a gradients kernel computes every gradient of a chunk (``chunk_gradients``: fused's, varlen's) on the chip it
+    is lowered for, each choice measured there: ``per_token`` (``per_token_decay_gradient``), ``passes``
+    (``state_passes``), ``values_last`` (``value_gradient_last``)."""
+
+    per_token: bool
+    passes: StatePasses
+    values_last: bool
+
+
+def chunk_form(input_dtype, chip: str | None, gated: bool) -> ChunkForm:
+    """``ChunkForm`` for inputs of ``input_dtype`` on ``chip``; ``gated``: the caller gave ``g``."""
+    per_token = per_token_decay_gradient(gated, chip)
+    return ChunkForm(per_token, state_passes(input_dtype, chip, per_token), value_gradient_last(chip))
+
+
 def chunk_gradients(
-    gates: ChunkGates, q, k, v, do, entering, dstate, scale: float, with_decay: bool, summed_over, passes: StatePasses,
-    values_last: bool,
+    gates: ChunkGates, chunk: Chunk, q, k, v, do, entering, dstate, scale: float, with_decay: bool, form: ChunkForm,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """``dq``, ``dk``, ``dv`` (float32) and the decay gradient row of one chunk (``query_key_gradients``; ``gates`` with
-    their decays); ``values_last``: ``dv`` traced after the rest (``value_gradient_last``)."""
+    their decays), in ``form``."""
     scores = attention(gates.decays, q, k)
-    if not values_last:
+    summed_over = summed_tokens(chunk, form.per_token)
+    if not form.values_last:
         dv = value_gradient(gates, scores, k, do, dstate, scale)
-    dq, dk, da = query_key_gradients(gates, scores, q, k, v, do, entering, dstate, scale, with_decay, summed_over, passes)
-    if values_last:
+    dq, dk, da = query_key_gradients(gates, scores, q, k, v, do, entering, dstate, scale, with_decay, summed_over, form.passes)
+    if form.values_last:
         dv = value_gradient(gates, scores, k, do, dstate, scale)
     return dq, dk, dv, da
 
