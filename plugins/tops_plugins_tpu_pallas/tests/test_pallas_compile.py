@@ -388,6 +388,27 @@ def test_varlen_gradient_compiles_to_its_own_backward(worker, call):
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 
 
+# Packed without states or g, the usual constant-decay training batch: the fused backward's gradients kernel reads the
+# sequence starts (blocks.sequence_edges) and cuts g_gamma's gates there (ChunkGates.cut_at). Every generation, ragged T,
+# both dtypes, lane-padded head dims; v6e by default, the rest with -m slow.
+PACKED_WITHOUT_G = [
+    dict(generation="v6e", T=300, K=128, V=128, dtype="bfloat16", g=False, initial_state=False, final_state=False, num_seqs=7),
+    dict(generation="v4", T=1000, K=64, V=200, dtype="float32", g=False, initial_state=False, final_state=False, num_seqs=16),
+    dict(generation="v5e", T=4700, K=128, V=128, dtype="bfloat16", g=False, initial_state=False, final_state=False, num_seqs=16),
+    dict(generation="v5p", T=65, K=100, V=200, dtype="bfloat16", g=False, initial_state=False, final_state=False, num_seqs=2),
+]
+
+
+@pytest.mark.parametrize(
+    "call", [PACKED_WITHOUT_G[0], *(pytest.param(call, marks=pytest.mark.slow) for call in PACKED_WITHOUT_G[1:])],
+    ids=lambda call: f"{call['generation']}-T{call['T']}-K{call['K']}-V{call['V']}-{call['dtype']}",
+)
+def test_packed_gradient_without_g_or_states_compiles(worker, call):
+    facts = worker.ask({"call": {**call, "kernel": "varlen", "B": 1, "H": 3, "gradient": True}})
+    assert facts["kernels"] == 1 + fused_backward_kernels({**call, "B": 1}, unpacked_config(VarlenConfig()))
+    assert facts["implementations"] == ["tpu_pallas.varlen.backward", "tpu_pallas.varlen.forward"]
+
+
 @pytest.mark.parametrize("call", [
     # T = 4700: 37 chunks of 128; the forward's two steps of 19 and the backward's two segments of 19 (v5e) each end
     # with a chunk past the end, which the packed kernels read as one of no boundary.

@@ -19,7 +19,7 @@ from tops_core.conformance.compare import measure, tolerance
 
 from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.kda import chunkwise as kda_chunkwise
-from tops_plugins_tpu_pallas.simple_gla import chunkwise, fused
+from tops_plugins_tpu_pallas.simple_gla import chunkwise, fused, varlen
 
 sg = tops_core.op("simple_gla")
 
@@ -70,6 +70,35 @@ def test_gates_are_the_definitions_and_exactly_zero_across_a_reset(size, valid_r
         got = np.asarray(got, np.float64)
         np.testing.assert_array_equal(got == 0, want == 0, err_msg=name)  # zeros exactly where a reset (or the causal mask) is
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=0, err_msg=name)  # float32 differences of sums up to -15
+
+
+@pytest.mark.parametrize(("size", "valid_rows"), [(64, None), (128, 100), (256, None), (256, 201)])
+def test_a_constant_decays_gates_cut_at_sequence_starts_are_its_reset_gates_bit_for_bit(size, valid_rows):
+    # The packed backward without g (backward_fused, ChunkGates.cut_at): g_gamma's gates cut where sequences start are
+    # those exponentiated from the reset gates (0, -inf at each start), and the decays' definition.
+    starts = np.zeros(size, bool)
+    starts[[t for t in RESETS if t < min(size, valid_rows or size)]] = True
+    g = np.where(starts, -np.inf, 0.0).astype(np.float32)
+    valid = None if valid_rows is None else jnp.int32(valid_rows)
+    decay = jnp.float32(-0.01)
+    edges = varlen.sequence_edges(jnp.asarray(starts), size)
+    cut = chunkwise.ChunkGates.compute(decay, None, valid, size).cut_at(edges[0:1] == 1, edges[1:2]).with_decays()
+    reset = chunkwise.ChunkGates.compute(decay, jnp.asarray(g)[:, None], valid, size)
+    for name, want in zip(("decays", "query", "key", "chunk"), _defined_decays(-0.01, g, valid_rows)):
+        np.testing.assert_array_equal(getattr(cut, name), getattr(reset, name), err_msg=name)
+        np.testing.assert_allclose(np.asarray(getattr(cut, name), np.float64), want, rtol=1e-5, atol=0, err_msg=name)
+
+
+def test_sequence_edges_give_each_token_the_next_start_in_its_chunk():
+    T, chunk = 300, 64
+    starts = np.zeros(T, bool)
+    starts[[0, 1, 63, 64, 70, 71, 72, 191, 299]] = True
+    edges = np.asarray(varlen.sequence_edges(jnp.asarray(starts), chunk))
+    np.testing.assert_array_equal(edges[0], starts)
+    for t in range(T):
+        end = min(t // chunk * chunk + chunk, T)
+        after = [u for u in range(t + 1, end) if starts[u]]
+        assert edges[1, t] == (after[0] - t // chunk * chunk if after else chunk), t
 
 
 @pytest.mark.parametrize(("size", "valid_rows"), [(128, None), (256, None), (256, 201)])

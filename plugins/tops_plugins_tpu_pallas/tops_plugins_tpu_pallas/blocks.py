@@ -107,6 +107,17 @@ def gate_rows(geometry: Geometry, dtype) -> Blocked:
     )
 
 
+def sequence_edges(geometry: Geometry) -> Blocked:
+    """A packed call's sequence starts, int32 ``[2, T]`` (``simple_gla.varlen.sequence_edges``): tokens along lanes, one
+    step's rows of both rows, the same for every (batch, head); 8 bytes per token and head read."""
+    g = geometry
+
+    def step_rows(b, h, tile, t, *_):
+        return (0, t)
+
+    return Blocked("edges", (2, g.seq_len), jnp.int32, (2, g.rows_per_step), step_rows)
+
+
 def state(name: str, geometry: Geometry, dtype) -> Blocked:
     """``initial_state`` or ``final_state``: one value block of one head's state; its block changes only with (b, h, tile)."""
     g = geometry

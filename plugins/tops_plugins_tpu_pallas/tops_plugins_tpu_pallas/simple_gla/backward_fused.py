@@ -32,13 +32,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
-from tops_plugins_tpu_pallas.simple_gla import gradients
-from tops_plugins_tpu_pallas.grid import step_chunks
+from tops_plugins_tpu_pallas.simple_gla import gradients, varlen
+from tops_plugins_tpu_pallas.grid import Chunk, step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    advance_state, advance_state_work, constant_gates, step_gates,
+    advance_state, advance_state_work, chunk_gates, constant_gates, step_gates,
 )
 from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scratch
@@ -86,16 +87,23 @@ def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UN
     return launch.fit(plans, geometry, dtype, target, **inputs)[1]
 
 
-def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True) -> tuple[LaunchPlan, ...]:
+def plans(
+    geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=None, output_final_state: bool = False, decayed: bool = True,
+    cut_at_starts: bool = False,
+) -> tuple[LaunchPlan, ...]:
     """The checkpoints and gradients plans, or the gradients plan alone where one segment is the whole sequence (no
     state to recompute but the initial one); ``output_final_state``: a ``dht`` is given; ``decayed``: ``g`` or
-    ``g_gamma`` is (a decay gradient is wanted)."""
+    ``g_gamma`` is (a decay gradient is wanted); ``cut_at_starts``: ``g`` is a packed call's reset gates alone, which the
+    gradients kernel takes as its sequence starts (``blocks.sequence_edges``) instead."""
     geometry = grid.backward_geometry(geometry)
     walked = geometry.time_steps > 1
     steps = functools.partial(grid.reversed_in_time, geometry=geometry)
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
-    along_lanes = gates_along_lanes(gate_dtype is not None, geometry.chunk_size)
-    inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"), along_lanes)]
+    gradient_gates = None if cut_at_starts else gate_dtype
+    along_lanes = gates_along_lanes(gradient_gates is not None, geometry.chunk_size)
+    inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gradient_gates, ("q", "k", "v", "do"), along_lanes)]
+    if cut_at_starts:
+        inputs.append(steps(blocks.sequence_edges(geometry)))
     if walked:
         inputs.append(steps(_entering_segment(geometry)))
     if initial_state_dtype is not None:
@@ -107,7 +115,7 @@ def plans(geometry: Geometry, dtype, *, gate_dtype=None, initial_state_dtype=Non
         outputs.append(steps(gradients.decay_gradients(geometry)))
     if initial_state_dtype is not None:
         outputs.append(blocks.state("dinitial_state", geometry, initial_state_dtype))
-    gated = gate_dtype is not None
+    gated = gradient_gates is not None
     per_chunk = (
         advance_state_work(geometry)
         + gradients.attention_work(geometry)
@@ -164,8 +172,11 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gra
     # Three passes over the segment's chunks: their states, then the dS chain, then everything else. Neither chain
     # waits on the rest of a chunk's work, and the gradients of different chunks no longer depend on each other:
     # chunk by chunk, the scheduler had run one chunk's products after the other's (v6e with g: 326 -> 202 us).
-    along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
-    every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, key_column=True)
+    if "edges" in refs:
+        every_gates = [chunk_gates(chunk, refs, head, constant).cut_at(*_sequence_edges(chunk, refs["edges"])) for chunk in chunks]
+    else:
+        along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
+        every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, key_column=True)
     state = _entering_state(refs, geometry.time_steps - 1 - step)
     refs["states"][0] = state
     for chunk in chunks[:-1]:
@@ -194,6 +205,16 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gra
     grid.finish_state_gradient(refs, step, geometry)
 
 
+def _sequence_edges(chunk: Chunk, ref) -> tuple[jax.Array, jax.Array]:
+    """``ChunkGates.cut_at``'s ``starts`` and ``next_starts`` of ``chunk`` from the step's block of ``blocks.sequence_edges``;
+    no start past the end of the sequence, where the block holds unspecified values."""
+    edges = ref[:, chunk.rows]
+    starts = edges[0:1, :] == 1
+    if chunk.valid_rows is not None:
+        starts = starts & (lax.broadcasted_iota(jnp.int32, starts.shape, 1) < chunk.valid_rows)
+    return starts, edges[1:2, :]
+
+
 def _entering_state(refs, segment) -> jax.Array:
     """The float32 state entering ``segment``: the initial state (or zeros) at the first, else the walk's checkpoint."""
     start = refs["initial_state"][...].astype(_F32) if "initial_state" in refs else jnp.zeros(refs["states"].shape[1:], _F32)
@@ -202,19 +223,22 @@ def _entering_state(refs, segment) -> jax.Array:
     return jnp.where(segment == 0, start, refs["checkpoints"][...])
 
 
-def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config, caller_gated: bool | None = None):
+def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config, sequence_starts: jax.Array | None = None):
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities).
-    ``caller_gated``: whether the caller gave ``g`` (None: whether ``g`` is given; a packed call's reset gates stand for a
-    ``g`` the caller may not have given), which decides whether every token's decay gradient is computed."""
+    ``sequence_starts``: ``[T]`` bool, where ``g`` is a packed call's reset gates alone (a packed call without ``g``): the
+    gradients kernel cuts the constant decay's gates there (``ChunkGates.cut_at``), and no token's decay gradient but
+    their sum is computed."""
     del cu_seqlens
     B, T, H, K = q.shape
-    inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)
+    inputs = dict(gradients.plan_inputs(q, g, g_gamma, initial_state, dht), cut_at_starts=sequence_starts is not None)
     geometry, (*walk, gradients_plan), run = launch.prepare(
         plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
     )
     arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
     checkpoints = run(walk[0], gradients.checkpoints_kernel, arrays, every_chunk=False) if walk else {}
+    if sequence_starts is not None:
+        arrays["edges"] = varlen.sequence_edges(sequence_starts, geometry.chunk_size)
     chip = launch.Target.lowered_for().chip
-    form = gradients.chunk_form(q.dtype, chip, g is not None if caller_gated is None else caller_gated)
+    form = gradients.chunk_form(q.dtype, chip, g is not None and sequence_starts is None)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, form=form)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

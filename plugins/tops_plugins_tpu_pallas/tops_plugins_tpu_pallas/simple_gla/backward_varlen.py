@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from tops_core.packing import sequence_starts
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.exponents import masked_exp
@@ -358,11 +359,13 @@ def _boundary_terms(i, terms, *, refs, states, chunk, log, first, last_sequence,
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given).
     Without states, ``backward_fused`` on ``varlen.reset_gates``, as the forward: the gradient of a reset token's gate
-    is exactly 0 there, as a sequence's first gate scales a zero state."""
+    is exactly 0 there, as a sequence's first gate scales a zero state; without ``g`` too, its gradients kernel takes the
+    sequence starts themselves (``backward_fused.backward``'s ``sequence_starts``)."""
     if varlen.without_states(initial_state, dht is not None):
         grads = backward_fused.backward(
             q, k, v, do, g=varlen.reset_gates(g, cu_seqlens, q.shape[:3]), g_gamma=g_gamma, scale=scale,
-            initial_state=None, dht=None, cu_seqlens=None, config=varlen.unpacked_config(config), caller_gated=g is not None,
+            initial_state=None, dht=None, cu_seqlens=None, config=varlen.unpacked_config(config),
+            sequence_starts=sequence_starts(cu_seqlens, q.shape[1]) if g is None else None,
         )
         return dataclasses.replace(grads, dg=None if g is None else grads.dg.astype(g.dtype))
     B, T, H, K = q.shape

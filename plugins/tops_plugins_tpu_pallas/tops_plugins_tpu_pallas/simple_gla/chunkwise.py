@@ -194,6 +194,7 @@ class ChunkGates:
     chunk: jax.Array  # (1, 1): exp(b_C), how the state decays over the whole chunk
     log: LogDecays | None = None  # what with_decays builds the decays from, while they wait (along_lanes)
     walk_keys: jax.Array | None = None  # (1, C): key_row itself, in a walk's gates along lanes (no decays to read it from)
+    cuts: jax.Array | None = None  # (1, C) int32: where cut_at's sequence starts cut the decays, while they wait (with_decays)
 
     @classmethod
     def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int, attention: bool = True) -> ChunkGates:
@@ -277,6 +278,28 @@ class ChunkGates:
             every.append(cls(decays=None, query=query, key=key, chunk=query[-1:, :], log=log))
         return every
 
+    def cut_at(self, starts: jax.Array, next_starts: jax.Array) -> ChunkGates:
+        """These gates (a constant decay's) cut where packed sequences start: what ``g``'s reset gates (``-inf`` at every
+        sequence's first token, 0 elsewhere) give, without a cumulative sum or an ``exp`` of them. ``starts``: ``(1, C)``
+        bool, a sequence starts at the token; ``next_starts``: ``(1, C)`` int32, where the first sequence start after the
+        token lies in the chunk (``C``: none).
+
+        Row ``i`` reads the entering state while no sequence has started at or before it, key ``j`` reaches the chunk's
+        end from the last start on, the state crosses a chunk where none starts, and pair ``(i, j)`` keeps its decay
+        while ``i`` lies before the first start after ``j``; that last mask waits for ``with_decays`` with the decays.
+        Each is a compare with a position, so every chunk's gates are ready from its own row of sequence starts at once:
+        the same gates exponentiated from the reset gates (``along_lanes``) come from every chunk's cumulative sums
+        together, and a step's ``dS`` and state chains wait on them (the plugin README's "Packed without ``g``")."""
+        size = next_starts.shape[1]
+        lanes = lax.broadcasted_iota(jnp.int32, (1, size), 1)
+        first = jnp.min(jnp.where(starts, lanes, size), axis=1, keepdims=True)
+        last = jnp.max(jnp.where(starts, lanes, 0), axis=1, keepdims=True)
+        tokens = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+        return dataclasses.replace(
+            self, query=jnp.where(tokens < first, self.query, 0.0), key=jnp.where(tokens >= last, self.key, 0.0),
+            chunk=jnp.where(first == size, self.chunk, 0.0), cuts=next_starts,
+        )
+
     def with_decays(self) -> ChunkGates:
         """These gates with their ``C x C`` decays, built from ``log`` where ``along_lanes`` left them to be (else as they are).
 
@@ -285,6 +308,9 @@ class ChunkGates:
         built with the step's gates -> where used: the fused forward v6e 4220 -> 4166, v5e 5893 -> 5264; the backward's
         gradients kernel v6e 4776 -> 4694, v5e 5906 -> 5674.
         """
+        if self.cuts is not None:
+            rows = lax.broadcasted_iota(jnp.int32, self.decays.shape, 0)
+            return dataclasses.replace(self, decays=jnp.where(rows < self.cuts, self.decays, 0.0), cuts=None)
         if self.log is None or self.walk_keys is not None:  # built, or a walk's gates, which have no decays
             return self
         return dataclasses.replace(self, decays=causal_decays(self.log), log=None)

@@ -349,6 +349,19 @@ def reset_gates(g, cu_seqlens: jax.Array, shape: tuple[int, int, int]) -> jax.Ar
     return jnp.where(sequence_starts(cu_seqlens, T)[None, :, None], -jnp.inf, gates)
 
 
+def sequence_edges(starts: jax.Array, chunk_size: int) -> jax.Array:
+    """int32 ``[2, T]`` from ``starts`` (``[T]`` bool, ``sequence_starts``): row 0 the starts as 0/1, row 1 for every
+    token where the first sequence start after it lies in its chunk of ``chunk_size`` (``chunk_size``: none there), what
+    ``ChunkGates.cut_at`` takes."""
+    T = starts.shape[0]
+    tokens = jnp.arange(T, dtype=jnp.int32)
+    beyond = jnp.int32(T + chunk_size)
+    at_or_after = lax.cummin(jnp.where(starts, tokens, beyond), reverse=True)
+    after = jnp.concatenate([at_or_after[1:], beyond[None]])
+    next_starts = jnp.minimum(after - tokens // chunk_size * chunk_size, chunk_size)
+    return jnp.stack([starts.astype(jnp.int32), next_starts])
+
+
 def unpacked_config(config: VarlenConfig) -> fused.FusedConfig:
     """The fused kernels' config for a packed forward, and a packed backward without states: the fields set away from
     varlen's defaults, and fused's own defaults for the rest (its chunk and step per chip, where varlen's are the packed
