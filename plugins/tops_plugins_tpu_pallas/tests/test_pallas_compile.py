@@ -389,7 +389,7 @@ def test_varlen_gradient_compiles_to_its_own_backward(worker, call):
 
 
 # Packed without states or g, the usual constant-decay training batch: the fused backward's gradients kernel reads the
-# sequence starts (blocks.sequence_edges) and cuts g_gamma's gates there (ChunkGates.cut_at). Every generation, ragged T,
+# sequence starts (blocks.sequence_cuts) and cuts g_gamma's gates there (ChunkGates.cut_at). Every generation, ragged T,
 # both dtypes, lane-padded head dims; v6e by default, the rest with -m slow.
 PACKED_WITHOUT_G = [
     dict(generation="v6e", T=300, K=128, V=128, dtype="bfloat16", g=False, initial_state=False, final_state=False, num_seqs=7),

@@ -94,11 +94,13 @@ def test_faithful_interpreter_matches_reference(kernel, case, seed, race_reports
 
 
 def gradients_faithfully(kernel: str, inputs: dict, do, dht, config: dict, seed: int):
+    """Every gradient of ``inputs`` in the faithful interpreter; ``dht`` None: no final state asked for."""
     def call(inputs):
         with tops_core.use(interpret=True, strict=True):
             _, vjp = jax.vjp(
                 lambda a: tops_core.op("simple_gla").forward(
-                    **a, output_final_state=True, implementation=(f"tpu_pallas.{kernel}", {**config, "interpret": faithful(seed)}),
+                    **a, output_final_state=dht is not None,
+                    implementation=(f"tpu_pallas.{kernel}", {**config, "interpret": faithful(seed)}),
                 ),
                 inputs,
             )
@@ -204,6 +206,23 @@ def test_faithful_interpreter_gradients_match_reference_packed(case, race_report
     assert len(race_reports) == 1 + 2
     assert not any(report.races_found for report in race_reports)
     for name, want in reference_gradients({**ref_inputs, "cu_seqlens": cu_seqlens}, do, dht).items():
+        measurement = measure(f"d{name}", grads[name], want, tolerance(jnp.dtype(dtype).name, gradient=True))
+        assert measurement.passed, measurement.describe()
+
+
+def test_faithful_interpreter_gradients_match_reference_packed_without_states_or_g(race_reports, make_inputs, reference_gradients):
+    # The usual constant-decay training batch: fused's backward with g_gamma's gates cut at the sequence starts
+    # (ChunkGates.cut_at, each chunk's first and last start in SMEM); 5 chunks of 64 in segments of 2, so the
+    # checkpoints walk runs (on the reset gates) and the last segment runs past T.
+    (H, K, V), dtype, seqlens, config = VARLEN_CASES["f32-h0-anywhere-ragged"]
+    seed = SEEDS[0]
+    inputs, ref_inputs = make_inputs(1, sum(seqlens), H, K, V, dtype, seed=seed, g_gamma="alibi")
+    do = jnp.asarray(np.random.default_rng(seed).standard_normal((1, sum(seqlens), H, V)), dtype)
+    cu_seqlens = np.cumsum((0, *seqlens)).astype(np.int32)
+    grads = gradients_faithfully("varlen", {**inputs, "cu_seqlens": jnp.asarray(cu_seqlens)}, do, None, {**config, "backward_num_steps": 2}, seed)
+    assert len(race_reports) == 1 + 2
+    assert not any(report.races_found for report in race_reports)
+    for name, want in reference_gradients({**ref_inputs, "cu_seqlens": cu_seqlens}, do, None).items():
         measurement = measure(f"d{name}", grads[name], want, tolerance(jnp.dtype(dtype).name, gradient=True))
         assert measurement.passed, measurement.describe()
 

@@ -81,24 +81,28 @@ def test_a_constant_decays_gates_cut_at_sequence_starts_are_its_reset_gates_bit_
     g = np.where(starts, -np.inf, 0.0).astype(np.float32)
     valid = None if valid_rows is None else jnp.int32(valid_rows)
     decay = jnp.float32(-0.01)
-    edges = varlen.sequence_edges(jnp.asarray(starts), size)
-    cut = chunkwise.ChunkGates.compute(decay, None, valid, size).cut_at(edges[0:1] == 1, edges[1:2]).with_decays()
+    cuts = varlen.sequence_cuts(jnp.asarray(starts), size, 1)
+    cut = chunkwise.ChunkGates.compute(decay, None, valid, size).cut_at(
+        cuts["first_starts"][0], cuts["last_starts"][0], cuts["next_starts"],
+    ).with_decays()
     reset = chunkwise.ChunkGates.compute(decay, jnp.asarray(g)[:, None], valid, size)
     for name, want in zip(("decays", "query", "key", "chunk"), _defined_decays(-0.01, g, valid_rows)):
         np.testing.assert_array_equal(getattr(cut, name), getattr(reset, name), err_msg=name)
         np.testing.assert_allclose(np.asarray(getattr(cut, name), np.float64), want, rtol=1e-5, atol=0, err_msg=name)
 
 
-def test_sequence_edges_give_each_token_the_next_start_in_its_chunk():
-    T, chunk = 300, 64
+def test_sequence_cuts_give_each_chunk_its_starts_and_each_token_the_next_start_in_its_chunk():
+    T, chunk, chunks = 300, 64, 6  # the sixth chunk lies past T, as a grid's padded last step's may
     starts = np.zeros(T, bool)
     starts[[0, 1, 63, 64, 70, 71, 72, 191, 299]] = True
-    edges = np.asarray(varlen.sequence_edges(jnp.asarray(starts), chunk))
-    np.testing.assert_array_equal(edges[0], starts)
+    cuts = {name: np.asarray(x) for name, x in varlen.sequence_cuts(jnp.asarray(starts), chunk, chunks).items()}
+    for c in range(chunks):
+        positions = [t - c * chunk for t in range(c * chunk, min(c * chunk + chunk, T)) if starts[t]]
+        assert (cuts["first_starts"][c], cuts["last_starts"][c]) == (min(positions, default=chunk), max(positions, default=0)), c
     for t in range(T):
         end = min(t // chunk * chunk + chunk, T)
         after = [u for u in range(t + 1, end) if starts[u]]
-        assert edges[1, t] == (after[0] - t // chunk * chunk if after else chunk), t
+        assert cuts["next_starts"][0, t] == (after[0] - t // chunk * chunk if after else chunk), t
 
 
 @pytest.mark.parametrize(("size", "valid_rows"), [(128, None), (256, None), (256, 201)])

@@ -107,15 +107,18 @@ def gate_rows(geometry: Geometry, dtype) -> Blocked:
     )
 
 
-def sequence_edges(geometry: Geometry) -> Blocked:
-    """A packed call's sequence starts, int32 ``[2, T]`` (``simple_gla.varlen.sequence_edges``): tokens along lanes, one
-    step's rows of both rows, the same for every (batch, head); 8 bytes per token and head read."""
+def sequence_cuts(geometry: Geometry) -> tuple[tuple[Scalars, Scalars], Blocked]:
+    """A packed call's sequence starts as ``ChunkGates.cut_at`` takes them (``simple_gla.varlen.sequence_cuts``): the
+    first and last start of every chunk of the grid in SMEM, and ``next_starts`` ``[1, T]`` int32, tokens along lanes,
+    one step's rows, the same for every (batch, head): 4 bytes per token and head read."""
     g = geometry
+    chunks = g.time_steps * g.chunks_per_step
 
     def step_rows(b, h, tile, t, *_):
         return (0, t)
 
-    return Blocked("edges", (2, g.seq_len), jnp.int32, (2, g.rows_per_step), step_rows)
+    scalars = (Scalars("first_starts", (chunks,), jnp.int32), Scalars("last_starts", (chunks,), jnp.int32))
+    return scalars, Blocked("next_starts", (1, g.seq_len), jnp.int32, (1, g.rows_per_step), step_rows)
 
 
 def state(name: str, geometry: Geometry, dtype) -> Blocked:

@@ -32,7 +32,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
@@ -94,7 +93,7 @@ def plans(
     """The checkpoints and gradients plans, or the gradients plan alone where one segment is the whole sequence (no
     state to recompute but the initial one); ``output_final_state``: a ``dht`` is given; ``decayed``: ``g`` or
     ``g_gamma`` is (a decay gradient is wanted); ``cut_at_starts``: ``g`` is a packed call's reset gates alone, which the
-    gradients kernel takes as its sequence starts (``blocks.sequence_edges``) instead."""
+    gradients kernel takes as its sequence starts (``blocks.sequence_cuts``) instead."""
     geometry = grid.backward_geometry(geometry)
     walked = geometry.time_steps > 1
     steps = functools.partial(grid.reversed_in_time, geometry=geometry)
@@ -102,8 +101,10 @@ def plans(
     gradient_gates = None if cut_at_starts else gate_dtype
     along_lanes = gates_along_lanes(gradient_gates is not None, geometry.chunk_size)
     inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gradient_gates, ("q", "k", "v", "do"), along_lanes)]
+    scalars = (blocks.decay(geometry),)
     if cut_at_starts:
-        inputs.append(steps(blocks.sequence_edges(geometry)))
+        cut_scalars, next_starts = blocks.sequence_cuts(geometry)
+        scalars, inputs = scalars + cut_scalars, [*inputs, steps(next_starts)]
     if walked:
         inputs.append(steps(_entering_segment(geometry)))
     if initial_state_dtype is not None:
@@ -125,7 +126,7 @@ def plans(
     )
     work = per_chunk * (geometry.batch * geometry.heads * geometry.grid_chunks) + gradients.gating_work(geometry, gated)
     gradients_plan = grid.grid_plan(
-        "simple_gla_fused_backward", geometry, (blocks.decay(geometry),), inputs, outputs, work, segment_vmem(geometry),
+        "simple_gla_fused_backward", geometry, scalars, inputs, outputs, work, segment_vmem(geometry),
         scratch=(grid.state_gradient(geometry), Scratch("states", (geometry.chunks_per_step, K, V), _F32)),
     )
     # Transposed-LHS products fed to the MXU as they are: with g (gates along lanes) the gradients kernel issues 4% fewer
@@ -172,8 +173,9 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gra
     # Three passes over the segment's chunks: their states, then the dS chain, then everything else. Neither chain
     # waits on the rest of a chunk's work, and the gradients of different chunks no longer depend on each other:
     # chunk by chunk, the scheduler had run one chunk's products after the other's (v6e with g: 326 -> 202 us).
-    if "edges" in refs:
-        every_gates = [chunk_gates(chunk, refs, head, constant).cut_at(*_sequence_edges(chunk, refs["edges"])) for chunk in chunks]
+    if "next_starts" in refs:
+        first_chunk = (geometry.time_steps - 1 - step) * geometry.chunks_per_step
+        every_gates = [chunk_gates(chunk, refs, head, constant).cut_at(*_cuts(chunk, refs, first_chunk)) for chunk in chunks]
     else:
         along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
         every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, key_column=True)
@@ -205,14 +207,11 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gra
     grid.finish_state_gradient(refs, step, geometry)
 
 
-def _sequence_edges(chunk: Chunk, ref) -> tuple[jax.Array, jax.Array]:
-    """``ChunkGates.cut_at``'s ``starts`` and ``next_starts`` of ``chunk`` from the step's block of ``blocks.sequence_edges``;
-    no start past the end of the sequence, where the block holds unspecified values."""
-    edges = ref[:, chunk.rows]
-    starts = edges[0:1, :] == 1
-    if chunk.valid_rows is not None:
-        starts = starts & (lax.broadcasted_iota(jnp.int32, starts.shape, 1) < chunk.valid_rows)
-    return starts, edges[1:2, :]
+def _cuts(chunk: Chunk, refs, first_chunk) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``ChunkGates.cut_at``'s arguments for ``chunk`` of the step whose first chunk of the grid is ``first_chunk``
+    (``blocks.sequence_cuts``)."""
+    index = first_chunk + chunk.index
+    return refs["first_starts"][index], refs["last_starts"][index], refs["next_starts"][:, chunk.rows]
 
 
 def _entering_state(refs, segment) -> jax.Array:
@@ -237,7 +236,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
     checkpoints = run(walk[0], gradients.checkpoints_kernel, arrays, every_chunk=False) if walk else {}
     if sequence_starts is not None:
-        arrays["edges"] = varlen.sequence_edges(sequence_starts, geometry.chunk_size)
+        arrays.update(varlen.sequence_cuts(sequence_starts, geometry.chunk_size, geometry.time_steps * geometry.chunks_per_step))
     chip = launch.Target.lowered_for().chip
     form = gradients.chunk_form(q.dtype, chip, g is not None and sequence_starts is None)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, form=form)

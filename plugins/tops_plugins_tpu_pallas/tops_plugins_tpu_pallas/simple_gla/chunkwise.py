@@ -278,22 +278,19 @@ class ChunkGates:
             every.append(cls(decays=None, query=query, key=key, chunk=query[-1:, :], log=log))
         return every
 
-    def cut_at(self, starts: jax.Array, next_starts: jax.Array) -> ChunkGates:
+    def cut_at(self, first: jax.Array, last: jax.Array, next_starts: jax.Array) -> ChunkGates:
         """These gates (a constant decay's) cut where packed sequences start: what ``g``'s reset gates (``-inf`` at every
-        sequence's first token, 0 elsewhere) give, without a cumulative sum or an ``exp`` of them. ``starts``: ``(1, C)``
-        bool, a sequence starts at the token; ``next_starts``: ``(1, C)`` int32, where the first sequence start after the
-        token lies in the chunk (``C``: none).
+        sequence's first token, 0 elsewhere) give, without a cumulative sum or an ``exp`` of them. ``first`` and ``last``:
+        int32 scalars, where the chunk's first and last sequence start lie (``C`` and 0: none); ``next_starts``: ``(1, C)``
+        int32, where the first sequence start after each token lies in the chunk (``C``: none); ``varlen.sequence_cuts``.
 
-        Row ``i`` reads the entering state while no sequence has started at or before it, key ``j`` reaches the chunk's
-        end from the last start on, the state crosses a chunk where none starts, and pair ``(i, j)`` keeps its decay
-        while ``i`` lies before the first start after ``j``; that last mask waits for ``with_decays`` with the decays.
-        Each is a compare with a position, so every chunk's gates are ready from its own row of sequence starts at once:
+        Row ``i`` reads the entering state before the first start, key ``j`` reaches the chunk's end from the last start
+        on, the state crosses a chunk where none starts, and pair ``(i, j)`` keeps its decay while ``i`` lies before the
+        first start after ``j``; that last mask waits for ``with_decays`` with the decays. Each is a compare with a
+        position, and the chunk's decay, which the step's state and ``dS`` chains multiply by, is a select on a scalar:
         the same gates exponentiated from the reset gates (``along_lanes``) come from every chunk's cumulative sums
-        together, and a step's ``dS`` and state chains wait on them (the plugin README's "Packed without ``g``")."""
+        together, which the chains wait on (the plugin README's "Packed without ``g``")."""
         size = next_starts.shape[1]
-        lanes = lax.broadcasted_iota(jnp.int32, (1, size), 1)
-        first = jnp.min(jnp.where(starts, lanes, size), axis=1, keepdims=True)
-        last = jnp.max(jnp.where(starts, lanes, 0), axis=1, keepdims=True)
         tokens = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
         return dataclasses.replace(
             self, query=jnp.where(tokens < first, self.query, 0.0), key=jnp.where(tokens >= last, self.key, 0.0),

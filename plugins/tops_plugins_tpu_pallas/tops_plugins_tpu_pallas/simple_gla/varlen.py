@@ -349,17 +349,24 @@ def reset_gates(g, cu_seqlens: jax.Array, shape: tuple[int, int, int]) -> jax.Ar
     return jnp.where(sequence_starts(cu_seqlens, T)[None, :, None], -jnp.inf, gates)
 
 
-def sequence_edges(starts: jax.Array, chunk_size: int) -> jax.Array:
-    """int32 ``[2, T]`` from ``starts`` (``[T]`` bool, ``sequence_starts``): row 0 the starts as 0/1, row 1 for every
-    token where the first sequence start after it lies in its chunk of ``chunk_size`` (``chunk_size``: none there), what
-    ``ChunkGates.cut_at`` takes."""
+def sequence_cuts(starts: jax.Array, chunk_size: int, num_chunks: int) -> dict[str, jax.Array]:
+    """What ``ChunkGates.cut_at`` takes of every chunk of ``chunk_size`` from ``starts`` (``[T]`` bool,
+    ``sequence_starts``), int32, by operand name (``blocks.sequence_cuts``): ``first_starts`` and ``last_starts``
+    ``[num_chunks]`` (``num_chunks * chunk_size >= T``), where each chunk's first and last start lie (``chunk_size`` and
+    0: none); ``next_starts`` ``[1, T]``, where the first start after each token lies in its chunk (``chunk_size``: none)."""
     T = starts.shape[0]
     tokens = jnp.arange(T, dtype=jnp.int32)
     beyond = jnp.int32(T + chunk_size)
     at_or_after = lax.cummin(jnp.where(starts, tokens, beyond), reverse=True)
     after = jnp.concatenate([at_or_after[1:], beyond[None]])
     next_starts = jnp.minimum(after - tokens // chunk_size * chunk_size, chunk_size)
-    return jnp.stack([starts.astype(jnp.int32), next_starts])
+    by_chunk = jnp.pad(starts, (0, num_chunks * chunk_size - T)).reshape(num_chunks, chunk_size)
+    positions = jnp.arange(chunk_size, dtype=jnp.int32)
+    return dict(
+        first_starts=jnp.min(jnp.where(by_chunk, positions, chunk_size), axis=1),
+        last_starts=jnp.max(jnp.where(by_chunk, positions, 0), axis=1),
+        next_starts=next_starts[None, :],
+    )
 
 
 def unpacked_config(config: VarlenConfig) -> fused.FusedConfig:
