@@ -92,15 +92,14 @@ def plans(
 ) -> tuple[LaunchPlan, ...]:
     """The checkpoints and gradients plans, or the gradients plan alone where one segment is the whole sequence (no
     state to recompute but the initial one); ``output_final_state``: a ``dht`` is given; ``decayed``: ``g`` or
-    ``g_gamma`` is (a decay gradient is wanted); ``cut_at_starts``: ``g`` is a packed call's reset gates alone, which the
-    gradients kernel takes as its sequence starts (``blocks.sequence_cuts``) instead."""
+    ``g_gamma`` is (a decay gradient is wanted); ``cut_at_starts``: a packed call without ``g`` whose sequences start where
+    ``blocks.sequence_cuts`` says, both kernels cutting the constant decay's gates there."""
     geometry = grid.backward_geometry(geometry)
     walked = geometry.time_steps > 1
     steps = functools.partial(grid.reversed_in_time, geometry=geometry)
     K, V = geometry.padded_key_dim, geometry.padded_value_dim
-    gradient_gates = None if cut_at_starts else gate_dtype
-    along_lanes = gates_along_lanes(gradient_gates is not None, geometry.chunk_size)
-    inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gradient_gates, ("q", "k", "v", "do"), along_lanes)]
+    along_lanes = gates_along_lanes(gate_dtype is not None, geometry.chunk_size)
+    inputs = [steps(x) for x in gradients.token_inputs(geometry, dtype, gate_dtype, ("q", "k", "v", "do"), along_lanes)]
     scalars = (blocks.decay(geometry),)
     if cut_at_starts:
         cut_scalars, next_starts = blocks.sequence_cuts(geometry)
@@ -116,7 +115,7 @@ def plans(
         outputs.append(steps(gradients.decay_gradients(geometry)))
     if initial_state_dtype is not None:
         outputs.append(blocks.state("dinitial_state", geometry, initial_state_dtype))
-    gated = gradient_gates is not None
+    gated = gate_dtype is not None
     per_chunk = (
         advance_state_work(geometry)
         + gradients.attention_work(geometry)
@@ -134,7 +133,9 @@ def plans(
     gradients_plan = dataclasses.replace(gradients_plan, fuse_transposed_lhs=along_lanes)
     if not walked:
         return (gradients_plan,)
-    checkpoints = gradients.checkpoints_plan(geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=False)
+    checkpoints = gradients.checkpoints_plan(
+        geometry, dtype, gate_dtype=gate_dtype, initial_state_dtype=initial_state_dtype, every_chunk=False, cut_at_starts=cut_at_starts,
+    )
     return checkpoints, gradients_plan
 
 
@@ -224,20 +225,21 @@ def _entering_state(refs, segment) -> jax.Array:
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config, sequence_starts: jax.Array | None = None):
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` (``cu_seqlens`` is rejected by the capabilities).
-    ``sequence_starts``: ``[T]`` bool, where ``g`` is a packed call's reset gates alone (a packed call without ``g``): the
-    gradients kernel cuts the constant decay's gates there (``ChunkGates.cut_at``), and no token's decay gradient but
-    their sum is computed."""
+    ``sequence_starts``: ``[T]`` bool, where a packed call without ``g`` (and without states) starts its sequences: both
+    kernels cut the constant decay's gates there (``ChunkGates.cut_at``)."""
     del cu_seqlens
+    if sequence_starts is not None and g is not None:
+        raise ValueError("sequence_starts cuts g_gamma's gates, for a packed call without g; give g its reset gates instead")
     B, T, H, K = q.shape
     inputs = dict(gradients.plan_inputs(q, g, g_gamma, initial_state, dht), cut_at_starts=sequence_starts is not None)
     geometry, (*walk, gradients_plan), run = launch.prepare(
         plans, geometry_of(B, T, H, K, v.shape[-1], config), q.dtype, config.interpret, **inputs,
     )
     arrays = gradients.with_gate_rows(gradients.operands(q, k, v, do, g, g_gamma, initial_state, dht, geometry), g, geometry)
-    checkpoints = run(walk[0], gradients.checkpoints_kernel, arrays, every_chunk=False) if walk else {}
     if sequence_starts is not None:
         arrays.update(varlen.sequence_cuts(sequence_starts, geometry.chunk_size, geometry.time_steps * geometry.chunks_per_step))
+    checkpoints = run(walk[0], gradients.checkpoints_kernel, arrays, every_chunk=False) if walk else {}
     chip = launch.Target.lowered_for().chip
-    form = gradients.chunk_form(q.dtype, chip, g is not None and sequence_starts is None)
+    form = gradients.chunk_form(q.dtype, chip, g is not None)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, form=form)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

@@ -359,15 +359,20 @@ def _boundary_terms(i, terms, *, refs, states, chunk, log, first, last_sequence,
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config):
     """The ``Backward`` protocol of ``tops_core.ops.simple_gla`` for packed input (``B == 1``, ``cu_seqlens`` given).
     Without states, ``backward_fused`` on ``varlen.reset_gates``, as the forward: the gradient of a reset token's gate
-    is exactly 0 there, as a sequence's first gate scales a zero state; without ``g`` too, its gradients kernel takes the
-    sequence starts themselves (``backward_fused.backward``'s ``sequence_starts``)."""
+    is exactly 0 there, as a sequence's first gate scales a zero state; without ``g`` too, on the sequence starts
+    themselves, which cut ``g_gamma``'s gates (``backward_fused.backward``'s ``sequence_starts``)."""
     if varlen.without_states(initial_state, dht is not None):
+        fused_config = varlen.unpacked_config(config)
+        if g is None:
+            return backward_fused.backward(
+                q, k, v, do, g=None, g_gamma=g_gamma, scale=scale, initial_state=None, dht=None, cu_seqlens=None,
+                config=fused_config, sequence_starts=sequence_starts(cu_seqlens, q.shape[1]),
+            )
         grads = backward_fused.backward(
             q, k, v, do, g=varlen.reset_gates(g, cu_seqlens, q.shape[:3]), g_gamma=g_gamma, scale=scale,
-            initial_state=None, dht=None, cu_seqlens=None, config=varlen.unpacked_config(config),
-            sequence_starts=sequence_starts(cu_seqlens, q.shape[1]) if g is None else None,
+            initial_state=None, dht=None, cu_seqlens=None, config=fused_config,
         )
-        return dataclasses.replace(grads, dg=None if g is None else grads.dg.astype(g.dtype))
+        return dataclasses.replace(grads, dg=grads.dg.astype(g.dtype))
     B, T, H, K = q.shape
     num_seqs = cu_seqlens.shape[0] - 1
     inputs = gradients.plan_inputs(q, g, g_gamma, initial_state, dht)

@@ -278,11 +278,12 @@ class ChunkGates:
             every.append(cls(decays=None, query=query, key=key, chunk=query[-1:, :], log=log))
         return every
 
-    def cut_at(self, first: jax.Array, last: jax.Array, next_starts: jax.Array) -> ChunkGates:
+    def cut_at(self, first: jax.Array, last: jax.Array, next_starts: jax.Array | None = None) -> ChunkGates:
         """These gates (a constant decay's) cut where packed sequences start: what ``g``'s reset gates (``-inf`` at every
         sequence's first token, 0 elsewhere) give, without a cumulative sum or an ``exp`` of them. ``first`` and ``last``:
         int32 scalars, where the chunk's first and last sequence start lie (``C`` and 0: none); ``next_starts``: ``(1, C)``
-        int32, where the first sequence start after each token lies in the chunk (``C``: none); ``varlen.sequence_cuts``.
+        int32, where the first sequence start after each token lies in the chunk (``C``: none; None for gates without
+        decays, a walk's); ``varlen.sequence_cuts``.
 
         Row ``i`` reads the entering state before the first start, key ``j`` reaches the chunk's end from the last start
         on, the state crosses a chunk where none starts, and pair ``(i, j)`` keeps its decay while ``i`` lies before the
@@ -290,7 +291,7 @@ class ChunkGates:
         position, and the chunk's decay, which the step's state and ``dS`` chains multiply by, is a select on a scalar:
         the same gates exponentiated from the reset gates (``along_lanes``) come from every chunk's cumulative sums
         together, which the chains wait on (the plugin README's "Packed without ``g``")."""
-        size = next_starts.shape[1]
+        size = self.key.shape[0]
         tokens = lax.broadcasted_iota(jnp.int32, (size, 1), 0)
         return dataclasses.replace(
             self, query=jnp.where(tokens < first, self.query, 0.0), key=jnp.where(tokens >= last, self.key, 0.0),
@@ -298,7 +299,8 @@ class ChunkGates:
         )
 
     def with_decays(self) -> ChunkGates:
-        """These gates with their ``C x C`` decays, built from ``log`` where ``along_lanes`` left them to be (else as they are).
+        """These gates with their ``C x C`` decays, built from ``log`` where ``along_lanes`` left them to be, or cut where
+        ``cut_at`` left them to be (else as they are).
 
         A kernel calls it where it first uses a chunk's decays: built there rather than with the step's other gates, the
         scheduler holds fewer of them at once. Cycles one TensorCore issues for a grid step (bf16 K=V=128 with ``g``),

@@ -38,7 +38,7 @@ from tops_plugins_tpu_pallas import blocks, grid
 from tops_plugins_tpu_pallas.grid import Chunk, Work, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, SPLIT_BFLOAT16, SPLIT_BFLOAT16_STACKED, matmul, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    ChunkGates, advance_state, advance_state_work, constant_gates, gate_computations, gates_work, step_gates,
+    ChunkGates, advance_state, advance_state_work, chunk_gates, constant_gates, gate_computations, gates_work, step_gates,
 )
 from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes, gates_as_rows, wide_mxu
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan
@@ -115,13 +115,17 @@ def with_gate_rows(arrays: dict[str, jax.Array], g: jax.Array | None, geometry: 
     return {**arrays, **gates_as_rows(g, geometry.chunk_size)}
 
 
-def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dtype, every_chunk: bool) -> LaunchPlan:
+def checkpoints_plan(
+    geometry: Geometry, dtype, *, gate_dtype, initial_state_dtype, every_chunk: bool, cut_at_starts: bool = False,
+) -> LaunchPlan:
     """A forward walk writing the state entering every chunk (``every_chunk``), or else the state leaving every time
     step but the last (``grid.segment_ends``; ``geometry`` then has more than one), walking those steps alone: the last
-    step's keys and values reach no state a backward reads."""
+    step's keys and values reach no state a backward reads. ``cut_at_starts``: a packed call without ``g``, whose gates
+    the walk cuts at each chunk's first and last sequence start (``blocks.sequence_cuts``)."""
     start = (blocks.state("initial_state", geometry, initial_state_dtype),) if initial_state_dtype is not None else ()
     gated = gate_dtype is not None
     inputs = token_inputs(geometry, dtype, gate_dtype, ("k", "v"), gates_along_lanes(gated, geometry.chunk_size))
+    scalars = (blocks.decay(geometry), *(blocks.sequence_cuts(geometry)[0] if cut_at_starts else ()))
     walked = geometry if every_chunk else dataclasses.replace(
         geometry, seq_len=(geometry.time_steps - 1) * geometry.rows_per_step, num_steps=geometry.chunks_per_step,
     )
@@ -129,7 +133,7 @@ def checkpoints_plan(geometry: Geometry, dtype, *, gate_dtype, initial_state_dty
     work = work + gates_work(walked, gated, attention=False) * gate_computations(walked, gated)
     checkpoints = grid.state_checkpoints(geometry) if every_chunk else grid.segment_ends(geometry)
     plan = grid.grid_plan(
-        "simple_gla_backward_checkpoints", geometry, (blocks.decay(geometry),), (*inputs, *start), (checkpoints,), work,
+        "simple_gla_backward_checkpoints", geometry, scalars, (*inputs, *start), (checkpoints,), work,
         4 * 3 * geometry.padded_key_dim * geometry.padded_value_dim,
     )
     return dataclasses.replace(plan, grid=blocks.grid(walked))
@@ -145,7 +149,16 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
     chunks = step_chunks(geometry, step)
     # Every chunk's gates before the state's chain through them: chunk by chunk, each chunk's gates waited on the chain.
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
-    every_gates = step_gates(chunks, refs, head, constant, attention=False, along_lanes=along_lanes)
+    if "first_starts" in refs:
+        first_chunk = step * geometry.chunks_per_step
+        every_gates = [
+            chunk_gates(chunk, refs, head, constant, attention=False).cut_at(
+                refs["first_starts"][first_chunk + chunk.index], refs["last_starts"][first_chunk + chunk.index],
+            )
+            for chunk in chunks
+        ]
+    else:
+        every_gates = step_gates(chunks, refs, head, constant, attention=False, along_lanes=along_lanes)
     for chunk, gates in zip(chunks, every_gates):
         if every_chunk:
             refs["checkpoints"][chunk.index] = state
