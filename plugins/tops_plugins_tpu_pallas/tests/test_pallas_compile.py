@@ -388,14 +388,15 @@ def test_varlen_gradient_compiles_to_its_own_backward(worker, call):
     assert facts["kernel_cost"]["flops"] > 0 and facts["kernel_cost"]["bytes_accessed"] > 0
 
 
-# Packed without states or g, the usual constant-decay training batch: the fused backward's gradients kernel reads the
-# sequence starts (blocks.sequence_cuts) and cuts g_gamma's gates there (ChunkGates.cut_at). Every generation, ragged T,
+# Packed without states or g, the usual constant-decay training batch: the fused backward's two kernels read the
+# sequence starts (blocks.sequence_cuts) and cut g_gamma's gates there (ChunkGates.cut_at). Every generation, ragged T,
 # both dtypes, lane-padded head dims; v6e by default, the rest with -m slow.
+NEITHER_G_NOR_STATES = dict(g=False, initial_state=False, final_state=False)
 PACKED_WITHOUT_G = [
-    dict(generation="v6e", T=300, K=128, V=128, dtype="bfloat16", g=False, initial_state=False, final_state=False, num_seqs=7),
-    dict(generation="v4", T=1000, K=64, V=200, dtype="float32", g=False, initial_state=False, final_state=False, num_seqs=16),
-    dict(generation="v5e", T=4700, K=128, V=128, dtype="bfloat16", g=False, initial_state=False, final_state=False, num_seqs=16),
-    dict(generation="v5p", T=65, K=100, V=200, dtype="bfloat16", g=False, initial_state=False, final_state=False, num_seqs=2),
+    dict(generation="v6e", T=300, K=128, V=128, dtype="bfloat16", num_seqs=7, **NEITHER_G_NOR_STATES),
+    dict(generation="v4", T=1000, K=64, V=200, dtype="float32", num_seqs=16, **NEITHER_G_NOR_STATES),
+    dict(generation="v5e", T=4700, K=128, V=128, dtype="bfloat16", num_seqs=16, **NEITHER_G_NOR_STATES),
+    dict(generation="v5p", T=65, K=100, V=200, dtype="bfloat16", num_seqs=2, **NEITHER_G_NOR_STATES),
 ]
 
 
