@@ -36,9 +36,9 @@ from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.simple_gla import gradients, varlen
-from tops_plugins_tpu_pallas.grid import Chunk, step_chunks
+from tops_plugins_tpu_pallas.grid import step_chunks
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    advance_state, advance_state_work, chunk_gates, constant_gates, step_gates,
+    advance_state, advance_state_work, constant_gates, step_gates,
 )
 from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scratch
@@ -170,17 +170,14 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gra
     grid.start_state_gradient(refs, step)
 
     constant = constant_gates(refs, head, geometry)
-    chunks = step_chunks(geometry, geometry.time_steps - 1 - step)
+    segment = geometry.time_steps - 1 - step
+    chunks = step_chunks(geometry, segment)
     # Three passes over the segment's chunks: their states, then the dS chain, then everything else. Neither chain
     # waits on the rest of a chunk's work, and the gradients of different chunks no longer depend on each other:
     # chunk by chunk, the scheduler had run one chunk's products after the other's (v6e with g: 326 -> 202 us).
-    if "next_starts" in refs:
-        first_chunk = (geometry.time_steps - 1 - step) * geometry.chunks_per_step
-        every_gates = [chunk_gates(chunk, refs, head, constant).cut_at(*_cuts(chunk, refs, first_chunk)) for chunk in chunks]
-    else:
-        along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
-        every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, key_column=True)
-    state = _entering_state(refs, geometry.time_steps - 1 - step)
+    along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
+    every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, key_column=True, step=segment)
+    state = _entering_state(refs, segment)
     refs["states"][0] = state
     for chunk in chunks[:-1]:
         k = chunk.read(refs["k"])
@@ -206,13 +203,6 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gra
             refs["da"][chunk.index : chunk.index + 1, :] = da
 
     grid.finish_state_gradient(refs, step, geometry)
-
-
-def _cuts(chunk: Chunk, refs, first_chunk) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``ChunkGates.cut_at``'s arguments for ``chunk`` of the step whose first chunk of the grid is ``first_chunk``
-    (``blocks.sequence_cuts``)."""
-    index = first_chunk + chunk.index
-    return refs["first_starts"][index], refs["last_starts"][index], refs["next_starts"][:, chunk.rows]
 
 
 def _entering_state(refs, segment) -> jax.Array:

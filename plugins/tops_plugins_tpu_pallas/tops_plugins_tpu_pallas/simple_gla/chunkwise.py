@@ -462,11 +462,22 @@ def chunk_gates(chunk: Chunk, refs: dict, head: jax.Array, constant: ChunkGates 
 
 def step_gates(
     chunks: list[Chunk], refs: dict, head: jax.Array, constant: ChunkGates | None, *, attention: bool = True, along_lanes: bool = False,
-    resets_dtype=jnp.float32, key_column: bool = False,
+    resets_dtype=jnp.float32, key_column: bool = False, step: jax.Array | None = None,
 ) -> list[ChunkGates]:
-    """The gates of a grid step's ``chunks``, in order: with ``along_lanes`` (``g`` laid out ``[B, H, T]``), all at once
-    from the head's rows (``ChunkGates.along_lanes``, ``resets_dtype`` and ``key_column`` as there); else chunk by chunk
-    (``chunk_gates``). ``attention`` as ``ChunkGates.of``'s."""
+    """The gates of a grid step's ``chunks``, in order: with a packed call's sequence starts among the refs
+    (``blocks.sequence_cuts``; ``step``: the time step whose chunks these are), ``constant``'s cut at them
+    (``ChunkGates.cut_at``); with ``along_lanes`` (``g`` laid out ``[B, H, T]``), all at once from the head's rows
+    (``ChunkGates.along_lanes``, ``resets_dtype`` and ``key_column`` as there); else chunk by chunk (``chunk_gates``).
+    ``attention`` as ``ChunkGates.of``'s."""
+    if "first_starts" in refs:
+        first_chunk = step * len(chunks)
+        return [
+            chunk_gates(chunk, refs, head, constant, attention=attention).cut_at(
+                refs["first_starts"][first_chunk + chunk.index], refs["last_starts"][first_chunk + chunk.index],
+                refs["next_starts"][:, chunk.rows] if "next_starts" in refs else None,
+            )
+            for chunk in chunks
+        ]
     if along_lanes:
         rows = jnp.concatenate([chunk.head_row(refs["g"], head) for chunk in chunks], axis=0)
         return ChunkGates.along_lanes(constant_decay(refs, head), rows, [chunk.valid_rows for chunk in chunks], resets_dtype, attention, key_column)

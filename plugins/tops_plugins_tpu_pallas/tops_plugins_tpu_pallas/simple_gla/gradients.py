@@ -38,7 +38,7 @@ from tops_plugins_tpu_pallas import blocks, grid
 from tops_plugins_tpu_pallas.grid import Chunk, Work, start_sequence, step_chunks
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, SPLIT_BFLOAT16, SPLIT_BFLOAT16_STACKED, matmul, mxu_operand_dtype
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
-    ChunkGates, advance_state, advance_state_work, chunk_gates, constant_gates, gate_computations, gates_work, step_gates,
+    ChunkGates, advance_state, advance_state_work, constant_gates, gate_computations, gates_work, step_gates,
 )
 from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes, gates_as_rows, wide_mxu
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan
@@ -149,16 +149,7 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
     chunks = step_chunks(geometry, step)
     # Every chunk's gates before the state's chain through them: chunk by chunk, each chunk's gates waited on the chain.
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
-    if "first_starts" in refs:
-        first_chunk = step * geometry.chunks_per_step
-        every_gates = [
-            chunk_gates(chunk, refs, head, constant, attention=False).cut_at(
-                refs["first_starts"][first_chunk + chunk.index], refs["last_starts"][first_chunk + chunk.index],
-            )
-            for chunk in chunks
-        ]
-    else:
-        every_gates = step_gates(chunks, refs, head, constant, attention=False, along_lanes=along_lanes)
+    every_gates = step_gates(chunks, refs, head, constant, attention=False, along_lanes=along_lanes, step=step)
     for chunk, gates in zip(chunks, every_gates):
         if every_chunk:
             refs["checkpoints"][chunk.index] = state
