@@ -114,6 +114,18 @@ def test_grid_follows_the_declarations(registry):
     }
 
 
+def test_a_packed_only_grid_runs_bfloat16_without_states_by_default(registry):
+    packed = fakes.register("packed", features={"g_gamma", "initial_state", "output_final_state", "cu_seqlens"},
+                            requires={"cu_seqlens"}, dtypes={"bfloat16", "float32"})
+    cases = {c.name: c for c in grid(packed).supported}
+    for name in ("bfloat16-without-states", "bfloat16-weak-g_gamma,without-states"):
+        case = cases[name]
+        assert case.dtype == "bfloat16" and not case.slow and case.seqlens is not None
+        assert case.features.isdisjoint({"initial_state", "output_final_state"})
+    assert cases["bfloat16-weak-g_gamma,without-states"].weak_decay
+    assert cases["bfloat16"].slow  # with states, packed-only: the unpacked sibling's runs by default
+
+
 def test_rejection_happens_in_the_matcher(registry):
     calls = []
     narrow = fakes.register("narrow", features={"g_gamma"}, forward=lambda *a, **kw: calls.append(1))

@@ -214,7 +214,13 @@ def grid(impl: Implementation) -> Grid:
             # The strong decays and bfloat16 each run by default; together with -m slow.
             supported += [dataclasses.replace(case, name=f"bfloat16-{case.name}", dtype=dtype, slow=True) for case in strong[:1]]
             # Their point is the decay gradient's cancellation: a forward-only implementation runs them with -m slow.
-            supported += [dataclasses.replace(case, slow=impl.backward is None) for case in _weak_decay_cases(base, base_features, gate_options, gates)]
+            weak = [dataclasses.replace(case, slow=impl.backward is None) for case in _weak_decay_cases(base, base_features, gate_options, gates)]
+            supported += weak
+            if packed_only and states <= base_features - caps.requires:
+                # The usual packed training call, in bfloat16: no state in or out, the other path a packed kernel may
+                # take (above), which the float32 cases alone would check nowhere in bfloat16.
+                supported.append(base.with_features(f"{dtype}-without-states", signature.closed(base_features - states), dtype=dtype))
+                supported += [case.with_features(f"{case.name},without-states", signature.closed(case.features - states)) for case in weak]
     for overrides in impl.config_sweep:
         label = "config=" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
         config = tuple(sorted(overrides.items()))
