@@ -610,8 +610,10 @@ def test_lowered_for_v6e_the_fused_backward_stacks_its_state_products_and_matche
     assert gradients.state_passes(jnp.float32, "v6e", False) == gradients.StatePasses(jnp.float32, jnp.float32, jnp.float32)
     implementation = tops_core.default_registry().get("simple_gla", "tpu_pallas.fused")
     case = next(case for case in grid(implementation).supported if case.name == "bfloat16")
-    chosen = _choices_running_for_v6e(monkeypatch, ("state_passes",), implementation, case)
+    chosen = _choices_running_for_v6e(monkeypatch, ("state_passes", "input_products_first"), implementation, case)
     assert chosen["state_passes"] == [gradients.StatePasses(stacked, stacked, stacked)]
+    # Every chunk's products of its inputs traced before the rest of any chunk's gradients (gradients.reversed_gradients).
+    assert chosen["input_products_first"] == [True] and not gradients.input_products_first("v5e")
 
 
 def _choices_running_for_v6e(monkeypatch, rules: tuple[str, ...], implementation, case) -> dict[str, list]:

@@ -174,7 +174,8 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gra
     chunks = step_chunks(geometry, segment)
     # Three passes over the segment's chunks: their states, then the dS chain, then everything else. Neither chain
     # waits on the rest of a chunk's work, and the gradients of different chunks no longer depend on each other:
-    # chunk by chunk, the scheduler had run one chunk's products after the other's (v6e with g: 326 -> 202 us).
+    # chunk by chunk, the scheduler had run one chunk's products after the other's (v6e with g: 326 -> 202 us). The
+    # last pass (gradients.reversed_gradients) may take every chunk's products of its inputs first.
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
     every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, key_column=True, step=segment)
     state = _entering_state(refs, segment)
@@ -190,12 +191,10 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gra
         q, do = chunk.read(refs["q"]), chunk.read(refs["do"])
         dstate = gradients.state_gradient_entering(every_gates[chunk.index], q, do, dstate, scale, form.passes.chain)
     refs["dstate"][...] = dstate
-    for chunk in reversed(chunks):
-        gates, dstate = every_gates[chunk.index].with_decays(), leaving[chunk.index]
-        q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
-        dq, dk, dv, da = gradients.chunk_gradients(
-            gates, chunk, q, k, v, do, refs["states"][chunk.index], dstate, scale, "da" in refs, form,
-        )
+    every_gradients = gradients.reversed_gradients(
+        chunks, every_gates, refs, lambda chunk: refs["states"][chunk.index], leaving, scale, "da" in refs, form,
+    )
+    for chunk, (dq, dk, dv, da) in every_gradients:
         refs["dv"][chunk.rows, :] = dv.astype(refs["dv"].dtype)
         refs["dq"][chunk.rows, :] = dq.astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = dk.astype(refs["dk"].dtype)

@@ -297,10 +297,10 @@ def _gradients_kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float,
     refs["dstate"][...] = dstate
 
     # Fused's gradients of every chunk, with the boundaries' terms added.
-    for chunk in reversed(chunks):
-        gates, dleaving, entering = every_gates[chunk.index].with_decays(), leaving[chunk.index], refs["checkpoints"][chunk.index]
-        q, k, v, do = (chunk.read(refs[name]) for name in ("q", "k", "v", "do"))
-        dq, dk, dv, da = gradients.chunk_gradients(gates, chunk, q, k, v, do, entering, dleaving, scale, with_decay, form)
+    every_gradients = gradients.reversed_gradients(
+        chunks, every_gates, refs, lambda chunk: refs["checkpoints"][chunk.index], leaving, scale, with_decay, form,
+    )
+    for chunk, (dq, dk, dv, da) in every_gradients:
         refs["dv"][chunk.rows, :] = (dv + refs["boundary_dv"][chunk.index]).astype(refs["dv"].dtype)
         refs["dq"][chunk.rows, :] = (dq + refs["boundary_dq"][chunk.index]).astype(refs["dq"].dtype)
         refs["dk"][chunk.rows, :] = (dk + refs["boundary_dk"][chunk.index]).astype(refs["dk"].dtype)

@@ -208,7 +208,12 @@ def state_passes(input_dtype, chip: str | None, per_token: bool) -> StatePasses:
 
 def attention(decays, q, k) -> jax.Array:
     """The forward's masked, decayed ``(C, C)`` scores ``D_ij (q_i . k_j)`` (unscaled, float32); ``decays`` is ``D``."""
-    return matmul(q, k, mxu_operand_dtype(q.dtype), ROWS_BY_ROWS) * decays
+    return query_by_key(q, k) * decays
+
+
+def query_by_key(q, k) -> jax.Array:
+    """``(C, C)``: ``q_i . k_j`` (float32), undecayed."""
+    return matmul(q, k, mxu_operand_dtype(q.dtype), ROWS_BY_ROWS)
 
 
 def value_gradient(gates: ChunkGates, attention, k, do, dstate, scale: float) -> jax.Array:
@@ -242,19 +247,23 @@ def state_writes(gates: ChunkGates, v, dstate, operands=None) -> jax.Array:
 
 def query_key_gradients(
     gates: ChunkGates, attention, q, k, v, do, entering, dstate, scale: float, with_decay: bool, summed_over=None,
-    passes: StatePasses | None = None,
+    passes: StatePasses | None = None, products: InputProducts | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``dq``, ``dk`` (float32 ``(C, K_pad)``) and, ``with_decay``, the decay gradient row ``(1, C)`` of the chunk:
     every token's, or with ``summed_over`` (``summed_tokens``) a row whose sum is theirs (``summed_decay_gradient``).
 
     ``entering`` is the forward state entering the chunk, ``dstate`` the gradient of the one leaving it; ``passes``
-    (``state_passes``) None: ``decay_gradient_operands`` for both state products.
+    (``state_passes``) None: ``decay_gradient_operands`` for both state products; ``products``: the chunk's
+    ``input_products`` where they were traced already, else None.
     """
-    # do v^T is traced before the state's terms: the other way round, the same instructions issued
-    # 10% more cycles on v5e (the scheduler keeps much of the order of the MXU pushes as traced).
-    scores = output_by_value(do, v)
-    reads = state_reads(gates, do, entering, passes and passes.reads)
-    writes = state_writes(gates, v, dstate, passes and passes.writes)
+    if products is None:
+        # do v^T is traced before the state's terms: the other way round, the same instructions issued
+        # 10% more cycles on v5e (the scheduler keeps much of the order of the MXU pushes as traced).
+        scores = output_by_value(do, v)
+        reads = state_reads(gates, do, entering, passes and passes.reads)
+        writes = state_writes(gates, v, dstate, passes and passes.writes)
+    else:
+        scores, reads, writes = products.output_by_value, products.reads, products.writes
     across = gates.chunk * jnp.sum(entering * dstate) if with_decay else None
     return query_key_gradients_of(gates.decays, attention, scores, q, k, reads, writes, across, scale, summed_over)
 
@@ -283,32 +292,86 @@ def summed_tokens(chunk: Chunk, per_token: bool):
 class ChunkForm:
     """How a gradients kernel computes every gradient of a chunk (``chunk_gradients``: fused's, varlen's) on the chip it
     is lowered for, each choice measured there: ``per_token`` (``per_token_decay_gradient``), ``passes``
-    (``state_passes``), ``values_last`` (``value_gradient_last``)."""
+    (``state_passes``), ``values_last`` (``value_gradient_last``), ``products_first`` (``input_products_first``)."""
 
     per_token: bool
     passes: StatePasses
     values_last: bool
+    products_first: bool
 
 
 def chunk_form(input_dtype, chip: str | None, gated: bool) -> ChunkForm:
     """``ChunkForm`` for inputs of ``input_dtype`` on ``chip``; ``gated``: the caller gave ``g``."""
     per_token = per_token_decay_gradient(gated, chip)
-    return ChunkForm(per_token, state_passes(input_dtype, chip, per_token), value_gradient_last(chip))
+    return ChunkForm(per_token, state_passes(input_dtype, chip, per_token), value_gradient_last(chip), input_products_first(chip))
+
+
+@dataclasses.dataclass(frozen=True)
+class InputProducts:
+    """A chunk's products of its inputs and of the states around it (``input_products``): the first products its
+    gradients take, which wait on none of its other work."""
+
+    query_by_key: jax.Array
+    output_by_value: jax.Array
+    reads: jax.Array
+    writes: jax.Array
+
+
+def input_products(gates: ChunkGates, q, k, v, do, entering, dstate, passes: StatePasses) -> InputProducts:
+    """``InputProducts`` of one chunk: ``q k^T``, ``do v^T``, ``state_reads`` and ``state_writes``."""
+    return InputProducts(
+        query_by_key(q, k), output_by_value(do, v), state_reads(gates, do, entering, passes.reads),
+        state_writes(gates, v, dstate, passes.writes),
+    )
+
+
+def input_products_first(chip: str | None) -> bool:
+    """Whether ``reversed_gradients`` traces every chunk's ``input_products`` before any chunk's other work: on a 256-wide
+    MXU (v6e), where Mosaic's schedule then overlaps one chunk's products with another's work. Modelled (B=2 T=4096 H=8
+    K=V=128 bf16; packed: 16 sequences in T=8192), cycles of the gradients kernel on v6e, chunk by chunk -> products
+    first: ``g`` 245393 -> **201314**, ``g_gamma`` 152270 -> **147470**, packed without states 161547 -> **158969**,
+    with both 677165 -> **659764**. On v5e ``g`` was worse (300326 -> 318006); on v6e a pipeline of a few chunks'
+    products ahead (2 to 8 chunks, or three stages) was no better than all of them, and chaotic: from 203105 to 249999
+    cycles with ``g``."""
+    return wide_mxu(chip)
 
 
 def chunk_gradients(
     gates: ChunkGates, chunk: Chunk, q, k, v, do, entering, dstate, scale: float, with_decay: bool, form: ChunkForm,
+    products: InputProducts | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """``dq``, ``dk``, ``dv`` (float32) and the decay gradient row of one chunk (``query_key_gradients``; ``gates`` with
-    their decays), in ``form``."""
-    scores = attention(gates.decays, q, k)
+    their decays), in ``form``; ``products``: its ``input_products`` where they were traced already, else None."""
+    scores = attention(gates.decays, q, k) if products is None else products.query_by_key * gates.decays
     summed_over = summed_tokens(chunk, form.per_token)
     if not form.values_last:
         dv = value_gradient(gates, scores, k, do, dstate, scale)
-    dq, dk, da = query_key_gradients(gates, scores, q, k, v, do, entering, dstate, scale, with_decay, summed_over, form.passes)
+    dq, dk, da = query_key_gradients(
+        gates, scores, q, k, v, do, entering, dstate, scale, with_decay, summed_over, form.passes, products,
+    )
     if form.values_last:
         dv = value_gradient(gates, scores, k, do, dstate, scale)
     return dq, dk, dv, da
+
+
+def reversed_gradients(chunks: list[Chunk], every_gates: list[ChunkGates], refs: dict, entering, leaving: list, scale: float,
+                       with_decay: bool, form: ChunkForm):
+    """``chunk_gradients`` of a grid step's ``chunks`` from the last to the first, as ``(chunk, (dq, dk, dv, da))``: the
+    gradients kernels' last pass. ``entering(chunk)``: the forward state entering the chunk; ``leaving``: the gradient of
+    the state leaving each. Where ``form.products_first``, every chunk's ``input_products`` are traced first."""
+    def inputs(chunk):
+        return [chunk.read(refs[name]) for name in ("q", "k", "v", "do")]
+
+    backwards = list(reversed(chunks))
+    products = {
+        chunk.index: input_products(every_gates[chunk.index], *inputs(chunk), entering(chunk), leaving[chunk.index], form.passes)
+        for chunk in backwards
+    } if form.products_first else {}
+    for chunk in backwards:
+        gates = every_gates[chunk.index].with_decays()
+        yield chunk, chunk_gradients(
+            gates, chunk, *inputs(chunk), entering(chunk), leaving[chunk.index], scale, with_decay, form, products.get(chunk.index),
+        )
 
 
 def value_gradient_last(chip: str | None) -> bool:
