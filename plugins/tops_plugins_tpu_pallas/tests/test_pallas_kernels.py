@@ -606,14 +606,28 @@ def test_lowered_for_v6e_the_fused_backward_stacks_its_state_products_and_matche
     # g, every token's decay gradient), every gradient against the float64 reference; on a 128-deep MXU, and for float32
     # inputs, the products stay split (or float32).
     split, stacked = mxu.SPLIT_BFLOAT16, mxu.SPLIT_BFLOAT16_STACKED
-    assert gradients.state_passes(jnp.bfloat16, "v5e", False) == gradients.StatePasses(split, split, split)
-    assert gradients.state_passes(jnp.float32, "v6e", False) == gradients.StatePasses(jnp.float32, jnp.float32, jnp.float32)
+    assert gradients.state_passes(jnp.bfloat16, "v5e", True) == gradients.StatePasses(split, split, split, split)
+    assert gradients.state_passes(jnp.float32, "v6e", True) == gradients.StatePasses(*[jnp.float32] * 4)
     implementation = tops_core.default_registry().get("simple_gla", "tpu_pallas.fused")
-    case = next(case for case in grid(implementation).supported if case.name == "bfloat16")
+    case = next(case for case in grid(implementation).supported if case.name == "bfloat16")  # g and g_gamma
     chosen = _choices_running_for_v6e(monkeypatch, ("state_passes", "input_products_first"), implementation, case)
-    assert chosen["state_passes"] == [gradients.StatePasses(stacked, stacked, stacked)]
+    # The pairs' sums stay split: dg_gamma sums every token's decay gradient.
+    assert chosen["state_passes"] == [gradients.StatePasses(stacked, stacked, stacked, split)]
     # Every chunk's products of its inputs traced before the rest of any chunk's gradients (gradients.reversed_gradients).
     assert chosen["input_products_first"] == [True] and not gradients.input_products_first("v5e")
+
+
+@pytest.mark.parametrize("case_name", ["bfloat16-weak-g", "reset-g"])
+def test_lowered_for_v6e_the_pairs_sums_of_g_alone_take_one_bf16_pass_and_match_the_reference(monkeypatch, case_name):
+    # gradients.state_passes' pair_sums (a v6e target in the interpreter): with g alone in bf16 each token's decay gradient
+    # sums its pairs in one bf16 pass, and (scale in the decays, ChunkForm.scale_in_decays) every gradient stays within
+    # the kit's tolerance of the float64 reference, under the weak decay and across gates of -inf.
+    implementation = tops_core.default_registry().get("simple_gla", "tpu_pallas.fused")
+    case = next(case for case in grid(implementation).supported if case.name == case_name)
+    case = dataclasses.replace(case, dtype="bfloat16")
+    chosen = _choices_running_for_v6e(monkeypatch, ("chunk_form",), implementation, case)
+    (form,) = chosen["chunk_form"]
+    assert form.passes.pair_sums == jnp.bfloat16 and form.scale_in_decays and form.products_first
 
 
 def _choices_running_for_v6e(monkeypatch, rules: tuple[str, ...], implementation, case) -> dict[str, list]:

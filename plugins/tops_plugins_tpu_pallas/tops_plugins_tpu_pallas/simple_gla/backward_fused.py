@@ -229,6 +229,6 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
         arrays.update(varlen.sequence_cuts(sequence_starts, geometry.chunk_size, geometry.time_steps * geometry.chunks_per_step))
     checkpoints = run(walk[0], gradients.checkpoints_kernel, arrays, every_chunk=False) if walk else {}
     chip = launch.Target.lowered_for().chip
-    form = gradients.chunk_form(q.dtype, chip, g is not None)
+    form = gradients.chunk_form(q.dtype, chip, g is not None, g_gamma is not None)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, scale=scale, form=form)
     return gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)

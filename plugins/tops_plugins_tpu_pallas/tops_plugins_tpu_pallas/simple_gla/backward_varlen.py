@@ -388,7 +388,7 @@ def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, 
     walk_arrays = arrays if walks_along_lanes(geometry.chunk_size) else {**kernel_operands(q, k, v, g, g_gamma, initial_state, geometry), **boundaries}
     checkpoints = run(checkpoints_plan, _checkpoints_kernel, walk_arrays)
     chip = launch.Target.lowered_for().chip
-    form = gradients.chunk_form(q.dtype, chip, g is not None)
+    form = gradients.chunk_form(q.dtype, chip, g is not None, g_gamma is not None)
     results = run(gradients_plan, _gradients_kernel, {**arrays, **checkpoints}, scale=scale, form=form)
     grads = gradients.caller_gradients(results, q, k, v, g, g_gamma, initial_state, geometry)
     if initial_state is None:

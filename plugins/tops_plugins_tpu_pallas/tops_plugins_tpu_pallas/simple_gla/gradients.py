@@ -178,19 +178,26 @@ def decay_gradient_operands(input_dtype):
 
 @dataclasses.dataclass(frozen=True)
 class StatePasses:
-    """How a gradients kernel's products with a float32 state or state gradient take the MXU (``matmul``'s operands):
-    ``chain`` recomputing the states and stepping ``dS``, ``reads`` the rows' reads of the entering state (``do S^T``),
-    ``writes`` their way to the leaving one (``v dS^T``)."""
+    """How a gradients kernel's products with a float32 operand take the MXU (``matmul``'s operands): ``chain``
+    recomputing the states and stepping ``dS``, ``reads`` the rows' reads of the entering state (``do S^T``), ``writes``
+    their way to the leaving one (``v dS^T``), ``pair_sums`` the pairs' sums of every token's decay gradient."""
 
     chain: object
     reads: object
     writes: object
+    pair_sums: object
 
 
-def state_passes(input_dtype, chip: str | None, per_token: bool) -> StatePasses:
+def state_passes(input_dtype, chip: str | None, per_token: bool, constant_decay: bool = False) -> StatePasses:
     """``StatePasses`` for bf16 inputs on a 256-deep MXU (v6e), where one pass takes both halves of a split float32 operand
     stacked along the contraction (``SPLIT_BFLOAT16_STACKED``), and where only ``dg_gamma`` is wanted (not ``per_token``)
-    ``do S^T`` takes one bf16 pass; else ``decay_gradient_operands`` for all three.
+    ``do S^T`` takes one bf16 pass; else ``decay_gradient_operands`` for all. ``pair_sums``: one bf16 pass on v6e where
+    every token's decay gradient is wanted and none is summed (no ``constant_decay``, ``g_gamma``, whose gradient sums
+    them): there the MXU binds the kernel with ``g``, and the pairs' sums in two passes are one of its 12 rows per token.
+    Each token's ``dg`` is then rounded once in bf16, which a sum over tokens that nearly cancels would magnify (the next
+    paragraph) but one token's does not: on the kit's bf16 cases with ``g`` it misses the float64 reference by 6.7e-4
+    under the weak decay (2.3e-6 in two passes; tolerance 1e-2). Modelled with ``g`` on v6e (products first, scale in the
+    decays): 194256 -> 189650 cycles, MXU rows per token 12 -> 11.
 
     Modelled, the fused backward's gradients kernel on v6e (B=2 T=4096 H=8 K=V=128 bf16; cycles, MXU rows per token):
     with ``g_gamma``, states and ``dS`` stacked, reads and writes split: 183326, 11.97; reads in one pass, writes stacked:
@@ -202,12 +209,16 @@ def state_passes(input_dtype, chip: str | None, per_token: bool) -> StatePasses:
     in one pass would miss it (1.4e-2), as ``decay_gradient_operands`` says."""
     split = decay_gradient_operands(input_dtype)
     if split != SPLIT_BFLOAT16 or not wide_mxu(chip):
-        return StatePasses(split, split, split)
-    return StatePasses(SPLIT_BFLOAT16_STACKED, SPLIT_BFLOAT16_STACKED if per_token else jnp.bfloat16, SPLIT_BFLOAT16_STACKED)
+        return StatePasses(split, split, split, split)
+    return StatePasses(
+        SPLIT_BFLOAT16_STACKED, SPLIT_BFLOAT16_STACKED if per_token else jnp.bfloat16, SPLIT_BFLOAT16_STACKED,
+        jnp.bfloat16 if per_token and not constant_decay else split,
+    )
 
 
 def attention(decays, q, k) -> jax.Array:
-    """The forward's masked, decayed ``(C, C)`` scores ``D_ij (q_i . k_j)`` (unscaled, float32); ``decays`` is ``D``."""
+    """The forward's masked, decayed ``(C, C)`` scores ``D_ij (q_i . k_j)`` (float32); ``decays`` is ``D``, or ``scale * D``
+    for scaled scores (``ChunkForm.scale_in_decays``)."""
     return query_by_key(q, k) * decays
 
 
@@ -216,14 +227,16 @@ def query_by_key(q, k) -> jax.Array:
     return matmul(q, k, mxu_operand_dtype(q.dtype), ROWS_BY_ROWS)
 
 
-def value_gradient(gates: ChunkGates, attention, k, do, dstate, scale: float) -> jax.Array:
-    """``dv`` of the chunk's rows, float32 ``(C, V_pad)``; ``dstate`` is the gradient of the state leaving it."""
+def value_gradient(gates: ChunkGates, attention, k, do, dstate, scale: float | None) -> jax.Array:
+    """``dv`` of the chunk's rows, float32 ``(C, V_pad)``; ``dstate`` is the gradient of the state leaving it, ``scale``
+    None where ``attention`` is scaled already."""
     return attention_value_gradient(attention, do, scale) + state_value_gradient(gates, k, dstate)
 
 
-def attention_value_gradient(attention, do, scale: float) -> jax.Array:
-    """The intra-chunk part of ``dv``: ``scale * sum_i D_ij (q_i . k_j) do_i``."""
-    return scale * matmul(attention, do, mxu_operand_dtype(do.dtype), COLUMNS_BY_COLUMNS)
+def attention_value_gradient(attention, do, scale: float | None) -> jax.Array:
+    """The intra-chunk part of ``dv``: ``scale * sum_i D_ij (q_i . k_j) do_i`` (``scale`` None: in ``attention``)."""
+    product = matmul(attention, do, mxu_operand_dtype(do.dtype), COLUMNS_BY_COLUMNS)
+    return product if scale is None else scale * product
 
 
 def state_value_gradient(gates: ChunkGates, k, dstate) -> jax.Array:
@@ -247,14 +260,15 @@ def state_writes(gates: ChunkGates, v, dstate, operands=None) -> jax.Array:
 
 def query_key_gradients(
     gates: ChunkGates, attention, q, k, v, do, entering, dstate, scale: float, with_decay: bool, summed_over=None,
-    passes: StatePasses | None = None, products: InputProducts | None = None,
+    passes: StatePasses | None = None, products: InputProducts | None = None, decays=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``dq``, ``dk`` (float32 ``(C, K_pad)``) and, ``with_decay``, the decay gradient row ``(1, C)`` of the chunk:
     every token's, or with ``summed_over`` (``summed_tokens``) a row whose sum is theirs (``summed_decay_gradient``).
 
-    ``entering`` is the forward state entering the chunk, ``dstate`` the gradient of the one leaving it; ``passes``
-    (``state_passes``) None: ``decay_gradient_operands`` for both state products; ``products``: the chunk's
-    ``input_products`` where they were traced already, else None.
+    ``decays``: ``scale * D`` where ``attention`` is scaled with them (``ChunkForm.scale_in_decays``), None where neither
+    is (``D`` from ``gates``); ``entering`` is the forward state entering the chunk, ``dstate`` the gradient of the one leaving it; ``passes`` (``state_passes``) None:
+    ``decay_gradient_operands`` for every product with a float32 operand; ``products``: the chunk's ``input_products``
+    where they were traced already, else None.
     """
     if products is None:
         # do v^T is traced before the state's terms: the other way round, the same instructions issued
@@ -264,8 +278,14 @@ def query_key_gradients(
         writes = state_writes(gates, v, dstate, passes and passes.writes)
     else:
         scores, reads, writes = products.output_by_value, products.reads, products.writes
-    across = gates.chunk * jnp.sum(entering * dstate) if with_decay else None
-    return query_key_gradients_of(gates.decays, attention, scores, q, k, reads, writes, across, scale, summed_over)
+    # The carried state's term is traced last, where the row takes it: traced first, the fused gradients kernel on v6e
+    # with g issued 187746 -> 196645 cycles.
+    across = (lambda: gates.chunk * jnp.sum(entering * dstate)) if with_decay else None
+    pair_sums = passes.pair_sums if passes is not None else None
+    scaled = decays is not None
+    return query_key_gradients_of(
+        decays if scaled else gates.decays, attention, scores, q, k, reads, writes, across, scale, summed_over, pair_sums, scaled,
+    )
 
 
 def per_token_decay_gradient(gated: bool, chip: str | None, split: bool = False) -> bool:
@@ -292,18 +312,26 @@ def summed_tokens(chunk: Chunk, per_token: bool):
 class ChunkForm:
     """How a gradients kernel computes every gradient of a chunk (``chunk_gradients``: fused's, varlen's) on the chip it
     is lowered for, each choice measured there: ``per_token`` (``per_token_decay_gradient``), ``passes``
-    (``state_passes``), ``values_last`` (``value_gradient_last``), ``products_first`` (``input_products_first``)."""
+    (``state_passes``), ``values_last`` (``value_gradient_last``), ``products_first`` (``input_products_first``), and
+    ``scale_in_decays``: ``scale`` taken once into the chunk's decays, which every product of its scores is scaled by
+    (the scores, their gradient, ``dv``'s and the pairs' sums), rather than into each of those; on v6e (products first,
+    with ``g``: 201314 -> 194256 cycles), not on the 128-wide chips (v5e ``g`` 300326 -> 318199, v5p 151082 -> 160138)."""
 
     per_token: bool
     passes: StatePasses
     values_last: bool
     products_first: bool
+    scale_in_decays: bool
 
 
-def chunk_form(input_dtype, chip: str | None, gated: bool) -> ChunkForm:
-    """``ChunkForm`` for inputs of ``input_dtype`` on ``chip``; ``gated``: the caller gave ``g``."""
+def chunk_form(input_dtype, chip: str | None, gated: bool, constant_decay: bool) -> ChunkForm:
+    """``ChunkForm`` for inputs of ``input_dtype`` on ``chip``; ``gated``: the caller gave ``g``, ``constant_decay``: and
+    ``g_gamma``."""
     per_token = per_token_decay_gradient(gated, chip)
-    return ChunkForm(per_token, state_passes(input_dtype, chip, per_token), value_gradient_last(chip), input_products_first(chip))
+    return ChunkForm(
+        per_token, state_passes(input_dtype, chip, per_token, constant_decay), value_gradient_last(chip), input_products_first(chip),
+        scale_in_decays=wide_mxu(chip),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,11 +346,11 @@ class InputProducts:
 
 
 def input_products(gates: ChunkGates, q, k, v, do, entering, dstate, passes: StatePasses) -> InputProducts:
-    """``InputProducts`` of one chunk: ``q k^T``, ``do v^T``, ``state_reads`` and ``state_writes``."""
-    return InputProducts(
-        query_by_key(q, k), output_by_value(do, v), state_reads(gates, do, entering, passes.reads),
-        state_writes(gates, v, dstate, passes.writes),
-    )
+    """``InputProducts`` of one chunk: ``q k^T``, ``do v^T``, ``state_reads`` and ``state_writes``, the state's first.
+    Traced the other way round, the fused gradients kernel on v6e with ``g`` issued 187650 -> 189650 cycles (the state's
+    products between the others': 190002 to 192210)."""
+    reads, writes = state_reads(gates, do, entering, passes.reads), state_writes(gates, v, dstate, passes.writes)
+    return InputProducts(query_by_key(q, k), output_by_value(do, v), reads, writes)
 
 
 def input_products_first(chip: str | None) -> bool:
@@ -342,15 +370,18 @@ def chunk_gradients(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """``dq``, ``dk``, ``dv`` (float32) and the decay gradient row of one chunk (``query_key_gradients``; ``gates`` with
     their decays), in ``form``; ``products``: its ``input_products`` where they were traced already, else None."""
-    scores = attention(gates.decays, q, k) if products is None else products.query_by_key * gates.decays
+    decays = scale * gates.decays if form.scale_in_decays else gates.decays
+    scores = attention(decays, q, k) if products is None else products.query_by_key * decays
     summed_over = summed_tokens(chunk, form.per_token)
+    values_scale = None if form.scale_in_decays else scale
     if not form.values_last:
-        dv = value_gradient(gates, scores, k, do, dstate, scale)
+        dv = value_gradient(gates, scores, k, do, dstate, values_scale)
     dq, dk, da = query_key_gradients(
         gates, scores, q, k, v, do, entering, dstate, scale, with_decay, summed_over, form.passes, products,
+        decays if form.scale_in_decays else None,
     )
     if form.values_last:
-        dv = value_gradient(gates, scores, k, do, dstate, scale)
+        dv = value_gradient(gates, scores, k, do, dstate, values_scale)
     return dq, dk, dv, da
 
 
@@ -390,34 +421,42 @@ def output_by_value(do, v) -> jax.Array:
 
 
 def query_key_gradients_of(
-    decays, attention, output_by_value, q, k, reads, writes, across, scale: float, summed_over=None,
+    decays, attention, output_by_value, q, k, reads, writes, across, scale: float, summed_over=None, pair_sums=None,
+    scaled: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``dq``, ``dk`` and the decay gradient row (None when ``across`` is) from the state's terms of every row.
 
-    ``output_by_value`` is ``output_by_value(do, v)``; ``reads`` and ``writes`` are ``state_reads``
-    and ``state_writes`` of the chunk's entering and leaving state; ``across`` the decay of the
-    state carried across the whole chunk, times ``sum(S * dS)`` (``(1, 1)``); ``summed_over`` as ``query_key_gradients``'.
+    ``decays`` and ``attention`` are ``scale`` times ``D`` and the scores where ``scaled``; ``output_by_value`` is
+    ``output_by_value(do, v)``; ``reads`` and ``writes`` are ``state_reads`` and ``state_writes`` of the chunk's entering
+    and leaving state; ``across`` a function giving the decay of the state carried across the whole chunk, times
+    ``sum(S * dS)`` (``(1, 1)``); ``summed_over`` as ``query_key_gradients``'; ``pair_sums``: the operands of the pairs' sums
+    (``StatePasses.pair_sums``; None: ``decay_gradient_operands``).
     """
     operands = mxu_operand_dtype(q.dtype)
     C = q.shape[0]
     dattention = output_by_value * decays
-    dq = scale * (matmul(dattention, k, operands) + reads)
-    dk = scale * matmul(dattention, q, operands, COLUMNS_BY_COLUMNS) + writes
+    if scaled:
+        dq = matmul(dattention, k, operands) + scale * reads
+        dk = matmul(dattention, q, operands, COLUMNS_BY_COLUMNS) + writes
+    else:
+        dq = scale * (matmul(dattention, k, operands) + reads)
+        dk = scale * matmul(dattention, q, operands, COLUMNS_BY_COLUMNS) + writes
     if across is None:
         return dq, dk, None
 
     rows = lax.broadcasted_iota(jnp.int32, (C, C), 0)  # i (or j) along sublanes
     tokens = lax.broadcasted_iota(jnp.int32, (C, C), 1)  # t along lanes
-    pairs = scale * attention * output_by_value  # (i, j)
+    pairs = attention * output_by_value if scaled else scale * attention * output_by_value  # (i, j)
     if summed_over is not None:
-        return dq, dk, summed_decay_gradient(pairs, q, k, reads, writes, across, scale, summed_over)
+        return dq, dk, summed_decay_gradient(pairs, q, k, reads, writes, across(), scale, summed_over)
     # (i, t): sum over j < t of pairs; then over i >= t. The 0/1 matrix is exact in bf16.
-    keys_before = matmul(pairs, (rows < tokens).astype(jnp.bfloat16), decay_gradient_operands(q.dtype))
+    pair_sums = decay_gradient_operands(q.dtype) if pair_sums is None else pair_sums
+    keys_before = matmul(pairs, (rows < tokens).astype(jnp.bfloat16), pair_sums)
     query_reads_state, key_reaches_end = state_products(q, k, reads, writes, scale)
     # Row r gives token t, where r >= t, its pairs with earlier keys and its query's read of the entering state, and
     # where r < t its key's way to the leaving state: one select and one sum over sublanes for the three.
     terms = jnp.where(rows >= tokens, keys_before + query_reads_state, key_reaches_end)
-    return dq, dk, jnp.sum(terms, axis=0, keepdims=True) + across
+    return dq, dk, jnp.sum(terms, axis=0, keepdims=True) + across()
 
 
 def summed_decay_gradient(pairs, q, k, reads, writes, across, scale: float, tokens) -> jax.Array:
