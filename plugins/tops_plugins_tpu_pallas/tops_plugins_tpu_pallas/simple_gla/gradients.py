@@ -265,10 +265,10 @@ def query_key_gradients(
     """``dq``, ``dk`` (float32 ``(C, K_pad)``) and, ``with_decay``, the decay gradient row ``(1, C)`` of the chunk:
     every token's, or with ``summed_over`` (``summed_tokens``) a row whose sum is theirs (``summed_decay_gradient``).
 
-    ``decays``: ``scale * D`` where ``attention`` is scaled with them (``ChunkForm.scale_in_decays``), None where neither
-    is (``D`` from ``gates``); ``entering`` is the forward state entering the chunk, ``dstate`` the gradient of the one leaving it; ``passes`` (``state_passes``) None:
-    ``decay_gradient_operands`` for every product with a float32 operand; ``products``: the chunk's ``input_products``
-    where they were traced already, else None.
+    ``entering`` is the forward state entering the chunk, ``dstate`` the gradient of the one leaving it; ``passes``
+    (``state_passes``) None: ``decay_gradient_operands`` for every product with a float32 operand; ``products``: the
+    chunk's ``input_products`` where they were traced already, else None; ``decays``: ``scale * D`` where ``attention``
+    is scaled with them (``ChunkForm.scale_in_decays``), None where neither is (``D`` from ``gates``).
     """
     if products is None:
         # do v^T is traced before the state's terms: the other way round, the same instructions issued
@@ -329,8 +329,8 @@ def chunk_form(input_dtype, chip: str | None, gated: bool, constant_decay: bool)
     ``g_gamma``."""
     per_token = per_token_decay_gradient(gated, chip)
     return ChunkForm(
-        per_token, state_passes(input_dtype, chip, per_token, constant_decay), value_gradient_last(chip), input_products_first(chip),
-        scale_in_decays=wide_mxu(chip),
+        per_token=per_token, passes=state_passes(input_dtype, chip, per_token, constant_decay),
+        values_last=value_gradient_last(chip), products_first=input_products_first(chip), scale_in_decays=wide_mxu(chip),
     )
 
 
@@ -347,8 +347,8 @@ class InputProducts:
 
 def input_products(gates: ChunkGates, q, k, v, do, entering, dstate, passes: StatePasses) -> InputProducts:
     """``InputProducts`` of one chunk: ``q k^T``, ``do v^T``, ``state_reads`` and ``state_writes``, the state's first.
-    Traced the other way round, the fused gradients kernel on v6e with ``g`` issued 187650 -> 189650 cycles (the state's
-    products between the others': 190002 to 192210)."""
+    Traced with ``q k^T`` first, the fused gradients kernel on v6e with ``g`` issued 187746 -> 189650 cycles (the state's
+    products between the others: 190002 to 192210)."""
     reads, writes = state_reads(gates, do, entering, passes.reads), state_writes(gates, v, dstate, passes.writes)
     return InputProducts(query_by_key(q, k), output_by_value(do, v), reads, writes)
 
