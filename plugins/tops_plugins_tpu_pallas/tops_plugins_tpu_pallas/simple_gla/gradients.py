@@ -195,9 +195,10 @@ def state_passes(input_dtype, chip: str | None, per_token: bool, constant_decay:
     every token's decay gradient is wanted and none is summed (no ``constant_decay``, ``g_gamma``, whose gradient sums
     them): there the MXU binds the kernel with ``g``, and the pairs' sums in two passes are one of its 12 rows per token.
     Each token's ``dg`` is then rounded once in bf16, which a sum over tokens that nearly cancels would magnify (the next
-    paragraph) but one token's does not: on the kit's bf16 cases with ``g`` it misses the float64 reference by 6.7e-4
-    under the weak decay (2.3e-6 in two passes; tolerance 1e-2). Modelled with ``g`` on v6e (products first, scale in the
-    decays): 194256 -> 189650 cycles, MXU rows per token 12 -> 11.
+    paragraph) but one token's does not: on the kit's bf16 ``g`` case ``dg`` misses the float64 reference by 5.2e-4 (2.7e-6
+    in two passes; tolerance 1e-2), under the weak decay by 3.2e-4, across gates of ``-inf`` by 8.3e-4, under strong
+    decays by 7.1e-4. Modelled with ``g`` on v6e (products first, scale in the decays): 194256 -> 189650 cycles, MXU rows
+    per token 12 -> 11.
 
     Modelled, the fused backward's gradients kernel on v6e (B=2 T=4096 H=8 K=V=128 bf16; cycles, MXU rows per token):
     with ``g_gamma``, states and ``dS`` stacked, reads and writes split: 183326, 11.97; reads in one pass, writes stacked:
