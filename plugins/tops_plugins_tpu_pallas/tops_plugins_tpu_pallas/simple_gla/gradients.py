@@ -261,15 +261,15 @@ def state_writes(gates: ChunkGates, v, dstate, operands=None) -> jax.Array:
 
 def query_key_gradients(
     gates: ChunkGates, attention, q, k, v, do, entering, dstate, scale: float, with_decay: bool, summed_over=None,
-    passes: StatePasses | None = None, products: InputProducts | None = None, decays=None,
+    passes: StatePasses | None = None, products: InputProducts | None = None, decays=None, scaled: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """``dq``, ``dk`` (float32 ``(C, K_pad)``) and, ``with_decay``, the decay gradient row ``(1, C)`` of the chunk:
     every token's, or with ``summed_over`` (``summed_tokens``) a row whose sum is theirs (``summed_decay_gradient``).
 
     ``entering`` is the forward state entering the chunk, ``dstate`` the gradient of the one leaving it; ``passes``
     (``state_passes``) None: ``decay_gradient_operands`` for every product with a float32 operand; ``products``: the
-    chunk's ``input_products`` where they were traced already, else None; ``decays``: ``scale * D`` where ``attention``
-    is scaled with them (``ChunkForm.scale_in_decays``), None where neither is (``D`` from ``gates``).
+    chunk's ``input_products`` where they were traced already, else None; ``decays``: the chunk's decays as ``attention``
+    took them (None: ``gates.decays``), ``scale * D`` where ``scaled`` (``ChunkForm.scale_in_decays``).
     """
     if products is None:
         # do v^T is traced before the state's terms: the other way round, the same instructions issued
@@ -283,9 +283,9 @@ def query_key_gradients(
     # with g issued 187746 -> 196645 cycles.
     across = (lambda: gates.chunk * jnp.sum(entering * dstate)) if with_decay else None
     pair_sums = passes.pair_sums if passes is not None else None
-    scaled = decays is not None
     return query_key_gradients_of(
-        decays if scaled else gates.decays, attention, scores, q, k, reads, writes, across, scale, summed_over, pair_sums, scaled,
+        gates.decays if decays is None else decays, attention, scores, q, k, reads, writes, across, scale, summed_over,
+        pair_sums, scaled,
     )
 
 
@@ -378,8 +378,8 @@ def chunk_gradients(
     if not form.values_last:
         dv = value_gradient(gates, scores, k, do, dstate, values_scale)
     dq, dk, da = query_key_gradients(
-        gates, scores, q, k, v, do, entering, dstate, scale, with_decay, summed_over, form.passes, products,
-        decays if form.scale_in_decays else None,
+        gates, scores, q, k, v, do, entering, dstate, scale, with_decay, summed_over, form.passes, products, decays,
+        form.scale_in_decays,
     )
     if form.values_last:
         dv = value_gradient(gates, scores, k, do, dstate, values_scale)
