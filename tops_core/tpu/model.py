@@ -22,8 +22,9 @@ schedule is much longer than its busiest unit needs). The op's time adds its ker
 them (read off the compiled program) at HBM bandwidth, in two settings:
 
 - **alone**: ``q``, ``k``, ``v`` are the program's ``[B, T, H, D]`` parameters;
-- **in a layer**: ``q``, ``k``, ``v`` come from ``x @ W`` reshaped to heads, and ``o`` is reshaped back
-  and projected, as in a model.
+- **in a layer**: every per-token argument (``q``, ``k``, ``v``, and ``g`` and ``beta`` where the op takes
+  them per token) comes from ``x @ W`` reshaped to heads, and ``o`` is reshaped back and projected, as in
+  a model.
 
 An implementation with its own backward is modelled backward too: its backward alone (``op.backward``,
 with the final state's cotangent ``dht`` when the workload outputs the final state; its kernels modelled the same way), against the backward's floor, which reads ``q``, ``k``, ``v``,
@@ -44,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -326,7 +328,7 @@ def program(case: dict[str, Any], implementation: str, setting: str) -> tuple[An
     forward = functools.partial(op(case.op).forward, **static, implementation=implementation)
     if setting == "alone":
         return (lambda arrays: forward(**arrays), arrays)
-    return _in_a_layer(case, forward, arrays)
+    return in_a_layer(forward, arrays)
 
 
 TOKEN_ARRAYS = ("q", "k", "v", "g", "beta")
@@ -348,19 +350,29 @@ def _arguments(case: Case) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, A
     return arrays, {name: x for name, x in inputs.items() if name not in arrays}
 
 
-def _in_a_layer(case: Case, forward: Callable, arrays: dict[str, jax.ShapeDtypeStruct]) -> tuple[Any, ...]:
-    """The op between projections, and its abstract arguments: ``x @ W`` reshaped to heads, the op, ``o`` reshaped back and projected."""
-    B, T, H, K, V = case.batch, case.seq_len, case.heads, case.key_dim, case.value_dim
-    HV, width, dtype = case.value_heads, H * K, jnp.dtype(case.dtype)
-    others = {name: x for name, x in arrays.items() if name not in ("q", "k", "v")}
+def in_a_layer(forward: Callable, arrays: dict[str, jax.ShapeDtypeStruct]) -> tuple[Any, ...]:
+    """The op between projections, and its abstract arguments: every per-token argument (``q``, ``k``, ``v`` and
+    the gates and ``beta`` where the op takes them) is ``x @ W`` reshaped to heads, as a model's layer computes
+    them, then ``forward(**inputs)``, and ``o`` reshaped back and projected.
 
-    def layer(x, wq, wk, wv, wo, others):
-        q, k, v = (x @ wq).reshape(B, T, H, K), (x @ wk).reshape(B, T, H, K), (x @ wv).reshape(B, T, HV, V)
-        o, state = forward(q, k, v, **others)
+    A per-token argument given as a parameter instead would arrive in XLA's default layout for it, and a kernel
+    reading another layout would pay a copy that no layer pays: the projection writes the layout its reader wants.
+    """
+    B, T, HV, V = arrays["v"].shape
+    width, dtype = arrays["q"].shape[2] * arrays["q"].shape[3], arrays["q"].dtype
+    projected = {name: x for name, x in arrays.items() if name in TOKEN_ARRAYS}
+    others = {name: x for name, x in arrays.items() if name not in TOKEN_ARRAYS}
+
+    def layer(x, weights, wo, others):
+        inputs = {
+            name: jnp.matmul(x, weights[name], preferred_element_type=shape.dtype).reshape(shape.shape)
+            for name, shape in projected.items()
+        }
+        o, state = forward(**inputs, **others)
         return o.reshape(B, T, HV * V) @ wo, state
 
-    shapes = ((B, T, width), (width, H * K), (width, H * K), (width, HV * V), (HV * V, width))
-    return (layer, *(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes), others)
+    weights = {name: jax.ShapeDtypeStruct((width, math.prod(shape.shape[2:])), dtype) for name, shape in projected.items()}
+    return (layer, jax.ShapeDtypeStruct((B, T, width), dtype), weights, jax.ShapeDtypeStruct((HV * V, width), dtype), others)
 
 
 def _time(seconds: float) -> str:
@@ -422,7 +434,7 @@ def format_model(model: TpuModel) -> str:
         f"{tpu.clock_hz / 1e9:.2f} GHz; MXU = the rows its pushes stream x {tpu.mxu_row_flops()} flops ({tpu.mxu}x{tpu.mxu} MXU) / "
         f"{tpu.peak_bf16_flops * model.share / 1e12:.0f} TFLOP/s; modelled = the largest, the limit that binds (tops_core/tpu/model.py).",
         "Per op: its kernels plus the relayout copies XLA adds around them at HBM bandwidth; alone: q, k, v, o are [B, T, H, D] "
-        "parameters; in a layer: between x @ W projections. XLA's count: its own cost analysis of the op alone.",
+        "parameters; in a layer: every per-token input projected from x (x @ W), o projected back. XLA's count: its own cost analysis of the op alone.",
     ]
     if any(row.backward is not None for row in model.rows):
         lines.append(

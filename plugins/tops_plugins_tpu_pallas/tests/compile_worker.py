@@ -10,7 +10,7 @@ Requests: ``{"call": {...}}`` compiles the forward of one call of ``tpu_pallas.<
 ``cu_seqlens`` when it names ``num_seqs``; or kda with ``"op": "kda"`` (gated_delta_rule and gla likewise), with the
 activation options it names, and ``groups`` value heads per query/key head), or with ``"gradient": true`` the
 value and gradient of ``sum(o**2) (+ sum(final_state**2))`` for every input;
-``{"layer": {...}}`` compiles the forward between projections; ``{"bench": {...}}`` returns the
+``{"layer": {...}}`` compiles the forward between projections (``tops_core.tpu.model.in_a_layer``, as `tops bench` models it); ``{"bench": {...}}`` returns the
 text of ``tops bench``'s modelled TPU section; ``{"decode": {...}}`` compiles a decode step as a server
 runs it (or a packed prefill of ``num_seqs`` sequences; any op), the dispatcher choosing: a state pool of ``pool`` rows
 (or a dense state, or none) donated, the final state returned (``aliased``: whether the compiled program returns the pool in its input's buffer;
@@ -136,18 +136,10 @@ def compile_call(call: dict) -> compile_only.ProgramFacts:
 
 
 def compile_layer(call: dict) -> compile_only.ProgramFacts:
-    B, T, H, K, V = (call[name] for name in ("B", "T", "H", "K", "V"))
-    dtype, forward = jnp.dtype(call["dtype"]), _forward(call)
-    others = {name: x for name, x in _arrays(call).items() if name not in ("q", "k", "v")}
-
-    def layer(x, wq, wk, wv, wo, others):
-        q, k, v = (x @ wq).reshape(B, T, H, K), (x @ wk).reshape(B, T, H, K), (x @ wv).reshape(B, T, H, V)
-        o, _ = forward({"q": q, "k": k, "v": v, **others})
-        return o.reshape(B, T, H * V) @ wo
-
-    shapes = ((B, T, H * K), (H * K, H * K), (H * K, H * K), (H * K, H * V), (H * V, H * K))
-    args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
-    return compile_only.ProgramFacts.of(compile_only.compile_for(call["generation"], layer, *args, others))
+    forward = _forward(call)
+    arrays = _kda_arrays(call) if call.get("op") in PER_CHUNK_OPS else _arrays(call)
+    layer, *args = tpu_model.in_a_layer(lambda **inputs: forward(inputs), arrays)
+    return compile_only.ProgramFacts.of(compile_only.compile_for(call["generation"], layer, *args))
 
 
 def bench_section(request: dict) -> str:

@@ -292,6 +292,20 @@ def test_layout_around_the_kernels_on_v6e(worker, kernel):
     assert in_a_layer["hbm_bytes"] == in_a_layer["kernel_cost"]["bytes_accessed"]
 
 
+@pytest.mark.parametrize("op", ["kda", "gated_delta_rule"])
+def test_per_token_gates_in_a_layer_cost_no_copy_on_v6e(worker, op):
+    # kda's g [B, T, H, K] is read as [B, T, H * K], and both ops' beta (and gated_delta_rule's g) [B, T, HV] as
+    # (rows, HV) blocks. As parameters XLA hands them over tiled otherwise and copies them (kda: both), but a layer
+    # computes them with projections, which write the layout the kernel reads (tops_core.tpu.model.in_a_layer).
+    call = dict(op=op, kernel="fused", generation="v6e", B=2, T=1024, H=4, K=128, V=128, dtype="bfloat16", use_qk_l2norm=True,
+                initial_state=False, final_state=False)
+    alone = worker.ask({"call": {**call, "gradient": False}})
+    assert any(relayout.startswith("copy f32[2,1024,4]") for relayout in alone["relayouts"]), alone["relayouts"]
+    in_a_layer = worker.ask({"layer": call})
+    assert in_a_layer["relayouts"] == []
+    assert in_a_layer["hbm_bytes"] == in_a_layer["kernel_cost"]["bytes_accessed"]
+
+
 # With -m slow (10 s): the default run's `tops bench` models the same fused kernels (on v6e), and
 # tests/test_bench.py checks the modelled section's place in the CLI's output.
 @pytest.mark.slow
