@@ -171,6 +171,32 @@ def test_decays_near_one_keep_float32_accuracy_under_a_large_cumulative_gate():
     np.testing.assert_array_equal(neighbours[32::2], 1.0)  # an empty run: exp(0)
 
 
+def _runs(size: int, levels: tuple[int, ...], fine: int | None) -> np.ndarray:
+    """The run of tokens each exponent sums, one 0/1 (for e signed) row per token and section, from positions alone."""
+    i, t = np.arange(size)[:, None], np.arange(size)[None, :]
+    sections = [t <= i, t > i]  # b_i, b_C - b_i
+    for s in levels:  # around r, the last token of the earlier half of i's block of 2s
+        later, start = (i // s) % 2 == 1, (i // s) * s
+        sections.append(np.where(later, (start <= t) & (t <= i), (i < t) & (t < start + s)))
+    runs = np.concatenate(sections).astype(np.float64)
+    if fine is not None:  # e_i = b_i - b_r, r the middle of i's sub-chunk of `fine`
+        r = (i // fine) * fine + fine // 2 - 1
+        runs = np.concatenate([runs, ((r < t) & (t <= i)).astype(np.float64) - ((i < t) & (t <= r))])
+    return runs
+
+
+@pytest.mark.parametrize("size, fine", [(8, None), (64, None), (64, 4), (64, 16), (128, 32), (128, 128)])
+def test_run_sums_grown_from_8_token_groups_are_the_runs_sums(size, fine):
+    # Runs inside a group of 8 tokens come from the MXU, longer ones from whole groups' totals added on the VPU;
+    # together every section is its run's sum to float32 accuracy, with strong and weak gates side by side.
+    g = -np.abs(np.random.default_rng(size).standard_normal((size, 128))) * np.where(np.arange(128) < 64, 10.0, 1e-3)
+    levels = chunkwise.coarse_level_sizes(size, fine)
+    sums = chunkwise.run_sum_sections(jnp.asarray(g, jnp.float32), levels, fine, 3)
+    want = _runs(size, levels, fine) @ g
+    assert sums.shape == want.shape
+    np.testing.assert_allclose(np.asarray(sums, np.float64), want, rtol=1e-6, atol=1e-6 * np.abs(g).max())
+
+
 def _spec(**changes):
     fields = dict(
         op="kda", platform="tpu", dtype="bfloat16", batch=8, seq_len=4096, heads=16, key_dim=128, value_dim=128,

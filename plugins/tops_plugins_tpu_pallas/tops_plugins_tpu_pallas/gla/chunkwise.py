@@ -16,7 +16,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tops_plugins_tpu_pallas.grid import Work
-from tops_plugins_tpu_pallas.kda.chunkwise import Decays, Factors, chunk_body_vmem, interleaved_pairs, level_rows, level_sizes, run_sum_parts
+from tops_plugins_tpu_pallas.kda.chunkwise import (
+    Decays, Factors, chunk_body_vmem, interleaved_pairs, level_rows, level_sizes, run_sum_flops, run_sum_parts,
+)
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul
 from tops_plugins_tpu_pallas.recurrence import Recurrence
@@ -57,12 +59,12 @@ def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
 
 def chunk_work(geometry: Geometry, use_qk_l2norm: bool = False, lower_bound: float | None = None, packed: bool = False) -> Work:
     """One chunk's ``chunk_factors`` and ``through_state`` for one value block, counted op by op: the run sums of ``g``
-    (``2 + levels`` sections of ``C`` rows against ``C x K``), one ``C x K @ K x C`` product per level, the state's three
-    products and ``Aqk v``; the decays' exps. ``use_qk_l2norm``, ``lower_bound`` and ``packed`` change none of it."""
+    (kda's ``run_sum_flops``), one ``C x K @ K x C`` product per level, the state's three products and ``Aqk v``; the
+    decays' exps (``2 + levels`` sections). ``use_qk_l2norm``, ``lower_bound`` and ``packed`` change none of it."""
     del use_qk_l2norm, lower_bound, packed
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     levels = len(level_sizes(C))
-    run_sums = 2 * (2 + levels) * C * C * K
+    run_sums = run_sum_flops(C, K, level_sizes(C), None)
     pairs = sum(2 * level_rows(C, s) * K * C for s in level_sizes(C))
     outputs = 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb
     return Work(flops=run_sums + pairs + outputs, transcendentals=(2 + levels) * C * K)

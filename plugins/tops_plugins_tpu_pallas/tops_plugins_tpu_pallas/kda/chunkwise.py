@@ -24,10 +24,11 @@ earlier-half rows of ``k``), masked to pairs inside one block.
 **Exponents without cancellation.** Every exponent is a sum of ``g`` over a run of tokens inside
 the chunk: ``b_i`` (from the chunk start), ``b_C - b_j`` (after ``j`` to the end) and, per level,
 ``b_i - b_r`` for the later half and ``b_r - b_j`` for the earlier half (one section: a token lies in one
-half, so its row holds the run it needs). All are computed at once as one matmul of 0/1 run masks with
-``g`` (``run_sums``: as exact as float32 with float32 inputs, to ``2**-17`` with narrower ones,
-``run_sum_parts``); none is a difference of two large cumulative sums, so a decay near 1 keeps float32
-accuracy however large ``|b|`` grows. Rows a mask leaves empty get exponent 0, never a positive one.
+half, so its row holds the run it needs). The runs inside each group of 8 tokens are one matmul of 0/1
+run masks with ``g`` (``run_sums``: as exact as float32 with float32 inputs, to ``2**-17`` with narrower
+ones, ``run_sum_parts``), and the longer ones add whole groups' totals on the VPU (``run_sum_sections``);
+none is a difference of two large cumulative sums, so a decay near 1 keeps float32 accuracy however
+large ``|b|`` grows. Rows a mask leaves empty get exponent 0, never a positive one.
 
 **Resets.** A gate of ``-inf`` (``exp(-inf) = 0``: the key's row of the state is reset) would make the
 masks' zeros times ``-inf`` NaN. It is taken as ``exponents.RESET_LOG_DECAY`` (``-2**100``) instead:
@@ -115,19 +116,74 @@ def _in_later_half(index: jax.Array, size: int) -> jax.Array:
     return (_block(index, size) & 1) == 1
 
 
-def _run_masks(chunk_size: int, sizes: tuple[int, ...]) -> jax.Array:
-    """0/1 rows ``(2 + len(sizes)) * C x C``: row ``i`` of each ``C``-row section sums ``g`` over one run of tokens.
+def _group_run_masks(chunk_size: int, group: int, sizes: tuple[int, ...], fine_size: int | None) -> jax.Array:
+    """0/1 (and for ``e``, signed) rows, ``C`` per section: row ``i`` of each section sums ``g`` over one run of tokens
+    inside ``i``'s group of ``group`` tokens (``run_sum_sections`` builds the longer runs from them).
 
-    Sections: ``(.., i]`` (``b_i``), ``(i, ..)`` (``b_C - b_i``), then per level of ``sizes`` the run between
-    the level's point ``r`` and ``i``: ``(r, i]`` for a later-half token (``b_i - b_r``), ``(i, r]`` for an
-    earlier-half one (``b_r - b_i``). A token is in one half only, so one section serves both factors.
+    Sections: ``P_G``, the run from the group's first token to ``i`` inclusive, and ``X_G``, from after ``i`` to the
+    group's last token; per level of ``sizes`` below the group the run between the level's point ``r`` and ``i``:
+    ``(r, i]`` for a later-half token (``b_i - b_r``), ``(i, r]`` for an earlier-half one (``b_r - b_i``; a token is in
+    one half only, so one section serves both factors); then ``e`` (``_fine_mask``) where its sub-chunk fits the group.
     """
     i, t = row_and_column_iotas(chunk_size)
-    sections = [t <= i, t > i]
+    same_group = _block(i, group) == _block(t, group)
+    sections = [same_group & (t <= i), same_group & (t > i)]
     for s in sizes:
-        same_half = _block(i, s) == _block(t, s)
-        sections.append(same_half & jnp.where(_in_later_half(i, s), t <= i, t > i))
-    return jnp.concatenate([m.astype(_F32) for m in sections], axis=0)
+        if s < group:
+            same_half = _block(i, s) == _block(t, s)
+            sections.append(same_half & jnp.where(_in_later_half(i, s), t <= i, t > i))
+    masks = jnp.concatenate([m.astype(_F32) for m in sections], axis=0)
+    if fine_size is not None and fine_size <= group:
+        masks = jnp.concatenate([masks, _fine_mask(chunk_size, fine_size)], axis=0)
+    return masks
+
+
+def _doubled_runs(prefix: jax.Array, suffix: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """``(P_2s, X_2s)`` from ``(P_s, X_s)``: each token's run sum from its ``s``-segment's first token to itself
+    (inclusive) and from after it to the segment's last token. A later half's prefix adds its earlier half's total (that
+    half's last ``P_s`` row), an earlier half's suffix its later half's total: sums of ``g`` of one sign, never a
+    difference. ``s`` a multiple of a vector register's rows, so every slice is whole registers and each total one
+    row broadcast."""
+    doubled_prefix, doubled_suffix = [], []
+    for start in range(0, prefix.shape[0], 2 * size):
+        middle, end = start + size, start + 2 * size
+        doubled_prefix += [prefix[start:middle], prefix[middle:end] + prefix[middle - 1 : middle]]
+        doubled_suffix += [suffix[start:middle] + prefix[end - 1 : end], suffix[middle:end]]
+    return jnp.concatenate(doubled_prefix, axis=0), jnp.concatenate(doubled_suffix, axis=0)
+
+
+def _by_halves(earlier: jax.Array, later: jax.Array, size: int) -> jax.Array:
+    """``earlier``'s rows in the earlier half of every ``2 * size``-token block, ``later``'s in the later half."""
+    return jnp.concatenate(
+        [piece for start in range(0, earlier.shape[0], 2 * size) for piece in (earlier[start : start + size], later[start + size : start + 2 * size])],
+        axis=0,
+    )
+
+
+def run_sum_sections(g: jax.Array, sizes: tuple[int, ...], fine_size: int | None, parts: int) -> jax.Array:
+    """``(2 + len(sizes) (+ 1)) * C x K``: per token and key the run sums ``b_i``, ``b_C - b_i``, one section per level
+    of ``sizes`` (the run between the level's point and the token) and, with ``fine_size``, the bounded path's ``e``.
+
+    The MXU sums the runs inside each group of 8 tokens (one float32 vector register's rows; ``_group_run_masks``),
+    ``parts`` exact bf16 parts at once (``run_sums``); ``_doubled_runs`` then grows them to every longer segment on the
+    VPU, whose sections are halves of those segments. A product streams each section's ``C`` rows whatever the run's
+    length, so the long runs took 5 of kda's 8 sections at chunk 64.
+    """
+    C = g.shape[0]
+    group = min(SUBLANES, C)
+    small = run_sums(_group_run_masks(C, group, sizes, fine_size), g, parts)
+    prefix, suffix, *rest = (small[n * C : (n + 1) * C] for n in range(small.shape[0] // C))
+    levels = dict(zip((s for s in sizes if s < group), rest))
+    fine = rest[-1] if fine_size is not None and fine_size <= group else None
+    size = group
+    while size < C:
+        if size in sizes:
+            levels[size] = _by_halves(suffix, prefix, size)
+        if fine_size == 2 * size:
+            fine = _by_halves(-suffix, prefix, size)
+        prefix, suffix = _doubled_runs(prefix, suffix, size)
+        size *= 2
+    return jnp.concatenate([prefix, suffix, *(levels[s] for s in sizes), *(() if fine is None else (fine,))], axis=0)
 
 
 def _fine_mask(chunk_size: int, size: int) -> jax.Array:
@@ -207,9 +263,18 @@ def _column_sums_cotangents(rows, dsums):
 column_sums.defvjp(_column_sums_forward, _column_sums_cotangents)
 
 
+def run_sum_flops(chunk_size: int, key_dim: int, sizes: tuple[int, ...], fine_size: int | None) -> int:
+    """``run_sum_sections``' flops: its matmul's sections, ``C x C @ C x K`` each, and the VPU's additions, a
+    ``C x K`` array per doubling."""
+    group = min(SUBLANES, chunk_size)
+    sections = 2 + sum(1 for s in sizes if s < group) + (1 if fine_size is not None and fine_size <= group else 0)
+    doublings = (chunk_size // group).bit_length() - 1
+    return 2 * sections * chunk_size * chunk_size * key_dim + doublings * chunk_size * key_dim
+
+
 @dataclasses.dataclass(frozen=True)
 class Decays:
-    """Every decay one chunk needs, ``exp`` of the run sums of ``_run_masks``."""
+    """Every decay one chunk needs, ``exp`` of the run sums of ``run_sum_sections``."""
 
     to_token: jax.Array  # (C, K): exp(b_i)
     to_end: jax.Array  # (C, K): exp(b_C - b_i)
@@ -229,11 +294,8 @@ class Decays:
             g = jnp.where(resets, jnp.float32(RESET_LOG_DECAY), g)
         g = jnp.maximum(g, RESET_LOG_DECAY)
         sizes = coarse_level_sizes(C, fine_size)
-        masks = _run_masks(C, sizes)
-        fine_separately = fine_size is not None and resets is not None
-        if fine_size is not None and not fine_separately:  # no reset: e's run sums ride along in the one matmul
-            masks = jnp.concatenate([masks, _fine_mask(C, fine_size)], axis=0)
-        sums = run_sums(masks, g, parts)
+        fine_separately = fine_size is not None and resets is not None  # no reset: e's run sums ride along
+        sums = run_sum_sections(g, sizes, None if fine_separately else fine_size, parts)
         fine = None
         if fine_size is not None:
             exponents = run_sums(_fine_mask(C, fine_size), bounded_g, parts) if fine_separately else sums[-C:]
@@ -539,8 +601,10 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | Non
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     fine = fine_block_size(C, lower_bound)
     coarse = len(coarse_level_sizes(C, fine))
-    sections = 2 + coarse + (1 if fine else 0)  # the fine section e: in the one matmul, or its own when packed
-    run_sums = 2 * sections * C * C * K
+    sections = 2 + coarse + (1 if fine else 0)  # the fine section e: with the others, or its own matmul when packed
+    run_sums = run_sum_flops(C, K, coarse_level_sizes(C, fine), None if packed else fine)
+    if fine and packed:
+        run_sums += 2 * C * C * K
     levels = sum(2 * (2 * level_rows(C, s)) * K * C for s in coarse_level_sizes(C, fine))  # keys' and queries' rows
     sub_chunk = 2 * (2 * C) * K * C if fine else 0
     pairs_ = levels + sub_chunk + (2 * C * C * C if fine and packed else 0)
