@@ -186,15 +186,21 @@ def _runs(size: int, levels: tuple[int, ...], fine: int | None) -> np.ndarray:
 
 
 @pytest.mark.parametrize("size, fine", [(8, None), (64, None), (64, 4), (64, 16), (128, 32), (128, 128)])
-def test_run_sums_grown_from_8_token_groups_are_the_runs_sums(size, fine):
-    # Runs inside a group of 8 tokens come from the MXU, longer ones from whole groups' totals added on the VPU;
-    # together every section is its run's sum to float32 accuracy, with strong and weak gates side by side.
+def test_decays_grown_from_8_token_groups_are_the_runs_decays(size, fine):
+    # Runs inside a group of 8 tokens are summed on the MXU, longer ones' decays are products of whole groups' on the
+    # VPU; every section is its run's decay to float32 accuracy, strong and weak gates side by side, and the bounded
+    # path's e its run's sum.
     g = -np.abs(np.random.default_rng(size).standard_normal((size, 128))) * np.where(np.arange(128) < 64, 10.0, 1e-3)
     levels = chunkwise.coarse_level_sizes(size, fine)
-    sums = chunkwise.run_sum_sections(jnp.asarray(g, jnp.float32), levels, fine, 3)
-    want = _runs(size, levels, fine) @ g
-    assert sums.shape == want.shape
-    np.testing.assert_allclose(np.asarray(sums, np.float64), want, rtol=1e-6, atol=1e-6 * np.abs(g).max())
+    decays, exponents = chunkwise.decay_sections(jnp.asarray(g, jnp.float32), levels, fine, 3)
+    runs = _runs(size, levels, fine)
+    want = np.exp(runs[: decays.shape[0]] @ g)
+    assert decays.shape == want.shape
+    np.testing.assert_allclose(np.asarray(decays, np.float64), want, rtol=1e-5, atol=1e-30)  # exp of an f32 exponent near -30
+    if fine is None:
+        assert exponents is None
+    else:
+        np.testing.assert_allclose(np.asarray(exponents, np.float64), runs[-size:] @ g, rtol=1e-6, atol=1e-6 * np.abs(g).max())
 
 
 def _spec(**changes):

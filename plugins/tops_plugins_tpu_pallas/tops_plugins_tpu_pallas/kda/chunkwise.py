@@ -26,9 +26,9 @@ the chunk: ``b_i`` (from the chunk start), ``b_C - b_j`` (after ``j`` to the end
 ``b_i - b_r`` for the later half and ``b_r - b_j`` for the earlier half (one section: a token lies in one
 half, so its row holds the run it needs). The runs inside each group of 8 tokens are one matmul of 0/1
 run masks with ``g`` (``run_sums``: as exact as float32 with float32 inputs, to ``2**-17`` with narrower
-ones, ``run_sum_parts``), and the longer ones add whole groups' totals on the VPU (``run_sum_sections``);
-none is a difference of two large cumulative sums, so a decay near 1 keeps float32 accuracy however
-large ``|b|`` grows. Rows a mask leaves empty get exponent 0, never a positive one.
+ones, ``run_sum_parts``), and the longer runs' decays are products of whole groups' decays on the VPU
+(``decay_sections``); none is a difference of two large cumulative sums, so a decay near 1 keeps float32
+accuracy however large ``|b|`` grows. Rows a mask leaves empty get exponent 0, never a positive one.
 
 **Resets.** A gate of ``-inf`` (``exp(-inf) = 0``: the key's row of the state is reset) would make the
 masks' zeros times ``-inf`` NaN. It is taken as ``exponents.RESET_LOG_DECAY`` (``-2**100``) instead:
@@ -118,7 +118,7 @@ def _in_later_half(index: jax.Array, size: int) -> jax.Array:
 
 def _group_run_masks(chunk_size: int, group: int, sizes: tuple[int, ...], fine_size: int | None) -> jax.Array:
     """0/1 (and for ``e``, signed) rows, ``C`` per section: row ``i`` of each section sums ``g`` over one run of tokens
-    inside ``i``'s group of ``group`` tokens (``run_sum_sections`` builds the longer runs from them).
+    inside ``i``'s group of ``group`` tokens (``decay_sections`` builds the longer runs' decays from them).
 
     Sections: ``P_G``, the run from the group's first token to ``i`` inclusive, and ``X_G``, from after ``i`` to the
     group's last token; per level of ``sizes`` below the group the run between the level's point ``r`` and ``i``:
@@ -138,17 +138,17 @@ def _group_run_masks(chunk_size: int, group: int, sizes: tuple[int, ...], fine_s
     return masks
 
 
-def _doubled_runs(prefix: jax.Array, suffix: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """``(P_2s, X_2s)`` from ``(P_s, X_s)``: each token's run sum from its ``s``-segment's first token to itself
-    (inclusive) and from after it to the segment's last token. A later half's prefix adds its earlier half's total (that
-    half's last ``P_s`` row), an earlier half's suffix its later half's total: sums of ``g`` of one sign, never a
-    difference. ``s`` a multiple of a vector register's rows, so every slice is whole registers and each total one
-    row broadcast."""
+def _doubled_runs(prefix: jax.Array, suffix: jax.Array, size: int, combine=operator.add) -> tuple[jax.Array, jax.Array]:
+    """``(P_2s, X_2s)`` from ``(P_s, X_s)``: each token's run from its ``s``-segment's first token to itself (inclusive)
+    and from after it to the segment's last token, as sums of ``g`` (``combine`` adds) or as their decays (it
+    multiplies). A later half's prefix takes in its earlier half's whole run (that half's last ``P_s`` row), an earlier
+    half's suffix its later half's: sums of one sign or products of decays, never a difference or a quotient. ``s`` a
+    multiple of a vector register's rows, so every slice is whole registers and each whole run one row broadcast."""
     doubled_prefix, doubled_suffix = [], []
     for start in range(0, prefix.shape[0], 2 * size):
         middle, end = start + size, start + 2 * size
-        doubled_prefix += [prefix[start:middle], prefix[middle:end] + prefix[middle - 1 : middle]]
-        doubled_suffix += [suffix[start:middle] + prefix[end - 1 : end], suffix[middle:end]]
+        doubled_prefix += [prefix[start:middle], combine(prefix[middle:end], prefix[middle - 1 : middle])]
+        doubled_suffix += [combine(suffix[start:middle], prefix[end - 1 : end]), suffix[middle:end]]
     return jnp.concatenate(doubled_prefix, axis=0), jnp.concatenate(doubled_suffix, axis=0)
 
 
@@ -160,30 +160,35 @@ def _by_halves(earlier: jax.Array, later: jax.Array, size: int) -> jax.Array:
     )
 
 
-def run_sum_sections(g: jax.Array, sizes: tuple[int, ...], fine_size: int | None, parts: int) -> jax.Array:
-    """``(2 + len(sizes) (+ 1)) * C x K``: per token and key the run sums ``b_i``, ``b_C - b_i``, one section per level
-    of ``sizes`` (the run between the level's point and the token) and, with ``fine_size``, the bounded path's ``e``.
+def decay_sections(g: jax.Array, sizes: tuple[int, ...], fine_size: int | None, parts: int) -> tuple[jax.Array, jax.Array | None]:
+    """``exp`` of the run sums, ``(2 + len(sizes)) * C x K``: per token and key ``exp(b_i)``, ``exp(b_C - b_i)`` and one
+    section per level of ``sizes`` (the run between the level's point and the token); and, with ``fine_size``, the
+    bounded path's exponents ``e`` (``C x K``, not exponentiated: it needs ``exp(-e)`` too), or None.
 
     The MXU sums the runs inside each group of 8 tokens (one float32 vector register's rows; ``_group_run_masks``),
-    ``parts`` exact bf16 parts at once (``run_sums``); ``_doubled_runs`` then grows them to every longer segment on the
-    VPU, whose sections are halves of those segments. A product streams each section's ``C`` rows whatever the run's
-    length, so the long runs took 5 of kda's 8 sections at chunk 64.
+    ``parts`` exact bf16 parts at once (``run_sums``), and the EUP exponentiates them; ``_doubled_runs`` then grows
+    the decays to every longer segment on the VPU, multiplying in whole runs, and a longer level's section is the
+    halves of those segments. A product streams each section's ``C`` rows whatever the run's length, and an ``exp``
+    costs an EUP push and a result pop where a product of decays takes one vector ALU slot.
     """
     C = g.shape[0]
     group = min(SUBLANES, C)
     small = run_sums(_group_run_masks(C, group, sizes, fine_size), g, parts)
     prefix, suffix, *rest = (small[n * C : (n + 1) * C] for n in range(small.shape[0] // C))
-    levels = dict(zip((s for s in sizes if s < group), rest))
+    levels = {s: jnp.exp(section) for s, section in zip((s for s in sizes if s < group), rest)}
     fine = rest[-1] if fine_size is not None and fine_size <= group else None
+    to_token, to_end = jnp.exp(prefix), jnp.exp(suffix)
     size = group
     while size < C:
         if size in sizes:
-            levels[size] = _by_halves(suffix, prefix, size)
+            levels[size] = _by_halves(to_end, to_token, size)
         if fine_size == 2 * size:
             fine = _by_halves(-suffix, prefix, size)
-        prefix, suffix = _doubled_runs(prefix, suffix, size)
+        elif fine_size is not None and fine_size > 2 * size:  # e's runs are still to grow, as sums
+            prefix, suffix = _doubled_runs(prefix, suffix, size)
+        to_token, to_end = _doubled_runs(to_token, to_end, size, operator.mul)
         size *= 2
-    return jnp.concatenate([prefix, suffix, *(levels[s] for s in sizes), *(() if fine is None else (fine,))], axis=0)
+    return jnp.concatenate([to_token, to_end, *(levels[s] for s in sizes)], axis=0), fine
 
 
 def _fine_mask(chunk_size: int, size: int) -> jax.Array:
@@ -264,8 +269,8 @@ column_sums.defvjp(_column_sums_forward, _column_sums_cotangents)
 
 
 def run_sum_flops(chunk_size: int, key_dim: int, sizes: tuple[int, ...], fine_size: int | None) -> int:
-    """``run_sum_sections``' flops: its matmul's sections, ``C x C @ C x K`` each, and the VPU's additions, a
-    ``C x K`` array per doubling."""
+    """``decay_sections``' flops: its matmul's sections, ``C x C @ C x K`` each, and the VPU's products, a ``C x K``
+    array per doubling (``e``'s few sums left out)."""
     group = min(SUBLANES, chunk_size)
     sections = 2 + sum(1 for s in sizes if s < group) + (1 if fine_size is not None and fine_size <= group else 0)
     doublings = (chunk_size // group).bit_length() - 1
@@ -274,7 +279,7 @@ def run_sum_flops(chunk_size: int, key_dim: int, sizes: tuple[int, ...], fine_si
 
 @dataclasses.dataclass(frozen=True)
 class Decays:
-    """Every decay one chunk needs, ``exp`` of the run sums of ``run_sum_sections``."""
+    """Every decay one chunk needs (``decay_sections``)."""
 
     to_token: jax.Array  # (C, K): exp(b_i)
     to_end: jax.Array  # (C, K): exp(b_C - b_i)
@@ -295,13 +300,12 @@ class Decays:
         g = jnp.maximum(g, RESET_LOG_DECAY)
         sizes = coarse_level_sizes(C, fine_size)
         fine_separately = fine_size is not None and resets is not None  # no reset: e's run sums ride along
-        sums = run_sum_sections(g, sizes, None if fine_separately else fine_size, parts)
+        decays, exponents = decay_sections(g, sizes, None if fine_separately else fine_size, parts)
         fine = None
         if fine_size is not None:
-            exponents = run_sums(_fine_mask(C, fine_size), bounded_g, parts) if fine_separately else sums[-C:]
-            sums = sums if fine_separately else sums[:-C]
+            if fine_separately:
+                exponents = run_sums(_fine_mask(C, fine_size), bounded_g, parts)
             fine = (jnp.exp(exponents), jnp.exp(-exponents))
-        decays = jnp.exp(sums)
         sections = [decays[n * C : (n + 1) * C] for n in range(decays.shape[0] // C)]
         whole = sections[0][C - 1 :].T  # b_C is b_i's last row: no products of its own, only a transpose to a column
         levels = tuple(sections[2:])
