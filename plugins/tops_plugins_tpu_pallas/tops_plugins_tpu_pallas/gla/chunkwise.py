@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.kda.chunkwise import (
-    Decays, Factors, chunk_body_vmem, interleaved_pairs, level_rows, level_sizes, run_sum_flops, run_sum_parts,
+    Decays, Factors, chunk_body_vmem, decay_work, interleaved_pairs, level_rows, level_sizes, run_sum_parts,
 )
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul
@@ -58,16 +58,14 @@ def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
 
 
 def chunk_work(geometry: Geometry, use_qk_l2norm: bool = False, lower_bound: float | None = None, packed: bool = False) -> Work:
-    """One chunk's ``chunk_factors`` and ``through_state`` for one value block, counted op by op: the run sums of ``g``
-    (kda's ``run_sum_flops``), one ``C x K @ K x C`` product per level, the state's three products and ``Aqk v``; the
-    decays' exps (``2 + levels`` sections). ``use_qk_l2norm``, ``lower_bound`` and ``packed`` change none of it."""
+    """One chunk's ``chunk_factors`` and ``through_state`` for one value block, counted op by op: the decays (kda's
+    ``decay_work``), one ``C x K @ K x C`` product per level, the state's three products and ``Aqk v``.
+    ``use_qk_l2norm``, ``lower_bound`` and ``packed`` change none of it."""
     del use_qk_l2norm, lower_bound, packed
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
-    levels = len(level_sizes(C))
-    run_sums = run_sum_flops(C, K, level_sizes(C), None)
     pairs = sum(2 * level_rows(C, s) * K * C for s in level_sizes(C))
     outputs = 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb
-    return Work(flops=run_sums + pairs + outputs, transcendentals=(2 + levels) * C * K)
+    return decay_work(C, K, level_sizes(C), None) + Work(flops=pairs + outputs)
 
 
 def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:

@@ -268,13 +268,13 @@ def _column_sums_cotangents(rows, dsums):
 column_sums.defvjp(_column_sums_forward, _column_sums_cotangents)
 
 
-def run_sum_flops(chunk_size: int, key_dim: int, sizes: tuple[int, ...], fine_size: int | None) -> int:
-    """``decay_sections``' flops: its matmul's sections, ``C x C @ C x K`` each, and the VPU's products, a ``C x K``
-    array per doubling (``e``'s few sums left out)."""
+def decay_work(chunk_size: int, key_dim: int, sizes: tuple[int, ...], fine_size: int | None) -> Work:
+    """``decay_sections``' matmul, one ``C x C @ C x K`` product per section of ``_group_run_masks``, and its ``exp``s,
+    one ``C x K`` array per section but ``e`` (its caller's); the VPU's products of decays are elementwise, not counted."""
     group = min(SUBLANES, chunk_size)
-    sections = 2 + sum(1 for s in sizes if s < group) + (1 if fine_size is not None and fine_size <= group else 0)
-    doublings = (chunk_size // group).bit_length() - 1
-    return 2 * sections * chunk_size * chunk_size * key_dim + doublings * chunk_size * key_dim
+    exponentiated = 2 + sum(1 for s in sizes if s < group)
+    sections = exponentiated + (1 if fine_size is not None and fine_size <= group else 0)
+    return Work(flops=2 * sections * chunk_size * chunk_size * key_dim, transcendentals=exponentiated * chunk_size * key_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -604,17 +604,15 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | Non
     (resets given)."""
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     fine = fine_block_size(C, lower_bound)
-    coarse = len(coarse_level_sizes(C, fine))
-    sections = 2 + coarse + (1 if fine else 0)  # the fine section e: with the others, or its own matmul when packed
-    run_sums = run_sum_flops(C, K, coarse_level_sizes(C, fine), None if packed else fine)
-    if fine and packed:
-        run_sums += 2 * C * C * K
-    levels = sum(2 * (2 * level_rows(C, s)) * K * C for s in coarse_level_sizes(C, fine))  # keys' and queries' rows
+    coarse = coarse_level_sizes(C, fine)
+    decays = decay_work(C, K, coarse, None if packed else fine)  # packed, e is its own matmul
+    separate_fine = 2 * C * C * K if fine and packed else 0
+    levels = sum(2 * (2 * level_rows(C, s)) * K * C for s in coarse)  # keys' and queries' rows
     sub_chunk = 2 * (2 * C) * K * C if fine else 0
     pairs_ = levels + sub_chunk + (2 * C * C * C if fine and packed else 0)
     outputs = 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb + 2 * C * C * Vb + 2 * C * K * Vb
-    exps = (sections + (1 if fine else 0)) * C * K + (2 * C if use_qk_l2norm else 0)
-    return inverse_work(C) + Work(flops=run_sums + pairs_ + outputs, transcendentals=exps)
+    exps = (2 * C * K if fine else 0) + (2 * C if use_qk_l2norm else 0)  # exp(e) and exp(-e); the norms
+    return inverse_work(C) + decays + Work(flops=separate_fine + pairs_ + outputs, transcendentals=exps)
 
 
 def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
