@@ -28,6 +28,9 @@ class Recurrence:
     known, ``kda.chunkwise.known_inverses``); a pure function of its arrays, so its VJP is the backward's.
     ``through_state(q, k, v, beta, state, entering, factors, operands)``: ``(o, state leaving, writes)``, the writes being
     what each row adds to the state (``delta`` of the delta rule, ``v`` itself without it).
+    ``ahead(q, k, v, beta, factors, operands)`` (optional): ``factors`` with ``Factors.ahead`` set to what
+    ``through_state`` needs that does not depend on the state, computed for every chunk before the chain (``through_state``
+    computes it itself where ``ahead`` is None, as the backward's VJP of one chunk calls it).
     ``chunk_work(geometry, use_qk_l2norm, lower_bound, packed)``, ``chunk_body_vmem(geometry, lower_bound)`` and
     ``kept_vmem(geometry, lower_bound)``: what a chunk computes, holds while it works, and keeps (bytes) from its factors
     to its turn at the state, for the launch plans.
@@ -41,6 +44,7 @@ class Recurrence:
     chunk_work: Callable
     chunk_body_vmem: Callable
     kept_vmem: Callable
+    ahead: Callable | None = None
 
     def step_body_vmem(self, geometry, lower_bound: float | None = None) -> int:
         """An upper estimate of the values one grid step of ``chunk_steps`` holds at once (bytes): what each of its chunks

@@ -13,6 +13,8 @@ the values themselves.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from tops_plugins_tpu_pallas.grid import Work
@@ -32,9 +34,19 @@ def chunk_factors(chunks, *, operands, lower_bound: float | None = None, inverse
     ``inverses`` unused (gla has no bound and no inverse)."""
     del lower_bound, inverses
     parts = run_sum_parts(operands)
-    decays = [Decays.compute(g, None, resets, parts) for _, _, g, _, resets in chunks]
+    decays = Decays.of_chunks([g for _, _, g, _, _ in chunks], None, [resets for *_, resets in chunks], parts)
     every_pairs = interleaved_pairs([(q, k, None, d, resets) for (q, k, _, _, resets), d in zip(chunks, decays)], operands, delta_rule=False)
     return [Factors(d.to_token, d.to_end, d.whole, p.aqk, None) for d, p in zip(decays, every_pairs)]
+
+
+def ahead_of_state(q, k, v, beta, factors: Factors, operands) -> Factors:
+    """``factors`` with ``ahead``: ``(k * to_end)^T v``, what the chunk adds to the state, and ``Aqk v`` (None without the
+    queries), neither of which depends on the state. Written before the chain, they keep the MXU busy while the state's
+    own link (``whole * S`` plus the first) waits on the VPU, where written inside it each held the next chunk's ``q S``."""
+    del beta
+    v = v.astype(_F32)
+    writes = matmul(k * factors.to_end, v, operands, COLUMNS_BY_COLUMNS)
+    return dataclasses.replace(factors, ahead=(writes, None if q is None else matmul(factors.aqk, v, operands)))
 
 
 def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
@@ -42,19 +54,16 @@ def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
 
     ``entering``: None, or a packed chunk's initial-state terms ``(keys, queries, leaving)`` (``kda.sequences``; ``keys``,
     the delta rule's, unused) added to ``o`` and ``S_out``. ``q`` None: no ``o`` (None), the states alone."""
-    del beta
-    v = v.astype(_F32)
+    if factors.ahead is None:
+        factors = ahead_of_state(q, k, v, beta, factors, operands)
+    writes, intra = factors.ahead
+    state_out = factors.whole * state + writes + (0.0 if entering is None else entering[2])
     if q is None:
-        state_out = factors.whole * state + (0.0 if entering is None else entering[2])
-        return None, state_out + matmul(k * factors.to_end, v, operands, COLUMNS_BY_COLUMNS), v
-    o = matmul(q * factors.to_token, state, operands)
-    state_out = factors.whole * state
+        return None, state_out, v.astype(_F32)
+    o = matmul(q * factors.to_token, state, operands) + intra
     if entering is not None:
-        _, queries, leaving = entering
-        o, state_out = o + queries, state_out + leaving
-    o = o + matmul(factors.aqk, v, operands)
-    state_out = state_out + matmul(k * factors.to_end, v, operands, COLUMNS_BY_COLUMNS)
-    return o, state_out, v
+        o = o + entering[1]
+    return o, state_out, v.astype(_F32)
 
 
 def chunk_work(geometry: Geometry, use_qk_l2norm: bool = False, lower_bound: float | None = None, packed: bool = False) -> Work:
@@ -79,5 +88,5 @@ def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
 
 GLA = Recurrence(
     op="gla", gate_per_key=True, delta_rule=False, factors=chunk_factors, through_state=through_state, chunk_work=chunk_work,
-    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem,
+    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, ahead=ahead_of_state,
 )

@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,7 @@ from tops_core.ops.kda import L2NORM_EPSILON
 from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, bf16_parts, matmul, mxu_operand_dtype, row_and_column_iotas
-from tops_plugins_tpu_pallas.layout import SUBLANES, Geometry
+from tops_plugins_tpu_pallas.layout import LANES, SUBLANES, Geometry
 from tops_plugins_tpu_pallas.recurrence import Recurrence
 
 _F32 = jnp.float32
@@ -231,9 +232,12 @@ def _over_parts_side_by_side(g: jax.Array, product, parts: int) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def run_sums(masks: jax.Array, g: jax.Array, parts: int = 3) -> jax.Array:
-    """``masks @ g`` for 0/1 (or -1) ``masks`` (``_over_parts_side_by_side``); its gradient ``masks.T @ dsums`` likewise."""
+    """``masks @ g`` for 0/1 (or -1) ``masks``: ``g``'s exact bf16 parts stacked along the contraction against as many
+    copies of ``masks``, so the MXU sums the parts' products as it accumulates and streams ``masks``' rows once for
+    ``g``'s whole width. The low parts come first: their small sums round at their own scale before the high parts
+    add in, as when each part's sum was its own product. Its gradient ``masks.T @ dsums`` as ``_over_parts_side_by_side``."""
     masks = masks.astype(jnp.bfloat16)
-    return _over_parts_side_by_side(g, lambda parts_: matmul(masks, parts_, jnp.bfloat16), parts)
+    return matmul(jnp.concatenate([masks] * parts, axis=1), jnp.concatenate(bf16_parts(g, parts)[::-1], axis=0), jnp.bfloat16)
 
 
 def _run_sums_forward(masks, g, parts):
@@ -241,8 +245,13 @@ def _run_sums_forward(masks, g, parts):
 
 
 def _run_sums_cotangents(parts, masks, dsums):
+    # One product per 128 lanes of g (a chunk's keys, of several side by side: Decays.of_chunks): the same MXU passes as
+    # one product of them all, and the same sums, to the bit, however many chunks lie side by side.
     masks = masks.astype(jnp.bfloat16)
-    return None, _over_parts_side_by_side(dsums, lambda parts_: matmul(masks, parts_, jnp.bfloat16, COLUMNS_BY_COLUMNS), parts)
+    return None, jnp.concatenate([
+        _over_parts_side_by_side(dsums[:, lanes : lanes + LANES], lambda parts_: matmul(masks, parts_, jnp.bfloat16, COLUMNS_BY_COLUMNS), parts)
+        for lanes in range(0, dsums.shape[1], LANES)
+    ], axis=1)
 
 
 run_sums.defvjp(_run_sums_forward, _run_sums_cotangents)
@@ -293,23 +302,35 @@ class Decays:
         """From the chunk's log decays ``g`` (float32 ``(C, K)``, zero in rows past the end of the sequence, ``-inf`` a
         reset; with ``fine_size`` every one ``>= L`` of ``fine_block_size``) and ``resets`` (``(C, 1)`` bool or None:
         rows whose every key is reset, a packed sequence's first token), in ``parts`` (``run_sum_parts``)."""
-        C = g.shape[0]
-        bounded_g = g
-        if resets is not None:
-            g = jnp.where(resets, jnp.float32(RESET_LOG_DECAY), g)
-        g = jnp.maximum(g, RESET_LOG_DECAY)
+        (decays,) = cls.of_chunks([g], fine_size, [resets], parts)
+        return decays
+
+    @classmethod
+    def of_chunks(cls, gs, fine_size: int | None, every_resets, parts: int) -> list[Decays]:
+        """``compute`` of several chunks (``gs``, ``every_resets``: one each) at once: their ``g`` side by side along
+        lanes, one ``decay_sections`` for all, so the run sums' product streams its masks' rows once for every chunk
+        its output width holds (two of ``K = 128`` on a 256-wide MXU) and every elementwise step covers them all."""
+        C, K = gs[0].shape
+        packed = every_resets[0] is not None
+        bounded_gs = gs
+        gs = [g if resets is None else jnp.where(resets, jnp.float32(RESET_LOG_DECAY), g) for g, resets in zip(gs, every_resets)]
+        g = jnp.maximum(jnp.concatenate(gs, axis=1), RESET_LOG_DECAY)
         sizes = coarse_level_sizes(C, fine_size)
-        fine_separately = fine_size is not None and resets is not None  # no reset: e's run sums ride along
+        fine_separately = fine_size is not None and packed  # no reset: e's run sums ride along
         decays, exponents = decay_sections(g, sizes, None if fine_separately else fine_size, parts)
-        fine = None
-        if fine_size is not None:
-            if fine_separately:
-                exponents = run_sums(_fine_mask(C, fine_size), bounded_g, parts)
-            fine = (jnp.exp(exponents), jnp.exp(-exponents))
-        sections = [decays[n * C : (n + 1) * C] for n in range(decays.shape[0] // C)]
-        whole = sections[0][C - 1 :].T  # b_C is b_i's last row: no products of its own, only a transpose to a column
-        levels = tuple(sections[2:])
-        return cls(to_token=sections[0], to_end=sections[1], whole=whole, levels=levels, fine=fine, fine_size=fine_size)
+        if fine_separately:
+            exponents = run_sums(_fine_mask(C, fine_size), jnp.concatenate(bounded_gs, axis=1), parts)
+        fine = None if fine_size is None else (jnp.exp(exponents), jnp.exp(-exponents))
+        every_decays = []
+        for n in range(len(gs)):
+            keys = slice(n * K, (n + 1) * K)
+            sections = [decays[m * C : (m + 1) * C, keys] for m in range(decays.shape[0] // C)]
+            every_decays.append(cls(
+                to_token=sections[0], to_end=sections[1],
+                whole=sections[0][C - 1 :].T,  # b_C is b_i's last row: no products of its own, only a transpose to a column
+                levels=tuple(sections[2:]), fine=None if fine is None else (fine[0][:, keys], fine[1][:, keys]), fine_size=fine_size,
+            ))
+        return every_decays
 
 
 def l2_normalised(x: jax.Array) -> jax.Array:
@@ -525,6 +546,7 @@ class Factors:
     whole: jax.Array  # (K, 1): exp(b_C)
     aqk: jax.Array | None  # (C, C); None without the queries (a walk for the states alone)
     inverse: jax.Array | None  # (C, C): (I + diag(beta) Akk)^-1; None without the delta rule (gla)
+    ahead: Any = None  # what the op's ``Recurrence.ahead`` computed of the way through the state before the chain, or None
 
 
 def chunk_factors(chunks, *, operands, lower_bound: float | None, inverses=None) -> list[Factors]:
@@ -533,7 +555,7 @@ def chunk_factors(chunks, *, operands, lower_bound: float | None, inverses=None)
     them at once (``interleaved_pairs``; ``inverses`` where known). A pure function of its arrays, so its VJP is the
     backward's."""
     parts = run_sum_parts(operands)
-    decays = [Decays.compute(g, fine_block_size(g.shape[0], lower_bound), resets, parts) for _, _, g, _, resets in chunks]
+    decays = Decays.of_chunks([g for _, _, g, _, _ in chunks], fine_block_size(chunks[0][2].shape[0], lower_bound), [resets for *_, resets in chunks], parts)
     every_pairs = interleaved_pairs(
         [(q, k, beta, d, resets) for (q, k, _, beta, resets), d in zip(chunks, decays)], operands, inverses=inverses,
     )
@@ -575,9 +597,11 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     (``kda.sequences.PackedChunk``) or None: its sequences' first rows reset the state (every key's decay ``exp(-inf)``),
     their initial states enter there and their final states leave.
 
-    Every chunk's factors first (``recurrence.factors``), then the chain through the state (``recurrence.through_state``).
-    A chunk's inverse is a chain of dependent products, as is the state's way through the chunks; issued apart, each
-    fills the other's waits.
+    Every chunk's factors first (``recurrence.factors``), then what of each chunk's way through the state does not depend
+    on the state (``recurrence.ahead``, where the op has it), then the chain through the state
+    (``recurrence.through_state``). A chunk's inverse is a chain of dependent products, as is the state's way through
+    the chunks; issued apart, each fills the other's waits. The MXU takes its products in the order they are written, so
+    a product written into the chain waits for the chain's previous link however independent it is.
     """
     operands = mxu_operand_dtype(chunks[0][1].dtype)
     prepared = []
@@ -585,6 +609,10 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
         q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
         prepared.append((q, k, g, beta, None if packed is None else packed.resets))
     every_factors = recurrence.factors(prepared, operands=operands, lower_bound=lower_bound)
+    if recurrence.ahead is not None:
+        every_factors = [
+            recurrence.ahead(q, k, v, beta, own, operands) for (q, k, _, beta, _), (_, _, v, *_), own in zip(prepared, chunks, every_factors)
+        ]
     outputs, entering_states = [], []
     for (q, k, g, beta, _), (_, _, v, _, _, packed), own in zip(prepared, chunks, every_factors):
         entering_states.append(state)
