@@ -357,6 +357,7 @@ def _delta_rule_family(
 
 GLA_FUSED, GLA_VARLEN = _delta_rule_family(
     "gla", gla.fused, {"initial_state", "output_final_state"}, "kda's per-key decays and query pairs without the delta rule",
+    gla.fused.GlaFusedConfig(),
 )
 
 
