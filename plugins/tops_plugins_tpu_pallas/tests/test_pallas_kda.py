@@ -19,6 +19,7 @@ import pytest
 import tops_core
 from tops_core.conformance.compare import relative_error
 from tops_core.ops.kda import Activations, beta_activation, gate
+from tops_core.tpu import compile_only
 from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
 
 from tops_plugins_tpu_pallas import traffic
@@ -26,6 +27,7 @@ from tops_plugins_tpu_pallas.gated_delta_rule.fused import GatedDeltaRuleFusedCo
 from tops_plugins_tpu_pallas.grid import steps_of
 from tops_plugins_tpu_pallas.gated_delta_rule.chunkwise import GATED_DELTA_RULE
 from tops_plugins_tpu_pallas.gla.chunkwise import GLA
+from tops_plugins_tpu_pallas.gla.fused import GlaFusedConfig
 from tops_plugins_tpu_pallas.kda import backward as kda_backward
 from tops_plugins_tpu_pallas.kda import chunkwise
 from tops_plugins_tpu_pallas.kda import fused as kda_fused
@@ -283,11 +285,19 @@ def test_config_names_the_bad_field():
         kda_fused.KdaFusedConfig(full_values=1)
 
 
-def test_lowered_for_a_tpu_the_forward_walks_16_chunks_per_step_and_the_backward_its_own():
-    # kda's and gla's backward keep 8 (at 16 Mosaic's spills passed v5p's VMEM); gated_delta_rule's walks 16 both ways.
-    kda_config, gated_config = kda_fused.KdaFusedConfig(interpret=False), GatedDeltaRuleFusedConfig(interpret=False)
-    assert [steps_of(kda_config), steps_of(kda_config, backward=True)] == [16, 8]
-    assert [steps_of(gated_config), steps_of(gated_config, backward=True)] == [16, 16]
+def test_lowered_for_a_tpu_the_forward_walks_16_chunks_per_step_32_on_v6e_and_the_backward_its_own():
+    # kda's backward keeps 8 (at 16 Mosaic's spills passed v5p's VMEM); gla's and gated_delta_rule's walk 16. On v6e kda's
+    # and gla's forwards walk 32, gated_delta_rule's (chunks of 128) 16.
+    configs = [config(interpret=False) for config in (kda_fused.KdaFusedConfig, GlaFusedConfig, GatedDeltaRuleFusedConfig)]
+
+    def steps():
+        return [(steps_of(config), steps_of(config, backward=True)) for config in configs]
+
+    assert steps() == [(16, 8), (16, 16), (16, 16)]  # a TPU of no known generation
+    with jax.default_device(compile_only.device("v6e")):
+        assert steps() == [(32, 8), (32, 16), (16, 16)]
+    with jax.default_device(compile_only.device("v5e")):
+        assert steps() == [(16, 8), (16, 16), (16, 16)]
     assert steps_of(kda_fused.KdaFusedConfig(interpret=True), backward=True) == 1
     assert steps_of(kda_fused.KdaFusedConfig(num_steps=4, interpret=False), backward=True) == 4
 

@@ -31,8 +31,8 @@ def geometry_of(B: int, T: int, H: int, K: int, V: int, config, groups: int = 1,
 
 
 def steps_of(config, backward: bool = False) -> int:
-    """``config.num_steps``, or where a config leaves it None, its ``TPU_NUM_STEPS`` (``backward``: its
-    ``TPU_BACKWARD_NUM_STEPS``) where the call is lowered for a TPU and 1 in Pallas' interpreter. Unrolled chunks save a
+    """``config.num_steps``, or where a config leaves it None, its ``TPU_NUM_STEPS`` (or its ``TPU_NUM_STEPS_BY_CHIP``
+    for the chip the call is lowered for; ``backward``: its ``TPU_BACKWARD_NUM_STEPS``) where the call is lowered for a TPU and 1 in Pallas' interpreter. Unrolled chunks save a
     TPU the per-step overhead; the interpreter they only give a larger program to compile (one kit case of kda's packed
     gradients: 19 s at 8 chunks per step, 8 s at 1). The results are the same bits either way
     (``test_num_steps_do_not_change_a_bit``). A call traced on a host without a TPU for a TPU it does not name
@@ -44,7 +44,9 @@ def steps_of(config, backward: bool = False) -> int:
     )
     if interpreted:
         return 1
-    return config.TPU_BACKWARD_NUM_STEPS if backward else config.TPU_NUM_STEPS
+    if backward:
+        return config.TPU_BACKWARD_NUM_STEPS
+    return config.TPU_NUM_STEPS_BY_CHIP.get(target_chip(), config.TPU_NUM_STEPS)
 
 
 def fitted_plans(build_plans, geometry: Geometry, dtype, *, target: launch.Target = launch.UNKNOWN, **inputs) -> tuple[LaunchPlan, ...]:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import jax
@@ -71,11 +73,15 @@ class KdaFusedConfig:
     370 and 531; 32: 296 and 485), gla's forward 189 -> 180 and 292 -> 283 us. The backward (``TPU_BACKWARD_NUM_STEPS``)
     keeps eight: at sixteen Mosaic spills past v5p's 64 MiB of VMEM (kda's gradients kernel, float32, K=64 V=200: 67.4
     MiB, 49.9 of them spill slots) for 1.15 -> 1.10 ms (v6e) and 1.74 -> 1.71 ms (v5e) at the bench's shape.
+    ``TPU_NUM_STEPS_BY_CHIP``: the forward's chunks per step where a chip takes more than ``TPU_NUM_STEPS``: on v6e 32,
+    re-measured 2026-12-07 at the bench's shape (kda's forward kernel 497309 -> 472317 cycles, bounded 450132 ->
+    422612, gla's 222180 -> 218276; on v5e kda's 628536 -> 630328, so it keeps 16).
     ``full_values``: one grid point per (batch, head) holding all of ``V`` (the decays, pairs and inverse computed once,
     not per 128-lane value tile). ``interpret``: as ``FusedConfig``'s.
     """
 
     TPU_NUM_STEPS: ClassVar[int] = 16
+    TPU_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v6e": 32})
     TPU_BACKWARD_NUM_STEPS: ClassVar[int] = 8
 
     chunk_size: int = 64
