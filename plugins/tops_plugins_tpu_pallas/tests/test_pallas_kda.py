@@ -101,8 +101,8 @@ def test_num_steps_do_not_change_a_bit_of_the_gradients(packed, make_kda_inputs,
     for name in inputs:
         if name == "g":
             # A step's chunks compute their decays side by side along lanes (chunkwise.Decays.of_chunks), and XLA's CPU
-            # code groups the decays' VJP (a broadcast row's cotangent summed over its rows) differently at two chunks'
-            # width than at one: g's gradient agrees to float32 rounding (9.5e-7 of its largest, 16.3, here), not bits.
+            # code for the decays' VJP rounds differently at two chunks' width than at one: g's gradient agrees to
+            # float32 rounding (9.5e-7 of its largest, 16.3, here), not bit for bit.
             np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6 * np.abs(one[name]).max(), err_msg=name)
         else:
             np.testing.assert_array_equal(two[name], one[name], err_msg=name)

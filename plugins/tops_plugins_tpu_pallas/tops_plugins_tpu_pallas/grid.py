@@ -32,9 +32,10 @@ def geometry_of(B: int, T: int, H: int, K: int, V: int, config, groups: int = 1,
 
 def steps_of(config, backward: bool = False) -> int:
     """``config.num_steps``, or where a config leaves it None, its ``TPU_NUM_STEPS`` (or its ``TPU_NUM_STEPS_BY_CHIP``
-    for the chip the call is lowered for; ``backward``: its ``TPU_BACKWARD_NUM_STEPS``) where the call is lowered for a TPU and 1 in Pallas' interpreter. Unrolled chunks save a
-    TPU the per-step overhead; the interpreter they only give a larger program to compile (one kit case of kda's packed
-    gradients: 19 s at 8 chunks per step, 8 s at 1). The results are the same bits either way
+    for the chip the call is lowered for; ``backward``: its ``TPU_BACKWARD_NUM_STEPS``) where the call is lowered for a
+    TPU and 1 in Pallas' interpreter. Unrolled chunks save a TPU the per-step overhead; the interpreter they only give a
+    larger program to compile (one kit case of kda's packed gradients: 19 s at 8 chunks per step, 8 s at 1). The results
+    are the same bits either way, but kda's and gla's ``dg``, the same to float32 rounding
     (``test_num_steps_do_not_change_a_bit``). A call traced on a host without a TPU for a TPU it does not name
     (``target_chip`` None, ``interpret=None``) counts as interpreted: 1 chunk per step."""
     if config.num_steps is not None:
