@@ -285,9 +285,9 @@ def test_config_names_the_bad_field():
         kda_fused.KdaFusedConfig(full_values=1)
 
 
-def test_lowered_for_a_tpu_the_forward_walks_16_chunks_per_step_32_on_v6e_and_the_backward_its_own():
-    # kda's backward keeps 8 (at 16 Mosaic's spills passed v5p's VMEM); gla's and gated_delta_rule's walk 16. On v6e kda's
-    # and gla's forwards walk 32, gated_delta_rule's (chunks of 128) 16.
+def test_lowered_for_a_tpu_the_chunks_per_step_are_each_ops_and_chips():
+    # kda's backward keeps 8 (at 16 Mosaic's spills passed v5p's VMEM) but on v5e and v6e; gla's and gated_delta_rule's
+    # walk 16. On v6e kda's and gla's forwards walk 32, gated_delta_rule's (chunks of 128) 16.
     configs = [config(interpret=False) for config in (kda_fused.KdaFusedConfig, GlaFusedConfig, GatedDeltaRuleFusedConfig)]
 
     def steps():
@@ -295,8 +295,10 @@ def test_lowered_for_a_tpu_the_forward_walks_16_chunks_per_step_32_on_v6e_and_th
 
     assert steps() == [(16, 8), (16, 16), (16, 16)]  # a TPU of no known generation
     with jax.default_device(compile_only.device("v6e")):
-        assert steps() == [(32, 8), (32, 16), (16, 16)]
+        assert steps() == [(32, 16), (32, 16), (16, 16)]
     with jax.default_device(compile_only.device("v5e")):
+        assert steps() == [(16, 16), (16, 16), (16, 16)]
+    with jax.default_device(compile_only.device("v5p")):
         assert steps() == [(16, 8), (16, 16), (16, 16)]
     assert steps_of(kda_fused.KdaFusedConfig(interpret=True), backward=True) == 1
     assert steps_of(kda_fused.KdaFusedConfig(num_steps=4, interpret=False), backward=True) == 4

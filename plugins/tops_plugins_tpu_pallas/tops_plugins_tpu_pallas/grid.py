@@ -32,7 +32,7 @@ def geometry_of(B: int, T: int, H: int, K: int, V: int, config, groups: int = 1,
 
 def steps_of(config, backward: bool = False) -> int:
     """``config.num_steps``, or where a config leaves it None, its ``TPU_NUM_STEPS`` (or its ``TPU_NUM_STEPS_BY_CHIP``
-    for the chip the call is lowered for; ``backward``: its ``TPU_BACKWARD_NUM_STEPS``) where the call is lowered for a
+    for the chip the call is lowered for; ``backward``: its ``TPU_BACKWARD_NUM_STEPS``, ``..._BY_CHIP``) where lowered for a
     TPU and 1 in Pallas' interpreter. Unrolled chunks save a TPU the per-step overhead; the interpreter they only give a
     larger program to compile (one kit case of kda's packed gradients: 19 s at 8 chunks per step, 8 s at 1). The results
     are the same bits either way, but kda's and gla's ``dg``, the same to float32 rounding
@@ -46,7 +46,7 @@ def steps_of(config, backward: bool = False) -> int:
     if interpreted:
         return 1
     if backward:
-        return config.TPU_BACKWARD_NUM_STEPS
+        return config.TPU_BACKWARD_NUM_STEPS_BY_CHIP.get(target_chip(), config.TPU_BACKWARD_NUM_STEPS)
     return config.TPU_NUM_STEPS_BY_CHIP.get(target_chip(), config.TPU_NUM_STEPS)
 
 

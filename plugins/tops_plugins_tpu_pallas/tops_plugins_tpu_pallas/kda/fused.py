@@ -75,7 +75,10 @@ class KdaFusedConfig:
     MiB, 49.9 of them spill slots) for 1.15 -> 1.10 ms (v6e) and 1.74 -> 1.71 ms (v5e) at the bench's shape.
     ``TPU_NUM_STEPS_BY_CHIP``: the forward's chunks per step where a chip takes more than ``TPU_NUM_STEPS``: on v6e 32,
     re-measured 2026-12-07 at the bench's shape (kda's forward kernel 497309 -> 472317 cycles, bounded 450132 ->
-    422612, gla's 222180 -> 218276; on v5e kda's 628536 -> 630328, so it keeps 16).
+    422612, gla's 222180 -> 218276; on v5e kda's 628536 -> 630328, so it keeps 16). ``TPU_BACKWARD_NUM_STEPS_BY_CHIP``
+    likewise for the backward: 16 on v5e and v6e, whose 128 MiB of VMEM hold the spills (float32 K=64 V=200 and
+    K=V=256 compile there); kda's checkpoints walk 493097 -> 420009 cycles on v6e and 538321 -> 488272 on v5e, its
+    gradients kernel 1286743 -> 1242134 and 1564999 -> 1532741.
     ``full_values``: one grid point per (batch, head) holding all of ``V`` (the decays, pairs and inverse computed once,
     not per 128-lane value tile). ``interpret``: as ``FusedConfig``'s.
     """
@@ -83,6 +86,7 @@ class KdaFusedConfig:
     TPU_NUM_STEPS: ClassVar[int] = 16
     TPU_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v6e": 32})
     TPU_BACKWARD_NUM_STEPS: ClassVar[int] = 8
+    TPU_BACKWARD_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v5e": 16, "v6e": 16})
 
     chunk_size: int = 64
     num_steps: int | None = None
