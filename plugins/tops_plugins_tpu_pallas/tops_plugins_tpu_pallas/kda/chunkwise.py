@@ -600,8 +600,8 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     Every chunk's factors first (``recurrence.factors``), then what of each chunk's way through the state does not depend
     on the state (``recurrence.ahead``, where the op has it), then the chain through the state
     (``recurrence.through_state``). A chunk's inverse is a chain of dependent products, as is the state's way through
-    the chunks; issued apart, each fills the other's waits. The MXU takes its products in the order they are written, so
-    a product written into the chain waits for the chain's previous link however independent it is.
+    the chunks; issued apart, each fills the other's waits. The kernels behave as if the MXU took its products in the
+    order they are written, a product written into the chain waiting for the chain's previous link however independent.
     """
     operands = mxu_operand_dtype(chunks[0][1].dtype)
     prepared = []
