@@ -79,11 +79,12 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool = False, lower_bound: flo
 
 def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
     """An upper estimate of what each chunk of a grid step keeps from its decays to its turn at the state (bytes): float32
-    ``q``, ``k``, ``v``, the three decays it needs there and ``Aqk``. (Its working values are kda's ``chunk_body_vmem``,
-    which holds more: its ``Akk`` and inverse besides.)"""
+    ``q``, ``k``, ``v``, the three decays, ``Aqk``, and what ``ahead_of_state`` computes from them before the chain (the
+    writes ``K x value block``, ``Aqk v``). (Its working values are kda's ``chunk_body_vmem``, which holds more: its
+    ``Akk`` and inverse besides.)"""
     del lower_bound
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
-    return 4 * (5 * C * K + C * Vb + C * C)
+    return 4 * (5 * C * K + C * Vb + C * C + K * Vb + C * Vb)
 
 
 GLA = Recurrence(
