@@ -24,7 +24,7 @@ from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
 
 from tops_plugins_tpu_pallas import traffic
 from tops_plugins_tpu_pallas.gated_delta_rule.fused import GatedDeltaRuleFusedConfig
-from tops_plugins_tpu_pallas.grid import steps_of
+from tops_plugins_tpu_pallas.grid import chunk_size_of, steps_of
 from tops_plugins_tpu_pallas.gated_delta_rule.chunkwise import GATED_DELTA_RULE
 from tops_plugins_tpu_pallas.gla.chunkwise import GLA
 from tops_plugins_tpu_pallas.gla.fused import GlaFusedConfig
@@ -287,7 +287,7 @@ def test_config_names_the_bad_field():
 
 def test_lowered_for_a_tpu_the_chunks_per_step_are_each_ops_and_chips():
     # kda's backward keeps 8 (at 16 Mosaic's spills passed v5p's VMEM) but on v5e and v6e; gla's and gated_delta_rule's
-    # walk 16. On v6e kda's and gla's forwards walk 32, gated_delta_rule's (chunks of 128) 16.
+    # walk 16, gla's 32 on v6e. On v6e kda's and gla's forwards walk 32, gated_delta_rule's 16.
     configs = [config(interpret=False) for config in (kda_fused.KdaFusedConfig, GlaFusedConfig, GatedDeltaRuleFusedConfig)]
 
     def steps():
@@ -295,13 +295,38 @@ def test_lowered_for_a_tpu_the_chunks_per_step_are_each_ops_and_chips():
 
     assert steps() == [(16, 8), (16, 16), (16, 16)]  # a TPU of no known generation
     with jax.default_device(compile_only.device("v6e")):
-        assert steps() == [(32, 16), (32, 16), (16, 16)]
+        assert steps() == [(32, 16), (32, 32), (16, 16)]
     with jax.default_device(compile_only.device("v5e")):
         assert steps() == [(16, 16), (16, 16), (16, 16)]
     with jax.default_device(compile_only.device("v5p")):
         assert steps() == [(16, 8), (16, 16), (16, 16)]
     assert steps_of(kda_fused.KdaFusedConfig(interpret=True), backward=True) == 1
     assert steps_of(kda_fused.KdaFusedConfig(num_steps=4, interpret=False), backward=True) == 4
+
+
+def test_the_chunk_left_none_is_each_ops_and_chips():
+    # kda and gla walk chunks of 128 on v6e's 256-wide MXU, 64 elsewhere and in the interpreter; gated_delta_rule 128
+    # everywhere. The kernels, the capability check and explain all read the chunk from grid.chunk_size_of.
+    configs = (kda_fused.KdaFusedConfig(), GlaFusedConfig(), GatedDeltaRuleFusedConfig())
+
+    def chunks(chip):
+        return [chunk_size_of(config, chip) for config in configs]
+
+    assert chunks("v6e") == [128, 128, 128]
+    assert chunks("v5e") == chunks("v5p") == chunks("v4") == chunks(None) == [64, 64, 128]
+    assert [chunk_size_of(type(config)(chunk_size=64), "v6e") for config in configs] == [64, 64, 64]
+    assert kda_fused.geometry_of(1, 4096, 1, 128, 128, configs[0]).chunk_size == 64  # traced on this host: no chip
+    with jax.default_device(compile_only.device("v6e")):
+        assert kda_fused.geometry_of(1, 4096, 1, 128, 128, configs[0]).chunk_size == 128
+    for op, chip, line in [
+        ("kda", "v6e", "chunk_size=128 (None: 128 on v6e, else 64; v6e)"),
+        ("gla", "v5e", "chunk_size=64 (None: 128 on v6e, else 64; v5e)"),
+        ("gated_delta_rule", "v6e", "chunk_size=128 (None: on every chip 128; v6e)"),
+    ]:
+        spec = _spec(op=op, chip=chip, num_seqs=1, features=set())
+        decision = tops_core.op(op).decide(spec, "forward")
+        assert decision.implementation.name == "tpu_pallas.fused"
+        assert f"for this call: {line}" in decision.explain()
 
 
 def test_vmem_fitting_walks_fewer_chunks_per_step_for_a_large_key_dim():

@@ -21,6 +21,7 @@ from tops_core.conformance.cases import grid
 
 from tops_plugins_tpu_pallas import KDA_FUSED_CONFIG, KDA_VARLEN, launch, traffic
 from tops_plugins_tpu_pallas.gated_delta_rule.fused import GatedDeltaRuleFusedConfig, backward_config
+from tops_plugins_tpu_pallas.grid import chunk_size_of
 from tops_plugins_tpu_pallas.kda import backward as kda_backward
 from tops_plugins_tpu_pallas.kda import fused as kda_fused
 from tops_plugins_tpu_pallas.kda import varlen as kda_varlen
@@ -206,7 +207,7 @@ def test_gated_delta_rule_packed_backward_takes_chunks_of_64_only_where_128_does
     config = GatedDeltaRuleFusedConfig()
 
     def chunk(chip, dtype=jnp.bfloat16, packed_with_initial_states=True):
-        return backward_config(config, dtype, packed_with_initial_states=packed_with_initial_states, chip=chip).chunk_size
+        return chunk_size_of(backward_config(config, dtype, packed_with_initial_states=packed_with_initial_states, chip=chip), chip)
 
     assert chunk("v5e") == chunk("v5p") == 64
     assert chunk("v5e", jnp.float32) == chunk("v5p", packed_with_initial_states=False) == 128

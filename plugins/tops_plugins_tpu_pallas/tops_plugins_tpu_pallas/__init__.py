@@ -71,7 +71,7 @@ FUSED_CONFIG = fused.FusedConfig()
 CHUNK_CONFIG = chunk.ChunkConfig()
 
 
-def _fits_vmem(config, forward, backward=None, forward_config=None, op_inputs=None):
+def _fits_vmem(config, forward, backward=None, forward_config=None, op_inputs=None, backward_config=None):
     """A capability predicate: reject shapes whose launch plans (default config) exceed the VMEM budget of the chip.
 
     ``forward`` and ``backward`` (when the implementation has its own): ``(geometry_of, build_plans)``
@@ -80,7 +80,8 @@ def _fits_vmem(config, forward, backward=None, forward_config=None, op_inputs=No
     chip (``CallSpec.chip``; 16 MiB when it is not known). The whole padded K sits in every block,
     so a large K is what can overflow VMEM. The spec does not carry the dtypes of ``g`` and
     ``initial_state``; float32 (the larger) is assumed. ``forward_config(config, K, chip)``: the config
-    the forward runs with for the call, when a field's default depends on it (``fused.resolved``).
+    the forward runs with for the call, when a field's default depends on it (``fused.resolved``); ``backward_config``
+    likewise for the backward.
     ``op_inputs(spec)``: the plans' further arguments for the op's own optional inputs. The grid's
     heads are the value heads (``CallSpec.value_heads``); with several per query/key head (kda's family) the
     backward walks each group in one grid point's VMEM, so the geometry gets ``groups``.
@@ -91,7 +92,7 @@ def _fits_vmem(config, forward, backward=None, forward_config=None, op_inputs=No
         target = launch.Target.of(spec.chip)
         directions = [(forward, config if forward_config is None else forward_config(config, spec.key_dim, spec.chip))]
         if backward is not None:
-            directions.append((backward, config))
+            directions.append((backward, config if backward_config is None else backward_config(config, spec.key_dim, spec.chip)))
         groups = spec.value_heads // spec.heads
         for (geometry_of, build_plans), direction_config in directions:
             geometry = geometry_of(spec.batch, spec.seq_len, spec.value_heads, spec.key_dim, spec.value_dim, direction_config,
@@ -243,6 +244,18 @@ VARLEN = tops_core.Implementation(
 
 KDA_FUSED_CONFIG = kda.fused.KdaFusedConfig()
 
+_BY_CHIP = {"forward_config": kda.fused.resolved, "backward_config": kda.fused.resolved}
+"""``_fits_vmem``'s configs for the kernels on kda's grid: each direction at the chunk the call's chip takes."""
+
+
+def _explain_kda_grid_config(config, spec: tops_core.CallSpec, direction: str) -> str:
+    """``explain``'s line on the chunk a call on kda's grid walks, and the rule behind it where ``chunk_size`` is None."""
+    line = f"chunk_size={grid.chunk_size_of(config, spec.chip)}"
+    if config.chunk_size is None:
+        by_chip = "".join(f"{size} on {chip}, else " for chip, size in config.TPU_CHUNK_SIZE_BY_CHIP.items())
+        line += f" (None: {by_chip or 'on every chip '}{config.CHUNK_SIZE}; {spec.chip or 'chip not known'})"
+    return line
+
 
 def _kda_inputs(spec: tops_core.CallSpec) -> dict:
     """dt_bias's block, float32 assumed (as for g); A_log sits in SMEM."""
@@ -265,13 +278,14 @@ KDA_FUSED = tops_core.Implementation(
     capabilities=_capabilities(
         _fits_vmem(
             KDA_FUSED_CONFIG, (kda.fused.geometry_of, kda.fused.plans), (kda.backward.geometry_of, kda.backward.plans),
-            op_inputs=_kda_inputs,
+            op_inputs=_kda_inputs, **_BY_CHIP,
         ),
         {"initial_state", "output_final_state"} | _KDA_OPTIONS,
     ),
     priority={"tpu": 200},
     config=KDA_FUSED_CONFIG,
     config_sweep=(PADDED_GRID,),
+    explain_config=_explain_kda_grid_config,
     serves_pools=True,
     description=(
         "one pallas_call: state in VMEM along a sequential time axis, exact per-chunk inverse; "
@@ -289,13 +303,14 @@ KDA_VARLEN = tops_core.Implementation(
         # VMEM does not depend on N (boundaries in SMEM, states in HBM): one sequence's plans stand for any N.
         _fits_vmem(
             KDA_FUSED_CONFIG, (kda.varlen.geometry_of, functools.partial(kda.varlen.plans, num_seqs=1)),
-            (kda.backward.geometry_of, functools.partial(kda.backward.plans, num_seqs=1)), op_inputs=_kda_inputs,
+            (kda.backward.geometry_of, functools.partial(kda.backward.plans, num_seqs=1)), op_inputs=_kda_inputs, **_BY_CHIP,
         ),
         {"initial_state", "output_final_state"} | _KDA_OPTIONS, packed=True,
     ),
     priority=_varlen_priority,
     config=KDA_FUSED_CONFIG,
     config_sweep=(PADDED_GRID,),
+    explain_config=_explain_kda_grid_config,
     serves_pools=True,
     description=(
         "fused's pallas_call over packed sequences: cu_seqlens in SMEM, every key's decay 0 on each sequence's first token "
@@ -306,23 +321,25 @@ KDA_VARLEN = tops_core.Implementation(
 
 
 def _delta_rule_family(
-    op: str, kernels, features: set[str], label: str, config=KDA_FUSED_CONFIG, packed_explain_config=None,
+    op: str, kernels, features: set[str], label: str, config=KDA_FUSED_CONFIG, packed_explain_config=None, config_sweep=(),
 ) -> tuple[tops_core.Implementation, ...]:
     """``tpu_pallas.fused`` and, packed, ``tpu_pallas.varlen`` for an op on kda's machinery (``kernels``: its module with
     ``forward``, ``packed_forward``, ``backward``, ``plans`` and ``backward_plans``), kda's priorities and ``config``
-    (a ``KdaFusedConfig``); ``packed_explain_config``: the packed one's ``explain_config``, if any."""
+    (a ``KdaFusedConfig``); ``packed_explain_config``: the packed one's ``explain_config``, if any; ``config_sweep``: the
+    unpacked one's configs for the kit besides ``PADDED_GRID``."""
     unpacked = tops_core.Implementation(
         op=op,
         name="fused",
         forward=kernels.forward,
         backward=kernels.backward,
         capabilities=_capabilities(
-            _fits_vmem(config, (kernels.geometry_of, kernels.plans), (kernels.geometry_of, kernels.backward_plans)),
+            _fits_vmem(config, (kernels.geometry_of, kernels.plans), (kernels.geometry_of, kernels.backward_plans), **_BY_CHIP),
             features,
         ),
         priority={"tpu": 200},
         config=config,
-        config_sweep=(PADDED_GRID,),
+        config_sweep=(PADDED_GRID, *config_sweep),
+        explain_config=_explain_kda_grid_config,
         serves_pools=True,
         description=(
             f"one pallas_call on kda's fused grid: state in VMEM along a sequential time axis, {label}; backward: the state "
@@ -337,14 +354,14 @@ def _delta_rule_family(
         capabilities=_capabilities(
             _fits_vmem(
                 config, (kernels.geometry_of, functools.partial(kernels.plans, num_seqs=1)),
-                (kernels.geometry_of, functools.partial(kernels.backward_plans, num_seqs=1)),
+                (kernels.geometry_of, functools.partial(kernels.backward_plans, num_seqs=1)), **_BY_CHIP,
             ),
             features, packed=True,
         ),
         priority=_varlen_priority,
         config=config,
         config_sweep=(PADDED_GRID,),
-        explain_config=packed_explain_config,
+        explain_config=packed_explain_config or _explain_kda_grid_config,
         serves_pools=True,
         description=(
             "fused's pallas_call over packed sequences: cu_seqlens in SMEM, the state reset on each sequence's first token, "
@@ -357,7 +374,7 @@ def _delta_rule_family(
 
 GLA_FUSED, GLA_VARLEN = _delta_rule_family(
     "gla", gla.fused, {"initial_state", "output_final_state"}, "kda's per-key decays and query pairs without the delta rule",
-    gla.fused.GlaFusedConfig(),
+    gla.fused.GlaFusedConfig(), config_sweep=({"chunk_size": 128},),  # v6e's chunk, which the interpreter (no chip) would not walk
 )
 
 
@@ -370,9 +387,9 @@ def _explain_packed_gated_delta_rule_config(config, spec: tops_core.CallSpec, di
         if walked.chunk_size != config.chunk_size:
             return (
                 f"chunk_size={walked.chunk_size} (the backward's own: {spec.chip}'s compiler, libtpu 0.0.52, rejects the packed "
-                f"bfloat16 gradients kernel with initial states at {config.chunk_size})"
+                f"bfloat16 gradients kernel with initial states at {grid.chunk_size_of(config, spec.chip)})"
             )
-    return f"chunk_size={config.chunk_size}"
+    return _explain_kda_grid_config(config, spec, direction)
 
 
 GATED_DELTA_RULE_FUSED, GATED_DELTA_RULE_VARLEN = _delta_rule_family(

@@ -26,8 +26,17 @@ _F32 = jnp.float32
 
 def geometry_of(B: int, T: int, H: int, K: int, V: int, config, groups: int = 1, backward: bool = False) -> Geometry:
     """The grid's geometry for a call of ``H`` (value) heads, ``groups`` of them per query/key head;
-    ``config``: any config with ``chunk_size``, ``num_steps`` (``steps_of``) and ``full_values``."""
-    return Geometry(B, T, H, K, V, config.chunk_size, steps_of(config, backward), config.full_values, groups)
+    ``config``: any config with ``chunk_size`` (``chunk_size_of``), ``num_steps`` (``steps_of``) and ``full_values``."""
+    return Geometry(B, T, H, K, V, chunk_size_of(config, target_chip()), steps_of(config, backward), config.full_values, groups)
+
+
+def chunk_size_of(config, chip: str | None) -> int:
+    """``config.chunk_size``, or where a config leaves it None, its ``TPU_CHUNK_SIZE_BY_CHIP`` for ``chip`` (the chip the
+    call is lowered for; None where that is not known, as in Pallas' interpreter on a host without a TPU), else its
+    ``CHUNK_SIZE``. Any chunk gives the same results to rounding; what it changes is how the products fill the MXU."""
+    if config.chunk_size is not None:
+        return config.chunk_size
+    return config.TPU_CHUNK_SIZE_BY_CHIP.get(chip, config.CHUNK_SIZE)
 
 
 def steps_of(config, backward: bool = False) -> int:

@@ -21,7 +21,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 from tops_core import GatedDeltaRuleGrads
 
-from tops_plugins_tpu_pallas import launch
+from tops_plugins_tpu_pallas import grid, launch
 from tops_plugins_tpu_pallas.gated_delta_rule.chunkwise import GATED_DELTA_RULE
 from tops_plugins_tpu_pallas.grid import geometry_of, pool_states
 from tops_plugins_tpu_pallas.kda import backward as kda_backward, fused as kda_fused, varlen as kda_varlen
@@ -36,8 +36,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaRuleFusedConfig(kda_fused.KdaFusedConfig):
-    """kda's config with this op's defaults: chunks of 128 and, lowered for a TPU, 16 of them per grid step in the backward
-    too (kda's backward walks 8).
+    """kda's config with this op's defaults: chunks of 128 on every chip (``CHUNK_SIZE``) and, lowered for a TPU, 16 of
+    them per grid step in the backward too (kda's backward walks 8).
 
     kda's chunk grows per token with ``C`` (its per-key levels); this op's pair products are one dense product whatever
     ``C``, so a longer chunk halves the links of the chain through the state per token for one more inverse level. A
@@ -48,8 +48,8 @@ class GatedDeltaRuleFusedConfig(kda_fused.KdaFusedConfig):
 
     TPU_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({})  # 16 on every chip: 32 was slower on v6e
     TPU_BACKWARD_NUM_STEPS: ClassVar[int] = 16
-
-    chunk_size: int = 128
+    CHUNK_SIZE: ClassVar[int] = 128
+    TPU_CHUNK_SIZE_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({})
 
 
 def plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
@@ -95,7 +95,7 @@ def backward_config(config: GatedDeltaRuleFusedConfig, dtype, *, packed_with_ini
     chip of ``PACKED_BACKWARD_AT_CHUNK_64``, whose compiler rejects the gradients kernel at 128. The backward recomputes
     its states from the inputs, so its chunks need not be the forward's."""
     if chip in PACKED_BACKWARD_AT_CHUNK_64 and packed_with_initial_states and jnp.dtype(dtype) == jnp.bfloat16:
-        return dataclasses.replace(config, chunk_size=min(config.chunk_size, 64))
+        return dataclasses.replace(config, chunk_size=min(grid.chunk_size_of(config, chip), 64))
     return config
 
 

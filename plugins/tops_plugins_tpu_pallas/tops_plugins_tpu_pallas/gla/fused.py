@@ -12,6 +12,8 @@ reverse with ``dS`` in VMEM.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import ClassVar
 
 from tops_core import GLAGrads
@@ -35,6 +37,7 @@ class GlaFusedConfig(kda_fused.KdaFusedConfig):
     813422."""
 
     TPU_BACKWARD_NUM_STEPS: ClassVar[int] = 16
+    TPU_BACKWARD_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v6e": 32})
 
 
 def plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:

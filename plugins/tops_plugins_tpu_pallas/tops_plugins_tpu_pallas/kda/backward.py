@@ -393,7 +393,7 @@ def gradients(
     if dht is not None:
         arrays["dht"] = padded_state(dht.astype(_F32), geometry)
     if cu_seqlens is not None:
-        arrays.update(fused.packed_operands(cu_seqlens, T, config.chunk_size))
+        arrays.update(fused.packed_operands(cu_seqlens, T, geometry.chunk_size))
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence)
     checkpoints = run(checkpoints_plan, fused.kernel, arrays, **static)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, **static)

@@ -48,7 +48,7 @@ from tops_plugins_tpu_pallas.grid import (
     Chunk, Work, chunks_of_the_grid, finish_sequence, geometry_of, pool_aliases, pool_states, sequence_states, start_sequence,
     state_buffers, state_rows, step_chunks,
 )
-from tops_plugins_tpu_pallas.config import check_common_fields
+from tops_plugins_tpu_pallas.config import CHUNK_SIZES, check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import KDA, chunk_steps
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Relayout, Scalars
 from tops_plugins_tpu_pallas.layout import Geometry, heads_flattened
@@ -63,10 +63,17 @@ __all__ = ["KdaFusedConfig", "fitted_plans", "forward", "geometry_of", "plans"]
 class KdaFusedConfig:
     """simple_gla's ``FusedConfig`` fields but its backward's, with a default chunk that suits KDA.
 
-    ``chunk_size`` (64 or 128): 64 by default. A KDA chunk's work grows faster than simple_gla's:
-    per token, the run sums and the pair products of its ``log2 C`` halving levels cost
-    ``O(C K log C)`` flops, so chunks of 128 do about twice the matmul work of chunks of 64
-    (README "kda"), for the same bytes. ``num_steps``: chunks per grid step, at most (fewer when
+    ``chunk_size`` (64 or 128); None: ``TPU_CHUNK_SIZE_BY_CHIP`` for the chip the call is lowered for, else
+    ``CHUNK_SIZE``, 64, as in the interpreter (``grid.chunk_size_of``). A KDA chunk's work grows faster than simple_gla's:
+    per token, the run sums and the pair products of its ``log2 C`` halving levels cost ``O(C K log C)`` flops, so
+    chunks of 128 do about twice the matmul work of chunks of 64 (README "kda"), for the same bytes. v6e's 256-wide MXU
+    takes a product of contraction and width up to 256 in the pushes of one of 128, and the chain through the state has
+    half the links, so there chunks of 128 issue fewer cycles: at the bench's default shape (B=2 T=4096 H=8 K=V=128 bf16,
+    modelled 2026-12-07, the steps below), kda's forward kernel 472317 -> 420655, bounded 421294 -> 371692, its
+    checkpoints walk 420009 -> 362402 and its gradients kernel 1242134 -> 1215853; gla's forward 218276 -> 210878, its
+    checkpoints walk 128393 -> 78602 and its gradients kernel 647264 -> 653175. On v5e's 128-wide MXUs they issue more
+    (kda's checkpoints walk 488272 -> 518283, its gradients kernel 1532741 -> 1603724; gla's forward 284193 -> 307041),
+    so the other chips keep 64. ``num_steps``: chunks per grid step, at most (fewer when
     VMEM is short, ``launch.fit``); None: ``TPU_NUM_STEPS`` lowered for a TPU, 1 in the interpreter (``grid.steps_of``).
     Sixteen chunks give the scheduler more independent chunks' factors to fill the state chain's waits with: modelled at
     the bench's default shape, kda's forward kernel 329 -> 304 us on v6e and 508 -> 480 us on v5e against eight (four:
@@ -87,14 +94,16 @@ class KdaFusedConfig:
     TPU_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v6e": 32})
     TPU_BACKWARD_NUM_STEPS: ClassVar[int] = 8
     TPU_BACKWARD_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v5e": 16, "v6e": 16})
+    CHUNK_SIZE: ClassVar[int] = 64
+    TPU_CHUNK_SIZE_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v6e": 128})
 
-    chunk_size: int = 64
+    chunk_size: int | None = None
     num_steps: int | None = None
     full_values: bool = True
     interpret: Any = None
 
     def __post_init__(self):
-        check_common_fields(self)
+        check_common_fields(self, (None, *CHUNK_SIZES))
         if not isinstance(self.full_values, bool):
             raise TypeError(f"KdaFusedConfig.full_values must be a bool, got {self.full_values!r}")
 
@@ -295,6 +304,13 @@ def gate_operands(g, beta, A_log, dt_bias, geometry: Geometry) -> dict:
     return operands
 
 
+def resolved(config: KdaFusedConfig, key_dim: int, chip: str | None) -> KdaFusedConfig:
+    """``config`` with its chunk decided for ``chip`` (``grid.chunk_size_of``), as a call lowered for that chip runs it:
+    what its capability check sizes. ``key_dim`` does not enter (the signature is that of simple_gla's ``resolved``)."""
+    del key_dim
+    return dataclasses.replace(config, chunk_size=grid.chunk_size_of(config, chip))
+
+
 def packed_operands(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> dict[str, jax.Array]:
     """A packed call's SMEM scalars: ``simple_gla.varlen.boundary_operands``, each chunk's sequences clipped to ``[0, N)``
     (a no-op for valid boundaries; invalid traced ones, for which the op's outputs are NaN, still read SMEM in bounds),
@@ -321,11 +337,12 @@ def run(
 ):
     """One launch of ``recurrence``'s kernel: unpacked, or (``cu_seqlens`` given, ``B == 1``) packed, ``kda/varlen.py``'s,
     its states perhaps rows of a pool (``ssm_state_indices``); ``beta`` None without the delta rule."""
-    operands = gate_operands(g, beta, A_log, dt_bias, geometry_of(*q.shape, v.shape[-1], config))
+    geometry = geometry_of(*q.shape, v.shape[-1], config)
+    operands = gate_operands(g, beta, A_log, dt_bias, geometry)
     num_seqs = None
     if cu_seqlens is not None:
         num_seqs = cu_seqlens.shape[0] - 1
-        operands.update(packed_operands(cu_seqlens, q.shape[1], config.chunk_size))
+        operands.update(packed_operands(cu_seqlens, q.shape[1], geometry.chunk_size))
     return grid.run(
         functools.partial(kernel, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence),
         functools.partial(
