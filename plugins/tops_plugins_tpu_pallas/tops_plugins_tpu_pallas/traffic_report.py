@@ -88,15 +88,17 @@ def _kda() -> None:
     floor = 3 * head_dim * 2 + head_dim * 4 + 4 + head_dim * 2
     print(f"\nkda forward, B={B} T={T} H={H} K=V={head_dim}, bfloat16 q, k, v, float32 g and beta, use_qk_l2norm")
     print(f"floor (read q, k, v, g, beta, write o) {floor} B/token")
-    print(f"{'implementation':<32}{'kernel':>9}{'relayout':>10}{'end to end':>12}{'vs floor':>10}{'peak VMEM':>14}{'GFLOP':>8}")
+    print(f"{'implementation':<48}{'kernel':>9}{'relayout':>10}{'end to end':>12}{'vs floor':>10}{'peak VMEM':>14}{'GFLOP':>8}")
+    # The chunk left None is the chip's (grid.chunk_size_of): v6e's, and every other chip's.
+    defaults = {chip or "other chips": grid.chunk_size_of(kda.fused.KdaFusedConfig(), chip) for chip in ("v6e", None)}
     for chunk_size in (64, 128):
         config = kda.fused.KdaFusedConfig(chunk_size=chunk_size)
         plans = kda.fused.fitted_plans(kda.fused.geometry_of(B, T, H, head_dim, head_dim, config), jnp.bfloat16, use_qk_l2norm=True)
         f = figures(plans, B * T * H)
-        default = " (default)" if config == kda.fused.KdaFusedConfig() else ""
-        label = f"tpu_pallas.fused C={chunk_size}{default}"
+        chips = [chip for chip, size in defaults.items() if size == chunk_size]
+        label = f"tpu_pallas.fused C={chunk_size}" + (f" (default on {', '.join(chips)})" if chips else "")
         print(
-            f"{label:<32}{f.kernel_per_token:>9.1f}{f.relayout_per_token:>10.1f}{f.end_to_end_per_token:>12.1f}"
+            f"{label:<48}{f.kernel_per_token:>9.1f}{f.relayout_per_token:>10.1f}{f.end_to_end_per_token:>12.1f}"
             f"{f.end_to_end_per_token / floor:>9.3f}x{f.peak_vmem / 2**20:>10.2f} MiB{sum(p.flops for p in plans) / 1e9:>8.0f}"
         )
 
