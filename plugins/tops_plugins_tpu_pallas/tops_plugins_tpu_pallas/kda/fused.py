@@ -69,9 +69,10 @@ class KdaFusedConfig:
     chunks of 128 do about twice the matmul work of chunks of 64 (README "kda"), for the same bytes. v6e's 256-wide MXU
     takes a product of contraction and width up to 256 in the pushes of one of 128, and the chain through the state has
     half the links, so there chunks of 128 issue fewer cycles: at the bench's default shape (B=2 T=4096 H=8 K=V=128 bf16,
-    modelled 2026-12-07, the steps below), kda's forward kernel 472317 -> 420655, bounded 421294 -> 371692, its
-    checkpoints walk 420009 -> 362402 and its gradients kernel 1242134 -> 1215853; gla's forward 218276 -> 210878, its
-    checkpoints walk 128393 -> 78602 and its gradients kernel 647264 -> 653175. On v5e's 128-wide MXUs they issue more
+    modelled 2026-12-07, the steps below), kda's forward kernel 472317 -> 420655, bounded (``use_gate, A_log,
+    lower_bound``) 422612 -> 373296, its checkpoints walk 420009 -> 362402 and its gradients kernel 1242134 -> 1215853;
+    gla's forward 218276 -> 210878, its checkpoints walk 128393 -> 67016 and its gradients kernel 647264 -> 629844 (its
+    backward at 32 chunks per step there, ``GlaFusedConfig``). On v5e's 128-wide MXUs they issue more
     (kda's checkpoints walk 488272 -> 518283, its gradients kernel 1532741 -> 1603724; gla's forward 284193 -> 307041),
     so the other chips keep 64. ``num_steps``: chunks per grid step, at most (fewer when
     VMEM is short, ``launch.fit``); None: ``TPU_NUM_STEPS`` lowered for a TPU, 1 in the interpreter (``grid.steps_of``).
