@@ -284,7 +284,7 @@ KDA_FUSED = tops_core.Implementation(
     ),
     priority={"tpu": 200},
     config=KDA_FUSED_CONFIG,
-    config_sweep=(PADDED_GRID,),
+    config_sweep=(PADDED_GRID, {"chunk_size": 128}),  # v6e's chunk, which the interpreter (no chip) would not walk
     explain_config=_explain_kda_grid_config,
     serves_pools=True,
     description=(
