@@ -615,8 +615,9 @@ def test_kda_gradient_with_grouped_heads_and_the_activations_compiles_its_own_ba
     assert facts["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
 
 
-# Bounded gates (chunkwise's bounded path, sub-chunks of 16 at lower_bound = -5): the gate's bound on v5e (v5p and
-# v6e above), g's checked promise without the gate in float32 on v4 and v6e, and packed calls with each on v5e and v6e.
+# Bounded gates (chunkwise's bounded path, sub-chunks of 16 at lower_bound = -5, of 32 in bf16 with use_qk_l2norm): the
+# gate's bound on v5e (v5p and v6e above), g's checked promise without the gate in float32 on v4 and v6e, and packed
+# calls with each on v5e and v6e.
 KDA_BOUNDED = (
     # T = 500: one ragged grid step of 8 chunks (at 1000, 16 chunks unrolled: twice the compile time for the same kernel).
     dict(generation="v5e", T=500, K=128, V=128, dtype="bfloat16", use_gate=True, A_log=True, dt_bias=True),

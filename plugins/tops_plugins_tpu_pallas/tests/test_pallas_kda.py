@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tops_core
-from tops_core.conformance.compare import relative_error
+from tops_core.conformance.compare import measure, relative_error, tolerance
 from tops_core.ops.kda import Activations, beta_activation, gate
 from tops_core.tpu import compile_only
 from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
@@ -497,11 +497,40 @@ def test_the_bounded_chunk_pairs_match_their_definitions_at_and_within_the_bound
             assert _relative_error(got, want) < 1e-6, (name, _relative_error(got, want))
 
 
+@pytest.mark.parametrize("size", [64, 128])
+def test_wide_sub_chunks_pair_as_their_definitions_at_and_within_the_bound(size):
+    # bf16 operands and normalised rows: sub-chunks of 32 at L = -5, their factors reaching e^+-80 at the bound
+    # (pairs the mask drops overflow there, so no debug_infs). The error is bf16's operand rounding, as on the narrow
+    # path with the same operands; every kept pair finite.
+    rng = np.random.default_rng(size)
+    assert chunkwise.sub_chunk_size(size, -5.0, jnp.bfloat16, use_qk_l2norm=True, scale=1.0) == 32
+    for g in (np.full((size, 128), -5.0), rng.uniform(-5.0, 0, (size, 128))):
+        q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in rng.standard_normal((2, size, 128)))
+        beta = 1 / (1 + np.exp(-rng.standard_normal((size, 1))))
+        aqk, inverse = _direct_pairs(q, k, g, beta)
+        errors = {}
+        for fine in (16, 32):
+            decays = chunkwise.Decays.compute(jnp.asarray(g, jnp.float32), fine)
+            pairs = chunkwise.pairs(*(jnp.asarray(x, jnp.float32) for x in (q, k, beta)), decays, jnp.bfloat16)
+            assert np.isfinite(np.asarray(pairs.aqk)).all() and np.isfinite(np.asarray(pairs.inverse)).all()
+            errors[fine] = [_relative_error(got, want) for got, want in ((pairs.aqk, aqk), (pairs.inverse, inverse))]
+        assert max(errors[32]) < 4e-3, errors
+        assert all(wide < 1.5 * narrow + 1e-4 for wide, narrow in zip(errors[32], errors[16])), errors
+
+
 def test_the_bounded_path_is_chosen_statically_where_it_pays():
     assert chunkwise.fine_block_size(64, None) is None
     assert chunkwise.fine_block_size(64, -5.0) == 16  # Kimi Linear: |L| s <= 80
     assert chunkwise.fine_block_size(64, -0.5) == 64  # at most the chunk
     assert chunkwise.fine_block_size(64, -60.0) is None  # sub-chunks of one token pair nothing
+    assert chunkwise.fine_block_size(64, -5.0, wide=True) == 32  # |L| s <= 160
+    # Wide only for bf16 operands of normalised rows and |scale| <= 1: float32 keeps its low parts off subnormals,
+    # unnormalised rows or a larger scale could overflow exp(80).
+    wide_at = functools.partial(chunkwise.sub_chunk_size, 128, -5.0)
+    assert wide_at(jnp.bfloat16, use_qk_l2norm=True, scale=128**-0.5) == 32
+    assert wide_at(jnp.float32, use_qk_l2norm=True, scale=128**-0.5) == 16
+    assert wide_at(jnp.bfloat16, use_qk_l2norm=False, scale=128**-0.5) == 16
+    assert wide_at(jnp.bfloat16, use_qk_l2norm=True, scale=2.0) == 16
     assert Activations.of(False, -5.0, False, False).decay_lower_bound is None  # xla.chunk's: the promise dropped
     assert Activations.of(False, -5.0, False, False, keep_promise=True).decay_lower_bound == -5.0
     assert Activations.of(True, -5.0, False, False).decay_lower_bound == -5.0
@@ -512,15 +541,34 @@ def test_the_bounded_path_is_chosen_statically_where_it_pays():
     assert chunkwise.chunk_body_vmem(geometry, -5.0) < chunkwise.chunk_body_vmem(geometry)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])  # bf16: also the kit's base case
-def test_the_bounded_path_at_the_bound_everywhere_matches_the_reference(dtype, make_kda_inputs, kda_reference, assert_matches):
-    # The worst case: every token and key at g = L = -5, T = 200 ragged over four chunks of 64 (sub-chunks of 16).
+@pytest.mark.parametrize("dtype, use_qk_l2norm", [
+    (jnp.float32, False),
+    pytest.param(jnp.bfloat16, False, marks=pytest.mark.slow),  # bf16: also the kit's base case
+    (jnp.bfloat16, True),  # the wide sub-chunks (wide_sub_chunks)
+])
+def test_the_bounded_path_at_the_bound_everywhere_matches_the_reference(dtype, use_qk_l2norm, make_kda_inputs, kda_reference, assert_matches):
+    # The worst case: every token and key at g = L = -5, T = 200 ragged over four chunks of 64 (sub-chunks of 16; of
+    # 32 for bf16 with use_qk_l2norm, their decays reaching e^+-80).
     inputs = make_kda_inputs(1, 200, 2, 128, 128, dtype, gate=-5.0)
-    o, final_state = call_kernel(inputs, lower_bound=-5.0)
+    o, final_state = call_kernel(inputs, use_qk_l2norm, lower_bound=-5.0)
     assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(final_state)).all()
-    o_ref, final_ref = kda_reference(inputs)
+    o_ref, final_ref = kda_reference(inputs, use_qk_l2norm)
     assert_matches("o", o, o_ref, dtype)
     assert_matches("final_state", final_state, final_ref, dtype)
+
+
+def test_the_gradients_after_wide_sub_chunks_at_the_bound_everywhere_match_the_reference(make_kda_inputs, kda_gradients):
+    # The backward's walk for the states takes the forward's wide sub-chunks (chunk_steps) and hands the gradients kernel,
+    # which keeps the narrow ones, its states and inverses: every gradient finite and within bf16's tolerance, every gate
+    # at the bound.
+    inputs = make_kda_inputs(1, 130, 2, 128, 128, jnp.bfloat16, gate=-5.0)
+    options = dict(use_qk_l2norm=True, lower_bound=-5.0)
+    got = kda_gradients(inputs, ("tpu_pallas.fused", {"chunk_size": 64}), **options)
+    want = kda_gradients(inputs, "ref.recurrent", **options)
+    for name in inputs:
+        assert np.isfinite(np.asarray(got[name], np.float32)).all(), name
+        measurement = measure(f"d{name}", got[name], want[name], tolerance("bfloat16", gradient=True))
+        assert measurement.passed, measurement.describe()
 
 
 @pytest.mark.slow  # the kit's bounded cases check it against the reference by default

@@ -25,11 +25,11 @@ from tops_plugins_tpu_pallas.recurrence import Recurrence
 from tops_plugins_tpu_pallas.simple_gla.chunkwise import ChunkGates
 
 
-def chunk_factors(chunks, *, operands, lower_bound: float | None = None, inverses=None) -> list[Factors]:
+def chunk_factors(chunks, *, operands, fine_size: int | None = None, inverses=None) -> list[Factors]:
     """kda's ``chunk_factors`` for gates per head: ``(q, k, g, beta, resets)`` each, ``g`` ``(C, 1)`` float32 (0 past the
     end of the sequence, ``-inf`` a reset, as a packed chunk's ``resets`` rows are; ``q`` None: no ``Aqk``; ``inverses``
-    where known, ``kda.chunkwise.inverses_of``); ``lower_bound`` unused (no decay can overflow)."""
-    del lower_bound
+    where known, ``kda.chunkwise.inverses_of``); ``fine_size`` unused (no decay can overflow)."""
+    del fine_size
     C = chunks[0][1].shape[0]
     i, j = row_and_column_iotas(C)
     masks = [level_pairs_mask(C, size) for size in level_sizes(C)]

@@ -28,11 +28,11 @@ from tops_plugins_tpu_pallas.recurrence import Recurrence
 _F32 = jnp.float32
 
 
-def chunk_factors(chunks, *, operands, lower_bound: float | None = None, inverses=None) -> list[Factors]:
+def chunk_factors(chunks, *, operands, fine_size: int | None = None, inverses=None) -> list[Factors]:
     """Every chunk's decays, then every chunk's ``Aqk`` (kda's ``interleaved_pairs`` without the delta rule), from ``(q, k,
-    g, beta, resets)`` each (``beta`` None; ``resets`` None or a packed chunk's sequence starts); ``lower_bound`` and
+    g, beta, resets)`` each (``beta`` None; ``resets`` None or a packed chunk's sequence starts); ``fine_size`` and
     ``inverses`` unused (gla has no bound and no inverse)."""
-    del lower_bound, inverses
+    del fine_size, inverses
     parts = run_sum_parts(operands)
     decays = Decays.of_chunks([g for _, _, g, _, _ in chunks], None, [resets for *_, resets in chunks], parts)
     every_pairs = interleaved_pairs([(q, k, None, d, resets) for (q, k, _, _, resets), d in zip(chunks, decays)], operands, delta_rule=False)

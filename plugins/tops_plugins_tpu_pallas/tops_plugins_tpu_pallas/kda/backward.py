@@ -47,7 +47,7 @@ from tops_plugins_tpu_pallas.grid import (
     step_chunks,
 )
 from tops_plugins_tpu_pallas.kda import fused
-from tops_plugins_tpu_pallas.kda.chunkwise import KDA, prepared_queries_keys
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA, fine_block_size, prepared_queries_keys
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and_strength, geometry_of, read_chunk
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_dtype, row_and_column_iotas
@@ -248,9 +248,13 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
     # The walk's inverses (float32 again: their cotangents stay float32), which the factors' VJP takes as they are.
     inverses = [refs["inverses"][chunk.index].astype(_F32) for chunk in chunks] if "inverses" in refs else None
 
+    # The narrow sub-chunks, whatever the forward's (chunkwise.wide_sub_chunks): over 32 tokens the VJP of e's runs
+    # cancels more of what bf16 rounds, ddt_bias's error up by half (README "Wider sub-chunks in bf16").
+    fine_size = fine_block_size(chunks[0].rows.size, activations.decay_lower_bound)
+
     def step_factors(prepared):
         chunk_rows = [(q, k, g, beta, chunk_resets) for (q, k, g, beta), chunk_resets in zip(prepared, resets)]
-        return recurrence.factors(chunk_rows, operands=operands, lower_bound=activations.decay_lower_bound, inverses=inverses)
+        return recurrence.factors(chunk_rows, operands=operands, fine_size=fine_size, inverses=inverses)
 
     every_factors, factors_vjp = jax.vjp(step_factors, prepared)
 

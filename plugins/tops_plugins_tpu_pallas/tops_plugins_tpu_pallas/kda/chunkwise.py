@@ -48,7 +48,12 @@ level (``interleaved_pairs``, ``exact_inverses``), before the state's own chain 
 largest power of two with ``|L| s <= 80`` (``fine_block_size``; 16 at Kimi Linear's ``L = -5``) and
 the point ``r`` the middle of the sub-chunk (its first half's last token), every exponent
 ``e_i = b_i - b_r`` lies in ``[-40, 40]``: ``exp(+-e)`` is finite and far from float32's
-subnormals, whose low bf16 parts a TPU would flush. All pairs inside one sub-chunk are then one
+subnormals, whose low bf16 parts a TPU would flush. With bf16 operands and ``q``, ``k`` normalised
+(``wide_sub_chunks``) the forward's walk doubles it, ``|L| s <= 160`` (32 at ``L = -5``, one coarse
+level fewer): its factors reach ``exp(+-80)``, below float32's largest number times any normalised row,
+and what a flushed subnormal operand would lose is below ``2**-126 exp(75)``, ``4e-6`` of a pair's
+scale, against bf16's rounding of ``2**-9``. Pairs the mask discards may then overflow to ``inf``;
+the mask is a select, so none reaches a kept pair. All pairs inside one sub-chunk are then one
 plain masked matmul of decayed keys, ``Akk[i, j] = sum_d (k[i, d] exp(e_i)) (k[j, d] exp(-e_j))``
 (``Aqk`` likewise with ``q``'s rows), replacing the levels ``1 .. s/2`` and their run-sum sections
 by one section (``e``, a run of signed masks: ``+g`` after ``r``, ``-g`` up to it, never both in a
@@ -85,21 +90,44 @@ _F32 = jnp.float32
 FINE_EXPONENT_LIMIT = 80.0
 """``|L| s`` at most this: the bounded path's sub-chunk decays stay within ``exp(+-40)`` around its middle."""
 
+WIDE_FINE_EXPONENT_LIMIT = 160.0
+"""``|L| s`` at most this where ``wide_sub_chunks``: decays within ``exp(+-80)``, finite times any row of norm 1 (and
+times a query's ``scale`` of at most 1), whose flushed subnormals lose less than bf16 operands round away."""
+
+
+def wide_sub_chunks(operands, use_qk_l2norm: bool, scale: float) -> bool:
+    """Whether the bounded path's sub-chunks may span ``WIDE_FINE_EXPONENT_LIMIT``: bf16 MXU operands and ``q``, ``k``
+    normalised, ``|scale| <= 1``. Not for float32 operands, whose low bf16 parts at HIGHEST would go subnormal (and be
+    flushed) near ``exp(-80)``, a loss near their tolerance; not for unnormalised rows, which ``exp(80)`` could
+    overflow. The forward's walk only (``chunk_steps``): the backward's gradients kernel keeps the narrow sub-chunks,
+    where its VJP of ``e`` over 32 tokens lost half as much again of ``ddt_bias``'s accuracy. Modelled at the bench's
+    shape with ``use_qk_l2norm, use_gate, A_log, lower_bound = -5`` (2026-12-07): the forward kernel 373296 -> 362992
+    cycles on v6e and 562868 -> 550388 on v5e, the backward's checkpoints walk 314578 -> 309714 and 475091 -> 469011."""
+    return jnp.dtype(operands) == jnp.bfloat16 and use_qk_l2norm and abs(scale) <= 1
+
 
 def level_sizes(chunk_size: int) -> tuple[int, ...]:
     """Half-block sizes of the levels, finest first: 1, 2, ..., chunk_size / 2."""
     return tuple(1 << n for n in range(chunk_size.bit_length() - 1))
 
 
-def fine_block_size(chunk_size: int, lower_bound: float | None) -> int | None:
-    """The bounded path's sub-chunk: the largest power of two ``s <= chunk_size`` with ``|lower_bound| s <= 80``,
-    or None (the exact path) without a bound or where ``s`` would be 1 (no pair inside a sub-chunk)."""
+def fine_block_size(chunk_size: int, lower_bound: float | None, wide: bool = False) -> int | None:
+    """The bounded path's sub-chunk: the largest power of two ``s <= chunk_size`` with ``|lower_bound| s <= 80`` (160
+    when ``wide``: ``wide_sub_chunks``), or None (the exact path) without a bound or where ``s`` would be 1 (no pair
+    inside a sub-chunk)."""
     if lower_bound is None:
         return None
+    limit = WIDE_FINE_EXPONENT_LIMIT if wide else FINE_EXPONENT_LIMIT
     size = 1
-    while 2 * size <= chunk_size and -lower_bound * 2 * size <= FINE_EXPONENT_LIMIT:
+    while 2 * size <= chunk_size and -lower_bound * 2 * size <= limit:
         size *= 2
     return size if size >= 2 else None
+
+
+def sub_chunk_size(chunk_size: int, lower_bound: float | None, operands, *, use_qk_l2norm: bool, scale: float) -> int | None:
+    """A call's bounded sub-chunk (``fine_block_size`` at the budget ``wide_sub_chunks`` allows), or None: what
+    ``chunk_steps`` (the forward's kernel, the backward's walk for the states) passes the recurrence's ``factors``."""
+    return fine_block_size(chunk_size, lower_bound, wide_sub_chunks(operands, use_qk_l2norm, scale))
 
 
 def coarse_level_sizes(chunk_size: int, fine_size: int | None) -> tuple[int, ...]:
@@ -549,13 +577,13 @@ class Factors:
     ahead: Any = None  # what the op's ``Recurrence.ahead`` computed of the way through the state before the chain, or None
 
 
-def chunk_factors(chunks, *, operands, lower_bound: float | None, inverses=None) -> list[Factors]:
+def chunk_factors(chunks, *, operands, fine_size: int | None, inverses=None) -> list[Factors]:
     """The factors of consecutive chunks, ``(q, k, g, beta, resets)`` each (``q``, ``k`` from ``prepared_queries_keys``,
     ``resets`` None or a packed chunk's ``(C, 1)`` sequence starts): the decays, then the pairs and inverses of all of
-    them at once (``interleaved_pairs``; ``inverses`` where known). A pure function of its arrays, so its VJP is the
-    backward's."""
+    them at once (``interleaved_pairs``; ``inverses`` where known); ``fine_size``: the bounded path's sub-chunk
+    (``sub_chunk_size``) or None. A pure function of its arrays, so its VJP is the backward's."""
     parts = run_sum_parts(operands)
-    decays = Decays.of_chunks([g for _, _, g, _, _ in chunks], fine_block_size(chunks[0][2].shape[0], lower_bound), [resets for *_, resets in chunks], parts)
+    decays = Decays.of_chunks([g for _, _, g, _, _ in chunks], fine_size, [resets for *_, resets in chunks], parts)
     every_pairs = interleaved_pairs(
         [(q, k, beta, d, resets) for (q, k, _, beta, resets), d in zip(chunks, decays)], operands, inverses=inverses,
     )
@@ -593,7 +621,7 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     every ``o`` None, as the backward's walk needs them), ``g`` float32 ``(C, K_pad)``
     (``(C, 1)`` for a gate per head) and ``beta`` ``(C, 1)`` float32 (None without the delta rule), every row past the end
     of the sequence already zero (no decay, no write). ``lower_bound``: static, a bound every ``g`` respects (kda's
-    bounded path where ``fine_block_size`` allows it). ``packed``: a packed chunk's sequences
+    bounded path where ``sub_chunk_size`` allows it). ``packed``: a packed chunk's sequences
     (``kda.sequences.PackedChunk``) or None: its sequences' first rows reset the state (every key's decay ``exp(-inf)``),
     their initial states enter there and their final states leave.
 
@@ -608,7 +636,8 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     for q, k, v, g, beta, packed in chunks:
         q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
         prepared.append((q, k, g, beta, None if packed is None else packed.resets))
-    every_factors = recurrence.factors(prepared, operands=operands, lower_bound=lower_bound)
+    fine_size = sub_chunk_size(prepared[0][1].shape[0], lower_bound, operands, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    every_factors = recurrence.factors(prepared, operands=operands, fine_size=fine_size)
     if recurrence.ahead is not None:
         every_factors = [
             recurrence.ahead(q, k, v, beta, own, operands) for (q, k, _, beta, _), (_, _, v, *_), own in zip(prepared, chunks, every_factors)
@@ -629,7 +658,8 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
 def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | None = None, packed: bool = False) -> Work:
     """One chunk's ``chunk_factors`` and ``through_state`` for one value block, counted op by op (a ragged last chunk computes whole;
     with several value blocks each redoes the decays and pairs); ``lower_bound`` and ``packed`` as ``chunk_steps``'s
-    (resets given)."""
+    (resets given). Counted at the narrow budget (``fine_block_size``): a call that ``wide_sub_chunks`` computes one
+    coarse level fewer."""
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     fine = fine_block_size(C, lower_bound)
     coarse = coarse_level_sizes(C, fine)
@@ -646,7 +676,7 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | Non
 def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
     """An upper estimate of what each chunk of a grid step keeps from its decays to its turn at the state (bytes):
     float32 ``q``, ``k``, ``g``, ``v``, ``Aqk``, the inverse and every decay (``chunk_steps`` computes all chunks' pairs
-    first)."""
+    first), at the narrow budget (a wider sub-chunk keeps fewer levels' decays)."""
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     fine = fine_block_size(C, lower_bound)
     decays = 2 + len(coarse_level_sizes(C, fine)) + (2 if fine else 0)
