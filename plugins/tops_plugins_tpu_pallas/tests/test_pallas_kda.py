@@ -541,16 +541,17 @@ def test_the_bounded_path_is_chosen_statically_where_it_pays():
     assert chunkwise.chunk_body_vmem(geometry, -5.0) < chunkwise.chunk_body_vmem(geometry)
 
 
-@pytest.mark.parametrize("dtype, use_qk_l2norm", [
-    (jnp.float32, False),
-    pytest.param(jnp.bfloat16, False, marks=pytest.mark.slow),  # bf16: also the kit's base case
-    (jnp.bfloat16, True),  # the wide sub-chunks (wide_sub_chunks)
+@pytest.mark.parametrize("dtype, use_qk_l2norm, chunk_size", [
+    (jnp.float32, False, 64),
+    pytest.param(jnp.bfloat16, False, 64, marks=pytest.mark.slow),  # bf16: also the kit's base case
+    (jnp.bfloat16, True, 64),  # the wide sub-chunks (wide_sub_chunks)
+    (jnp.bfloat16, True, 128),  # and their two coarse levels in v6e's chunks
 ])
-def test_the_bounded_path_at_the_bound_everywhere_matches_the_reference(dtype, use_qk_l2norm, make_kda_inputs, kda_reference, assert_matches):
-    # The worst case: every token and key at g = L = -5, T = 200 ragged over four chunks of 64 (sub-chunks of 16; of
+def test_the_bounded_path_at_the_bound_everywhere_matches_the_reference(dtype, use_qk_l2norm, chunk_size, make_kda_inputs, kda_reference, assert_matches):
+    # The worst case: every token and key at g = L = -5, T = 200 ragged over chunks of 64 or 128 (sub-chunks of 16; of
     # 32 for bf16 with use_qk_l2norm, their decays reaching e^+-80).
     inputs = make_kda_inputs(1, 200, 2, 128, 128, dtype, gate=-5.0)
-    o, final_state = call_kernel(inputs, use_qk_l2norm, lower_bound=-5.0)
+    o, final_state = call_kernel(inputs, use_qk_l2norm, config={"chunk_size": chunk_size}, lower_bound=-5.0)
     assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(final_state)).all()
     o_ref, final_ref = kda_reference(inputs, use_qk_l2norm)
     assert_matches("o", o, o_ref, dtype)
