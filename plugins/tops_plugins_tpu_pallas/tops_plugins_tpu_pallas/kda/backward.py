@@ -249,7 +249,8 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
     inverses = [refs["inverses"][chunk.index].astype(_F32) for chunk in chunks] if "inverses" in refs else None
 
     # The narrow sub-chunks, whatever the forward's (chunkwise.wide_sub_chunks): over 32 tokens the VJP of e's runs
-    # cancels more of what bf16 rounds, ddt_bias's error up by half (README "Wider sub-chunks in bf16").
+    # cancels more of what bf16 rounds, ddt_bias's error up by half, over its tolerance on one input in twelve (README
+    # "Wider sub-chunks in bf16").
     fine_size = fine_block_size(chunks[0].rows.size, activations.decay_lower_bound)
 
     def step_factors(prepared):

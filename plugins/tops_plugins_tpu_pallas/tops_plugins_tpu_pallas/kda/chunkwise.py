@@ -100,7 +100,8 @@ def wide_sub_chunks(operands, use_qk_l2norm: bool, scale: float) -> bool:
     normalised, ``|scale| <= 1``. Not for float32 operands, whose low bf16 parts at HIGHEST would go subnormal (and be
     flushed) near ``exp(-80)``, a loss near their tolerance; not for unnormalised rows, which ``exp(80)`` could
     overflow. The forward's walk only (``chunk_steps``): the backward's gradients kernel keeps the narrow sub-chunks,
-    where its VJP of ``e`` over 32 tokens lost half as much again of ``ddt_bias``'s accuracy. Modelled at the bench's
+    where its VJP of ``e`` over 32 tokens lost half as much again of ``ddt_bias``'s accuracy (over its tolerance on one
+    input in twelve). Modelled at the bench's
     shape with ``use_qk_l2norm, use_gate, A_log, lower_bound = -5`` (2026-12-07): the forward kernel 373296 -> 362992
     cycles on v6e and 562868 -> 550388 on v5e, the backward's checkpoints walk 314578 -> 309714 and 475091 -> 469011."""
     return jnp.dtype(operands) == jnp.bfloat16 and use_qk_l2norm and abs(scale) <= 1
