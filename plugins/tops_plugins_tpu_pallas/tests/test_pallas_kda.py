@@ -468,11 +468,6 @@ def test_bf16_with_a_bf16_raw_gate_grouped_heads_and_beta_logits(make_kda_inputs
 # -- bounded gates: chunkwise's bounded path -------------------------------------------------------
 
 
-def _relative_error(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
-
-
 @pytest.mark.parametrize("lower_bound, size, packed", [(-5.0, 64, False), (-5.0, 64, True), (-1.0, 64, True), (-40.0, 128, False)])
 def test_the_bounded_chunk_pairs_match_their_definitions_at_and_within_the_bound(lower_bound, size, packed):
     # Sub-chunks of 16, 64 (the whole chunk: no coarse level) and 2 tokens; every g at the bound (the largest
@@ -494,7 +489,7 @@ def test_the_bounded_chunk_pairs_match_their_definitions_at_and_within_the_bound
         segment = np.cumsum(resets[:, 0])
         aqk, inverse = _direct_pairs(q, k, g, beta, same_segment=segment[:, None] == segment[None, :])
         for name, got, want in (("Aqk", pairs.aqk, aqk), ("inverse", pairs.inverse, inverse)):
-            assert _relative_error(got, want) < 1e-6, (name, _relative_error(got, want))
+            assert relative_error(got, want) < 1e-6, (name, relative_error(got, want))
 
 
 @pytest.mark.parametrize("size", [64, 128])
@@ -513,7 +508,7 @@ def test_wide_sub_chunks_pair_as_their_definitions_at_and_within_the_bound(size)
             decays = chunkwise.Decays.compute(jnp.asarray(g, jnp.float32), fine)
             pairs = chunkwise.pairs(*(jnp.asarray(x, jnp.float32) for x in (q, k, beta)), decays, jnp.bfloat16)
             assert np.isfinite(np.asarray(pairs.aqk)).all() and np.isfinite(np.asarray(pairs.inverse)).all()
-            errors[fine] = [_relative_error(got, want) for got, want in ((pairs.aqk, aqk), (pairs.inverse, inverse))]
+            errors[fine] = [relative_error(got, want) for got, want in ((pairs.aqk, aqk), (pairs.inverse, inverse))]
         assert max(errors[32]) < 4e-3, errors
         assert all(wide < 1.5 * narrow + 1e-4 for wide, narrow in zip(errors[32], errors[16])), errors
 
@@ -577,7 +572,7 @@ def test_the_bounded_path_far_from_the_bound_is_the_exact_paths_result(make_kda_
     # docs/ops.md's gates (log_sigmoid / 16, about -0.04): the same outputs to float32 rounding.
     inputs = make_kda_inputs(1, 100, 2, 128, 128, jnp.float32)
     for got, want in zip(call_kernel(inputs, lower_bound=-5.0), call_kernel(inputs)):
-        assert _relative_error(got, want) < 1e-6
+        assert relative_error(got, want) < 1e-6
 
 
 def test_the_issue_28_features_are_declared():
