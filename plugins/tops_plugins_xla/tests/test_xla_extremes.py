@@ -8,14 +8,22 @@ import pytest
 
 import tops_core
 from tops_core.conformance.compare import measure, tolerance
+from tops_plugins_xla import intra_mild
 
 B, T, H, K, V = 1, 130, 2, 32, 16
 
 
 def extreme_gates(kind, shape, rng):
-    """``-10`` everywhere (``-640`` across a chunk of 64), or per key (per head) ``-10`` or ``0`` with ``-inf`` now and then."""
+    """``-10`` everywhere (``-640`` across a chunk of 64), or per key (per head) ``-10`` or ``0`` with ``-inf`` now and then,
+    or chunks of 64 at the edge of ``intra_mild``'s bound (gla's dense form): ``-39.5`` over each chunk, spread evenly or
+    on one token per key."""
     if kind == "-10 everywhere":
         return np.full(shape, -10.0)
+    if kind == "mild bound, even":
+        return np.full(shape, -39.5 / 64)
+    if kind == "mild bound, one token":
+        positions = np.arange(shape[1]).reshape(1, -1, *[1] * (len(shape) - 2)) % 64
+        return np.where(positions == rng.integers(0, 64, size=(1, 1, *shape[2:])), -39.5, 0.0) * np.ones(shape)
     g = np.where(rng.uniform(size=shape[2:]) < 0.5, -10.0, 0.0) * np.ones(shape)
     return np.where(rng.uniform(size=shape) < 0.05, -np.inf, g)
 
@@ -38,11 +46,14 @@ def gate_shape(op_name, batch=B, seq_len=T):
 
 
 @pytest.mark.parametrize("op_name", ["kda", "gla", "gated_delta_rule"])
-@pytest.mark.parametrize("kind", ["-10 everywhere", "-10 or 0, -inf now and then"])
+@pytest.mark.parametrize("kind", ["-10 everywhere", "-10 or 0, -inf now and then", "mild bound, even", "mild bound, one token"])
 def test_extreme_decays_stay_finite_and_accurate(op_name, kind):
     """No Inf or NaN anywhere, and float32 results within tolerance of the reference, forward and every gradient."""
     rng = np.random.default_rng(1)
-    arrays, options = call(op_name, rng, extreme_gates(kind, gate_shape(op_name), rng))
+    g = extreme_gates(kind, gate_shape(op_name), rng)
+    if op_name == "gla" and kind.startswith("mild"):  # every chunk of 64 takes the dense form
+        assert all(bool(intra_mild.is_mild(np.swapaxes(g[:, n : n + 64], 1, 2))) for n in range(0, T, 64))
+    arrays, options = call(op_name, rng, g)
     do = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32)
     dht = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
     op = tops_core.op(op_name)

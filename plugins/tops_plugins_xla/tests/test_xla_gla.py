@@ -37,3 +37,25 @@ def test_matches_flash_linear_attention_naive_gla():
                                implementation="xla.chunk")
         for name, got, want in (("o", o, want_o), ("final_state", state, want_state)):
             assert measure(name, got, jnp.asarray(want), tolerance("float64", gradient=False)).passed, name
+
+
+def test_under_vmap_each_member_gets_its_own_decays():
+    """vmap over calls whose chunks differ in the dense form's choice (mild gates in one, ``-10`` per token in the other):
+    the choice, batched, runs both forms and keeps each member's own, forward and every gradient."""
+    rng = np.random.default_rng(3)
+    B, T, H, K, V = 1, 96, 2, 16, 8
+    q, k = (jnp.asarray(rng.standard_normal((2, B, T, H, K)) * K**-0.5, jnp.float32) for _ in range(2))
+    v, do = (jnp.asarray(rng.standard_normal((2, B, T, H, V)), jnp.float32) for _ in range(2))
+    g = jnp.asarray(np.stack([np.full((B, T, H, K), -0.05), np.full((B, T, H, K), -10.0)]), jnp.float32)
+
+    def loss(impl, q, k, v, g, do):
+        return jnp.sum(GLA.forward(q, k, v, g, implementation=impl)[0] * do)
+
+    batched = jax.jit(jax.vmap(jax.value_and_grad(lambda *a: loss("xla.chunk", *a), argnums=(0, 1, 2, 3))))(q, k, v, g, do)
+    for member in range(2):
+        got = jax.tree.map(lambda x: x[member], batched)
+        want = jax.value_and_grad(lambda *a: loss("ref.recurrent", *a), argnums=(0, 1, 2, 3))(q[member], k[member], v[member], g[member], do[member])
+        assert measure("loss", got[0], want[0], tolerance("float32", gradient=False)).passed
+        for name, x, ref in zip(("dq", "dk", "dv", "dg"), got[1], want[1]):
+            measurement = measure(name, x, ref, tolerance("float32", gradient=True))
+            assert measurement.passed, measurement.describe()

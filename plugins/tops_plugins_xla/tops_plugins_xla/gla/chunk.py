@@ -21,6 +21,11 @@ comes from the gradients of every decay's exponent, summed back along the halvin
 (``intra.decays_backward``). Packed sequences run in ``packed_layout``: a chunk never holds two
 sequences, and padded slots hold zeros (no decay, no write).
 
+A chunk whose log decay is mild in every key, row and head (``intra_mild.is_mild``: at least ``-40``
+over the chunk, as gla's usual gates give) takes ``intra_mild``'s dense form instead: its decays as
+running products and ``Aqk`` as one product, several times cheaper on CPU than the halving's levels;
+``lax.cond`` picks the form per chunk, in both sweeps.
+
 Both sweeps loop over chunks, all rows and heads of a chunk at once, and write their outputs in
 place: every temporary stays the size of one chunk. Memory is O(T (K + V) + (T / C) K V).
 """
@@ -32,10 +37,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from tops_core import GLAGrads
 from tops_core.ops.base import state_dtype
-from tops_plugins_xla import intra
+from tops_plugins_xla import intra, intra_mild
 from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
 from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
 
@@ -105,20 +111,49 @@ def _chunked(q, k, v, g, initial_state, cu_seqlens, scale, chunk_size) -> _Chunk
 
 @dataclasses.dataclass(frozen=True)
 class _Chunk:
-    """Chunk ``n`` of every row, heads first (``[R, H, C, .]``), in the compute dtype; ``q`` times ``scale``."""
+    """Chunk ``n`` of every row, heads first (``[R, H, C, .]``), in the compute dtype; ``q`` times ``scale``.
+
+    ``mild``: its decays are ``intra_mild``'s and its pair products one dense product, else ``intra``'s halving.
+    """
 
     q: Array
     k: Array
     v: Array
     decays: intra.Decays
+    mild: bool
+
+    def query_pairs(self) -> Array:
+        if self.mild:
+            return intra_mild.query_pairs(self.q, self.k, self.decays)
+        return intra.query_pairs(self.q, self.k, self.decays.levels)
+
+    def pairs_backward(self, daqk: Array, by_state: intra.DecayCotangents) -> tuple[Array, Array, Array]:
+        """``(dq, dk, dg)`` from ``query_pairs``' cotangent ``daqk``; ``dg`` adds ``by_state``, the state's terms in the
+        gradients of the exponents of ``to_token``, ``to_end`` and ``whole`` (no levels)."""
+        if self.mild:
+            dq, dk, d_to_end = intra_mild.pairs_backward(self.q, self.k, self.decays, daqk)
+            return dq, dk, intra_mild.decays_backward(dataclasses.replace(by_state, to_end=by_state.to_end + d_to_end))
+        dq, dk, d_later, d_earlier = intra.pairs_backward(self.q, self.k, self.decays.levels, daqk)
+        return dq, dk, intra.decays_backward(dataclasses.replace(by_state, later=d_later, earlier=d_earlier))
 
 
-def _take_chunk(x: _Chunked, n: Array) -> _Chunk:
+def _take_chunk(x: _Chunked, n: Array, mild: bool) -> _Chunk:
     C = x.layout.chunk_size
+    g = heads_first(x.g, n, C, x.dtype)
     return _Chunk(
         q=heads_first(x.q, n, C, x.dtype) * x.scale, k=heads_first(x.k, n, C, x.dtype), v=heads_first(x.v, n, C, x.dtype),
-        decays=intra.decays(heads_first(x.g, n, C, x.dtype)),
+        decays=intra_mild.decays(g) if mild else intra.decays(g), mild=mild,
     )
+
+
+def _by_decay(x: _Chunked, n: Array, chunk_step, carry):
+    """``chunk_step(carry, mild)`` for chunk ``n``: with ``mild`` true (``intra_mild``'s dense form) where
+    ``intra_mild.is_mild`` accepts the chunk, else along ``intra``'s halving; one choice for all its rows and heads.
+
+    The branches take and return one chunk's arrays only: the full-size buffers are written outside them.
+    """
+    mild = intra_mild.is_mild(heads_first(x.g, n, x.layout.chunk_size, x.dtype))
+    return lax.cond(mild, functools.partial(chunk_step, mild=True), functools.partial(chunk_step, mild=False), carry)
 
 
 def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
@@ -133,13 +168,16 @@ def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
     o = None if output_dtype is None else jnp.zeros((R, P, H, V), output_dtype)
 
     def step(n, state, o):
-        c = _take_chunk(x, n)
-        if o is not None:
-            aqk = intra.query_pairs(c.q, c.k, c.decays.levels)
-            query_state = einsum("rhik,rhkv->rhiv", c.q * c.decays.to_token, state)
-            o = put(o, n, query_state + einsum("rhij,rhjv->rhiv", aqk, c.v), C)
-        state = c.decays.whole[..., 0, :, None] * state + einsum("rhjk,rhjv->rhkv", c.k * c.decays.to_end, c.v)
-        return state, o
+        def chunk_step(state, mild):
+            c = _take_chunk(x, n, mild)
+            o_n = None
+            if o is not None:
+                query_state = einsum("rhik,rhkv->rhiv", c.q * c.decays.to_token, state)
+                o_n = query_state + einsum("rhij,rhjv->rhiv", c.query_pairs(), c.v)
+            return c.decays.whole[..., 0, :, None] * state + einsum("rhjk,rhjv->rhkv", c.k * c.decays.to_end, c.v), o_n
+
+        state, o_n = _by_decay(x, n, chunk_step, state)
+        return state, None if o is None else put(o, n, o_n, C)
 
     return forward_sweep(x.layout, x.initial_state, jnp.zeros((R, H, K, V), x.dtype), step, o, record_states=record_states)
 
@@ -151,29 +189,30 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array):
     C = x.layout.chunk_size
     grads = tuple(jnp.zeros(a.shape, a.dtype) for a in (x.q, x.k, x.v, x.g))
 
-    def step(n, dstate, grads):
-        dq, dk, dv, dg = grads
+    def chunk_step(n, dstate, mild):
         state = states[n]
-        c = _take_chunk(x, n)
+        c = _take_chunk(x, n, mild)
         do_n = heads_first(do, n, C, x.dtype)
         to_token, to_end = c.decays.to_token, c.decays.to_end
         query_decayed, key_to_end = c.q * to_token, c.k * to_end
 
-        aqk = intra.query_pairs(c.q, c.k, c.decays.levels)
+        aqk = c.query_pairs()
         dv_n = einsum("rhij,rhiv->rhjv", aqk, do_n) + einsum("rhjk,rhkv->rhjv", key_to_end, dstate)
         daqk = einsum("rhiv,rhjv->rhij", do_n, c.v)
-        dq_pairs, dk_pairs, d_later, d_earlier = intra.pairs_backward(c.q, c.k, c.decays.levels, daqk)
         dq_decayed = einsum("rhiv,rhkv->rhik", do_n, state)
         dk_to_end = einsum("rhjv,rhkv->rhjk", c.v, dstate)
-        dg_n = intra.decays_backward(intra.DecayCotangents(
-            later=d_later, earlier=d_earlier, to_token=query_decayed * dq_decayed, to_end=key_to_end * dk_to_end,
+        dq_pairs, dk_pairs, dg_n = c.pairs_backward(daqk, intra.DecayCotangents(
+            later=(), earlier=(), to_token=query_decayed * dq_decayed, to_end=key_to_end * dk_to_end,
             whole=c.decays.whole * jnp.sum(state * dstate, axis=-1)[..., None, :],
         ))
         dq_n = (dq_pairs + to_token * dq_decayed) * x.scale
         dk_n = dk_pairs + to_end * dk_to_end
-        grads = (put(dq, n, dq_n, C), put(dk, n, dk_n, C), put(dv, n, dv_n, C), put(dg, n, dg_n, C))
         dstate = c.decays.whole[..., 0, :, None] * dstate + einsum("rhik,rhiv->rhkv", query_decayed, do_n)
-        return dstate, grads
+        return dstate, (dq_n, dk_n, dv_n, dg_n)
+
+    def step(n, dstate, grads):
+        dstate, grads_n = _by_decay(x, n, functools.partial(chunk_step, n), dstate)
+        return dstate, tuple(put(grad, n, grad_n, C) for grad, grad_n in zip(grads, grads_n))
 
     grads, dh0 = reverse_sweep(x.layout, dht, jnp.zeros((R, H, K, V), x.dtype), step, grads)
     return (*grads, dh0)

@@ -1,4 +1,5 @@
-"""One chunk of KDA: decays, pair products and the triangular inverse against direct formulas.
+"""One chunk of per-key decays (kda, gla): decays, pair products and the triangular inverse against direct formulas,
+along the halving (``intra``) and in the dense form for mild chunks (``intra_mild``).
 
 The direct formulas take ``exp(b_i - b_j)`` per pair and key, in float64 NumPy; the inverse is
 checked against ``numpy.linalg.inv``.
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tops_plugins_xla import intra
+from tops_plugins_xla import intra, intra_mild
 
 
 def chunk_inputs(C, K=8, lead=(2, 3), g_scale=1.0, seed=0):
@@ -134,3 +135,88 @@ def test_float32_strong_decays_stay_finite_and_accurate(log_decay):
         assert np.sqrt(np.mean((np.asarray(got, np.float64) - want) ** 2) / np.mean(want**2)) < 1e-6
     for factor in (decays.to_token, decays.to_end, decays.whole, *(f for level in decays.levels for f in (level.later_decay, level.earlier_decay))):
         assert np.isfinite(np.asarray(factor)).all() and np.asarray(factor).max() <= 1
+
+
+# -- mild chunks: intra_mild's dense form ---------------------------------------------------------
+
+
+def mild_gates(C, K=8, lead=(2, 3), seed=0):
+    """Gates whose chunk sum sits just inside the bound in every key: one token at -39 and the rest near 0."""
+    rng = np.random.default_rng(seed)
+    g = -1e-3 * rng.uniform(size=(*lead, C, K))
+    strong = rng.integers(0, C, size=(*lead, 1, K))
+    return np.where(np.arange(C)[:, None] == strong, -39.0, g)
+
+
+@jax.jit
+def run_mild(q, k, g, daqk, d_to_token, d_to_end, d_whole):
+    decays = intra_mild.decays(g)
+    dq, dk, d_pairs = intra_mild.pairs_backward(q, k, decays, daqk)
+    dg = intra_mild.decays_backward(intra.DecayCotangents(
+        later=(), earlier=(), to_token=d_to_token * decays.to_token,
+        to_end=d_to_end * decays.to_end + d_pairs, whole=d_whole * decays.whole))
+    return decays, intra_mild.query_pairs(q, k, decays), (dq, dk, dg)
+
+
+def direct_backward(q, k, g, daqk, d_to_token, d_to_end, d_whole):
+    """``dq``, ``dk``, ``dg`` of ``Aqk`` and the decays by autodiff of the direct formulas."""
+
+    def direct(q, k, g):
+        b = jnp.cumsum(g, axis=-2)
+        return direct_pairs(q, k, g, xp=jnp)[0], jnp.exp(b), jnp.exp(b[..., -1:, :] - b), jnp.exp(b[..., -1:, :])
+
+    _, pullback = jax.vjp(direct, q, k, g)
+    return pullback((jnp.tril(daqk), d_to_token, d_to_end, d_whole))
+
+
+def mild_cotangents(q, seed=3):
+    rng = np.random.default_rng(seed)
+    C = q.shape[-2]
+    daqk = rng.standard_normal((*q.shape[:-2], C, C))
+    d_to_token, d_to_end = rng.standard_normal((2, *q.shape))
+    d_whole = rng.standard_normal((*q.shape[:-2], 1, q.shape[-1]))
+    return daqk, d_to_token, d_to_end, d_whole
+
+
+@pytest.mark.parametrize("C", [16, 64, 256])
+@pytest.mark.parametrize("gates", ["weak", "one token at -39"])
+def test_mild_decays_pairs_and_gradients_match_the_direct_formulas(C, gates):
+    q, k, g, _ = chunk_inputs(C, g_scale=1.0 / C)
+    if gates != "weak":
+        g = mild_gates(C)
+    assert bool(intra_mild.is_mild(g))
+    cotangents = mild_cotangents(q)
+    decays, aqk, grads = run_mild(q, k, g, *cotangents)
+    b = np.cumsum(g, axis=-2)
+    np.testing.assert_allclose(decays.to_token, np.exp(b), rtol=1e-12)
+    np.testing.assert_allclose(decays.to_end, np.exp(b[..., -1:, :] - b), rtol=1e-12)
+    np.testing.assert_allclose(decays.whole, np.exp(b[..., -1:, :]), rtol=1e-12)
+    want = direct_pairs(q, k, g)[0]
+    np.testing.assert_allclose(aqk, want, rtol=0, atol=1e-13 * np.abs(want).max())
+    for name, got, expected in zip(("dq", "dk", "dg"), grads, direct_backward(q, k, g, *cotangents)):
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12 * np.abs(expected).max(), err_msg=name)
+
+
+def test_float32_mild_chunks_at_the_bound_are_accurate():
+    """One token at -39 per key (exp(39) = 9e16 on the queries' side of the product): every result finite,
+    and float32 errors against the float64 formulas at the level of float32 rounding."""
+    C = 64
+    q, k, _, _ = chunk_inputs(C)
+    g = mild_gates(C)
+    cotangents = mild_cotangents(q)
+    with jax.enable_x64(False):
+        decays, aqk, grads = run_mild(*(np.asarray(x, np.float32) for x in (q, k, g, *cotangents)))
+    want_grads = direct_backward(q, k, g, *cotangents)
+    for name, got, want in (("Aqk", aqk, direct_pairs(q, k, g)[0]), *zip(("dq", "dk", "dg"), grads, want_grads)):
+        got, want = np.asarray(got, np.float64), np.asarray(want)
+        assert np.isfinite(got).all(), name
+        assert np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)) < 1e-6, name
+    assert np.asarray(decays.to_end).max() <= 1
+
+
+@pytest.mark.parametrize("total, mild", [(-39.9, True), (-40.1, False), (-np.inf, False), (np.nan, False)])
+def test_the_dense_form_is_chosen_only_within_the_bound(total, mild):
+    """One key of one row and head at ``total``, the rest weak: the choice covers every row, head and key."""
+    g = np.full((2, 3, 64, 8), -1e-3)
+    g[1, 2, 5, 7] = total
+    assert bool(intra_mild.is_mild(g)) is mild
