@@ -41,7 +41,7 @@ from typing import Any
 
 import jax
 
-from tops_core.tpu import llo
+from tops_core.tpu import fast_paths, llo
 from tops_core.tpu.generations import GENERATIONS
 
 NO_TPU_ENVIRONMENT = {
@@ -276,11 +276,13 @@ def collectives(text: str) -> tuple[Collective, ...]:
 class Dumped:
     """A program compiled by ``DumpingCompiler``: what ``ProgramFacts`` reads, every kernel as libtpu
     dumped it, and the TensorCores of the device it was compiled for (a v4 device is one of its chip's two).
-    A program without a Mosaic kernel is only lowered: no facts, no kernels."""
+    A program without a Mosaic kernel is only lowered: no facts, no kernels. ``fast_path``: whether a kernel in it
+    chooses a fast path from its data (``fast_paths.choose``)."""
 
     facts: ProgramFacts | None
     kernels: tuple[llo.DumpedKernel, ...]
     cores: int
+    fast_path: bool = False
 
 
 def without_cpu_backend_flags(flags: str) -> str:
@@ -378,9 +380,11 @@ def _serve_dumping_compiler() -> None:
         try:
             module, name = request["factory"].split(":")
             function, *args = getattr(importlib.import_module(module), name)(**request["arguments"])
-            lowered = lower_for(request["generation"], function, *args)
+            with fast_paths.recording() as choices:
+                lowered = lower_for(request["generation"], function, *args)
             if "tpu_custom_call" in lowered.as_text():
-                reply: Any = Dumped(ProgramFacts.of(lowered.compile()), tuple(llo.read_directory(directory)), device(request["generation"]).num_cores)
+                reply: Any = Dumped(ProgramFacts.of(lowered.compile()), tuple(llo.read_directory(directory)),
+                                    device(request["generation"]).num_cores, fast_path=bool(choices))
             else:  # no Mosaic kernel to dump: XLA's own code is not compiled (and not dumped), which takes long
                 reply = Dumped(None, (), device(request["generation"]).num_cores)
         except CompileOnlyUnavailable as error:

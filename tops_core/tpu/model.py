@@ -52,7 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tops_core.tpu import compile_only, llo
+from tops_core.tpu import compile_only, fast_paths, llo
 from tops_core.bench import case_json, describe_shape
 from tops_core.callspec import CallSpec
 from tops_core.conformance import data
@@ -65,6 +65,9 @@ from tops_core.tpu.generations import GENERATIONS, TpuGeneration
 LIMITS = ("HBM", "issue", "MXU")
 NO_TPU_KERNEL = "has no TPU kernel (no Mosaic kernel in its compiled program)"
 """Why an implementation is not modelled when XLA compiles all of it (jax.numpy): there is no kernel to read."""
+FAST_PATH = " (fast path)"
+"""Appended to an implementation's name in the row of its kernels' fast arm (``fast_paths``): what inputs that allow it
+cost; the implementation's own row is its general arm, what any input may cost."""
 CHAINS = 1.5
 """A schedule this many times longer than its busiest unit needs is bound by dependency chains, not slots."""
 
@@ -237,8 +240,9 @@ def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = Non
     try:
         with contextlib.nullcontext(compiler) if compiler else compile_only.DumpingCompiler() as compiler:
             for impl in candidates:
-                def compiled(setting: str) -> compile_only.Dumped:
-                    return compiler.compile(generation, f"{__name__}:program", case=case_json(case), implementation=impl.name, setting=setting)
+                def compiled(setting: str, arm: str = fast_paths.GENERAL) -> compile_only.Dumped:
+                    return compiler.compile(generation, f"{__name__}:program", case=case_json(case), implementation=impl.name,
+                                            setting=setting, arm=arm)
 
                 try:
                     alone = compiled("alone")
@@ -246,12 +250,19 @@ def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = Non
                         not_modelled.append((impl.name, NO_TPU_KERNEL))
                         continue
                     own_backward = impl.backward is not None and not impl.reasons(spec, "backward")
-                    dumped = (alone, compiled("in a layer"), compiled("backward") if own_backward else None)
+                    settings = ("alone", "in a layer", "backward" if own_backward else None)
+                    dumped = (alone, *(None if setting is None else compiled(setting) for setting in settings[1:]))
+                    # A kernel that chooses a fast path from its data: its general arm above, its fast arm in a row of its own.
+                    fast = None
+                    if any(each is not None and each.fast_path for each in dumped):
+                        fast = tuple(None if setting is None else compiled(setting, fast_paths.FAST) for setting in settings)
                 except RuntimeError as error:  # the compiler's own words, e.g. the program needs more HBM than the chip has
                     not_modelled.append((impl.name, f"does not compile: {str(error).strip().splitlines()[-1][:200]}"))
                     continue
                 share = alone.cores / tpu.tensorcores
                 rows.append(_modelled(impl.name, tpu, share, *dumped))
+                if fast is not None:
+                    rows.append(_modelled(f"{impl.name}{FAST_PATH}", tpu, share, *fast))
     except compile_only.CompileOnlyUnavailable as error:
         return TpuModel(case, tpu, (), (), unavailable=str(error))
     return TpuModel(case, tpu, tuple(rows), tuple(not_modelled), share=share)
@@ -306,9 +317,20 @@ def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwi
     )
 
 
-def program(case: dict[str, Any], implementation: str, setting: str) -> tuple[Any, ...]:
+def program(case: dict[str, Any], implementation: str, setting: str, arm: str = fast_paths.GENERAL) -> tuple[Any, ...]:
     """The workload's forward forced to ``implementation``, alone or in a layer, or its backward alone, and the
-    abstract arguments (``DumpingCompiler``'s factory)."""
+    abstract arguments (``DumpingCompiler``'s factory); every kernel's fast path traced as its ``arm`` alone."""
+    function, *arguments = _program(case, implementation, setting)
+    jax.clear_caches()  # the op's inner programs were traced under whichever arm the previous compile assumed
+
+    def traced(*args):
+        with fast_paths.assume(arm):
+            return function(*args)
+
+    return (traced, *arguments)
+
+
+def _program(case: dict[str, Any], implementation: str, setting: str) -> tuple[Any, ...]:
     case = Case(**{
         **case, "features": frozenset(case["features"]), "ndims": tuple(tuple(pair) for pair in case["ndims"]),
         "seqlens": None if case["seqlens"] is None else tuple(case["seqlens"]),

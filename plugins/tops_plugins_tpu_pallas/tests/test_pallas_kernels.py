@@ -19,7 +19,9 @@ from jax.extend import core as extend_core
 
 from tops_core.conformance import checks
 from tops_core.conformance.cases import grid
+from tops_core.conformance.compare import measure, tolerance
 from tops_plugins_tpu_pallas import CHUNK, FUSED, launch, mxu, traffic
+from tops_plugins_tpu_pallas.gla import chunkwise as gla_chunkwise
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, chunk, chunkwise, fused, gradients
 from tops_plugins_tpu_pallas.simple_gla.chunk import ChunkConfig
 from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
@@ -680,3 +682,48 @@ def test_lowered_for_v6e_the_backwards_sum_g_gammas_decay_gradient_and_match_the
     # bfloat16 (the weak decay among them): the entering state's reads in one bf16 pass (gradients.state_passes).
     if case.dtype == "bfloat16" and name != "tpu_pallas.chunk":
         assert [passes.reads for passes in chosen["state_passes"]] == [jnp.bfloat16]
+
+
+@pytest.mark.parametrize("total, mild", [(-39.9, True), (-40.1, False), (-np.inf, False), (np.nan, False)])
+def test_gla_takes_its_fast_path_only_where_every_chunk_is_mild(total, mild):
+    """One key of one chunk of a grid step at ``total`` over the chunk, the rest weak: the choice covers every chunk and key."""
+    gs = [jnp.full((64, 128), -1e-3) for _ in range(3)]
+    gs[1] = gs[1].at[5, 7].set(total)
+    assert bool(gla_chunkwise.every_chunk_mild(gs)) is mild
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("gates", ["mild bound, even", "mild bound, one token", "a mild step beside a strong one"])
+def test_gla_fast_path_at_its_bound_matches_the_reference(dtype, gates):
+    """gla's mild chunks at the edge of the fast path (``-39.5`` over each chunk of 64: its factors reach ``exp(+-39.5)``),
+    and a call whose first grid step is mild and second decays at ``-10`` per token (two chunks per step): forward and
+    every gradient against the float64 reference, in the interpreter."""
+    rng = np.random.default_rng(5)
+    B, T, H, K, V = 1, 256, 2, 64, 32
+    q, k = (jnp.asarray(rng.standard_normal((B, T, H, K)) * K**-0.5, dtype) for _ in range(2))
+    v, do = (jnp.asarray(rng.standard_normal((B, T, H, V)), dtype) for _ in range(2))
+    if gates == "mild bound, even":
+        g = np.full((B, T, H, K), -39.5 / 64)
+    elif gates == "mild bound, one token":
+        g = np.where(np.arange(T)[:, None, None] % 64 == rng.integers(0, 64, size=(H, K)), -39.5, 0.0)[None]
+    else:
+        g = np.where(np.arange(T)[:, None, None] < 128, -39.5 / 64, -10.0) * np.ones((B, T, H, K))
+    g = jnp.asarray(g, jnp.float32)
+    contract = tops_core.op("gla")
+    implementation = ("tpu_pallas.fused", {"chunk_size": 64, "num_steps": 2})
+
+    def results(impl):
+        def loss(q, k, v, g):
+            o, final_state = contract.forward(q, k, v, g, output_final_state=True, implementation=impl)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(final_state), (o, final_state)
+
+        (_, outputs), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, g)
+        return dict(zip(("o", "final_state", "dq", "dk", "dv", "dg"), (*outputs, *grads)))
+
+    with tops_core.use(interpret=True, strict=True):
+        got = results(implementation)
+    want = results("ref.recurrent")
+    for name, x in got.items():
+        assert bool(jnp.isfinite(x).all()), name
+        measurement = measure(name, x, want[name], tolerance(dtype, gradient=name.startswith("d")))
+        assert measurement.passed, measurement.describe()
