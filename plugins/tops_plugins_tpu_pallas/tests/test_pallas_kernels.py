@@ -21,7 +21,7 @@ from tops_core.conformance import checks
 from tops_core.conformance.cases import grid
 from tops_core.conformance.compare import measure, tolerance
 from tops_plugins_tpu_pallas import CHUNK, FUSED, launch, mxu, traffic
-from tops_plugins_tpu_pallas.gla import chunkwise as gla_chunkwise
+from tops_plugins_tpu_pallas.kda import chunkwise as kda_chunkwise
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, chunk, chunkwise, fused, gradients
 from tops_plugins_tpu_pallas.simple_gla.chunk import ChunkConfig
 from tops_plugins_tpu_pallas.simple_gla.fused import FusedConfig
@@ -689,7 +689,7 @@ def test_gla_takes_its_fast_path_only_where_every_chunk_is_mild(total, mild):
     """One key of one chunk of a grid step at ``total`` over the chunk, the rest weak: the choice covers every chunk and key."""
     gs = [jnp.full((64, 128), -1e-3) for _ in range(3)]
     gs[1] = gs[1].at[5, 7].set(total)
-    assert bool(gla_chunkwise.every_chunk_mild(gs)) is mild
+    assert bool(kda_chunkwise.every_chunk_mild(gs)) is mild
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -14,23 +14,20 @@ the values themselves.
 gates, ``log_sigmoid(x) / 16``, decay by about ``exp(-3)`` over 64 tokens), the step takes kda's bounded form with one
 sub-chunk as wide as the chunk instead: the exponents ``e`` around the chunk's middle lie in ``[-40, 40]``, as the
 bounded path's budget (``FINE_EXPONENT_LIMIT``) asks, so ``Aqk`` is one masked product of ``q exp(e)`` and
-``k exp(-e)``, with no levels and their run sums. The kernel tests the step's ``g`` and takes one arm or the other
-(``tops_core.tpu.fast_paths.choose``); a stronger decay anywhere in the step, or a gate of ``-inf``, takes the halving.
+``k exp(-e)``, with no levels and their run sums (``kda.chunkwise.step_factors``, in the forward kernel, the
+checkpoints walk and the gradients kernel). The kernel tests the step's ``g`` and takes one arm or the other; a
+stronger decay anywhere in the step, or a gate of ``-inf``, takes the halving.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 
-from tops_core.tpu import fast_paths
 from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.kda.chunkwise import (
-    FINE_EXPONENT_LIMIT, Decays, Factors, chunk_body_vmem, decay_work, interleaved_pairs, level_rows, level_sizes,
-    run_sum_parts,
+    Decays, Factors, chunk_body_vmem, decay_work, interleaved_pairs, level_rows, level_sizes, run_sum_parts,
 )
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul
@@ -39,36 +36,18 @@ from tops_plugins_tpu_pallas.recurrence import Recurrence
 _F32 = jnp.float32
 
 
-MILD_LOG_DECAY = FINE_EXPONENT_LIMIT / 2
-"""Chunks whose log decay is at least ``-MILD_LOG_DECAY`` in every key take one sub-chunk as wide as the chunk."""
-
-
 def chunk_factors(chunks, *, operands, fine_size: int | None = None, inverses=None) -> list[Factors]:
     """Every chunk's decays, then every chunk's ``Aqk`` (kda's ``interleaved_pairs`` without the delta rule), from ``(q, k,
-    g, beta, resets)`` each (``beta`` None; ``resets`` None or a packed chunk's sequence starts): in one product per
-    chunk where every chunk is mild, else along the halving. ``fine_size`` and ``inverses`` unused (gla has no bound and
-    no inverse)."""
-    del fine_size, inverses
-    arrays = [(q, k, g) for q, k, g, _, _ in chunks]
-    chunk_size = arrays[0][2].shape[0]
-
-    def factors(fine_size, arrays, every_resets):
-        decays = Decays.of_chunks([g for _, _, g in arrays], fine_size, every_resets, run_sum_parts(operands))
-        every_pairs = interleaved_pairs(
-            [(q, k, None, d, resets) for (q, k, _), d, resets in zip(arrays, decays, every_resets)], operands, delta_rule=False,
-        )
-        return [Factors(d.to_token, d.to_end, d.whole, p.aqk, None) for d, p in zip(decays, every_pairs)]
-
-    return fast_paths.choose(
-        every_chunk_mild([g for _, _, g in arrays]), functools.partial(factors, chunk_size), functools.partial(factors, None),
-        arrays, [resets for *_, resets in chunks],
+    g, beta, resets)`` each (``beta`` None; ``resets`` None or a packed chunk's sequence starts); ``fine_size``: None
+    (the halving) or the chunk's size (a mild step's one product, ``kda.chunkwise.step_factors``); ``inverses`` unused
+    (gla has no inverse)."""
+    del inverses
+    every_resets = [resets for *_, resets in chunks]
+    decays = Decays.of_chunks([g for _, _, g, _, _ in chunks], fine_size, every_resets, run_sum_parts(operands))
+    every_pairs = interleaved_pairs(
+        [(q, k, None, d, resets) for (q, k, _, _, _), d, resets in zip(chunks, decays, every_resets)], operands, delta_rule=False,
     )
-
-
-def every_chunk_mild(gs) -> jax.Array:
-    """Whether every chunk's log decays ``g`` (``(C, K)`` each) sum to at least ``-MILD_LOG_DECAY`` in every key: false
-    for a gate of ``-inf`` or NaN."""
-    return jnp.all(jnp.stack([jnp.min(jnp.sum(g, axis=0)) for g in gs]) >= -MILD_LOG_DECAY)
+    return [Factors(d.to_token, d.to_end, d.whole, p.aqk, None) for d, p in zip(decays, every_pairs)]
 
 
 def ahead_of_state(q, k, v, beta, factors: Factors, operands) -> Factors:
@@ -121,5 +100,5 @@ def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
 
 GLA = Recurrence(
     op="gla", gate_per_key=True, delta_rule=False, factors=chunk_factors, through_state=through_state, chunk_work=chunk_work,
-    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, ahead=ahead_of_state,
+    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, ahead=ahead_of_state, fast_walk=True, fast_gradients=True,
 )

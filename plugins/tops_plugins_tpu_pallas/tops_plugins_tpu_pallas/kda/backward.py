@@ -47,7 +47,7 @@ from tops_plugins_tpu_pallas.grid import (
     step_chunks,
 )
 from tops_plugins_tpu_pallas.kda import fused
-from tops_plugins_tpu_pallas.kda.chunkwise import KDA, fine_block_size, prepared_queries_keys
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA, fine_block_size, prepared_queries_keys, step_factors
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and_strength, geometry_of, read_chunk
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_dtype, row_and_column_iotas
@@ -253,11 +253,12 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
     # "Wider sub-chunks in bf16").
     fine_size = fine_block_size(chunks[0].rows.size, activations.decay_lower_bound)
 
-    def step_factors(prepared):
+    def factors(prepared):
         chunk_rows = [(q, k, g, beta, chunk_resets) for (q, k, g, beta), chunk_resets in zip(prepared, resets)]
-        return recurrence.factors(chunk_rows, operands=operands, fine_size=fine_size, inverses=inverses)
+        return step_factors(recurrence, chunk_rows, operands=operands, fine_size=fine_size, inverses=inverses,
+                            fast=recurrence.fast_gradients)
 
-    every_factors, factors_vjp = jax.vjp(step_factors, prepared)
+    every_factors, factors_vjp = jax.vjp(factors, prepared)
 
     def through_state(q, k, v, beta, state, entering, factors):
         return recurrence.through_state(q, k, v, beta, state, entering, factors, operands)

@@ -77,6 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tops_core.ops.kda import L2NORM_EPSILON
+from tops_core.tpu import fast_paths
 from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, bf16_parts, matmul, mxu_operand_dtype, row_and_column_iotas
@@ -614,6 +615,37 @@ def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
     return o, state_out, delta
 
 
+MILD_LOG_DECAY = FINE_EXPONENT_LIMIT / 2
+"""A chunk whose log decay is at least ``-MILD_LOG_DECAY`` in every key keeps its exponents around its middle within
+``exp(+-40)``, the bounded path's budget, with no bound promised: it may be one sub-chunk."""
+
+
+def every_chunk_mild(gs) -> jax.Array:
+    """Whether every chunk's log decays ``g`` (``(C, K)`` each) sum to at least ``-MILD_LOG_DECAY`` in every key: false
+    for a gate of ``-inf`` or NaN."""
+    return jnp.all(jnp.stack([jnp.min(jnp.sum(g, axis=0)) for g in gs]) >= -MILD_LOG_DECAY)
+
+
+def step_factors(recurrence: Recurrence, prepared, *, operands, fine_size: int | None, inverses=None, fast: bool):
+    """``recurrence.factors`` of a grid step's chunks ``prepared`` (``(q, k, g, beta, resets)`` each); with ``fast``, where
+    ``every_chunk_mild`` holds, as one sub-chunk as wide as the chunk: the pairs one masked product per chunk, no coarse
+    levels and no run sums of theirs (``tops_core.tpu.fast_paths.choose``, so a step runs one arm or the other)."""
+    def factors(fine_size, arrays, constants):
+        resets, inverses = constants
+        chunks = [(q, k, g, beta, each) for (q, k, g, beta), each in zip(arrays, resets)]
+        return recurrence.factors(chunks, operands=operands, fine_size=fine_size, inverses=inverses)
+
+    arrays = [(q, k, g, beta) for q, k, g, beta, _ in prepared]
+    constants = ([resets for *_, resets in prepared], inverses)
+    if not fast:
+        return factors(fine_size, arrays, constants)
+    chunk_size = prepared[0][1].shape[0]
+    return fast_paths.choose(
+        every_chunk_mild([g for _, _, g, _ in arrays]), functools.partial(factors, chunk_size), functools.partial(factors, fine_size),
+        arrays, constants,
+    )
+
+
 def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence: Recurrence, lower_bound: float | None = None):
     """Consecutive chunks from ``state``: ``(o of each, the state entering each, the state leaving the last, the factors
     of each)``, ``o`` float32 ``(C, value block)``, the states float32 ``(K_pad, value block)``.
@@ -638,7 +670,7 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
         q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
         prepared.append((q, k, g, beta, None if packed is None else packed.resets))
     fine_size = sub_chunk_size(prepared[0][1].shape[0], lower_bound, operands, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    every_factors = recurrence.factors(prepared, operands=operands, fine_size=fine_size)
+    every_factors = step_factors(recurrence, prepared, operands=operands, fine_size=fine_size, fast=recurrence.fast_walk)
     if recurrence.ahead is not None:
         every_factors = [
             recurrence.ahead(q, k, v, beta, own, operands) for (q, k, _, beta, _), (_, _, v, *_), own in zip(prepared, chunks, every_factors)
