@@ -8,7 +8,7 @@ TPU runs only the arm the data ask for.
 The cost model reads what a compiled kernel issues, and a conditional's two arms are both in that
 program: counted together they would model a step that runs both. So the model compiles such a kernel
 once per arm, each arm alone (``assume``): the general arm gives its rows (what any input may cost),
-the fast arm the rows for inputs that take it. ``took_fast_path`` says whether a traced program has a
+the fast arm the rows for inputs that take it. ``recording`` says whether a traced program has a
 choice at all.
 """
 
