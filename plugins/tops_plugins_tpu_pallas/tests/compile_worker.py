@@ -143,7 +143,7 @@ def compile_layer(call: dict) -> compile_only.ProgramFacts:
 
 
 def bench_section(request: dict) -> str:
-    case = workload("simple_gla", tuple(request["shape"]), request["dtype"], request["features"])
+    case = workload(request.get("op", "simple_gla"), tuple(request["shape"]), request["dtype"], request["features"])
     return tpu_model.format_model(tpu_model.model(case, request["generation"], names=request.get("names")))
 
 

@@ -334,6 +334,20 @@ def test_bench_models_both_kernels_on_tpu(worker):
 
 
 @pytest.mark.slow
+def test_bench_models_gla_on_its_fast_path_in_a_row_of_its_own(worker):
+    # gla's kernels choose per grid step between the halving and one product per chunk (tops_core.tpu.fast_paths): the
+    # model traces each arm alone, the general one in the implementation's row and the fast one in a row beside it.
+    request = {"op": "gla", "shape": [1, 4096, 2, 128, 128], "dtype": "bfloat16", "features": [], "generation": "v6e",
+               "names": ["tpu_pallas.fused"]}
+    lines = worker.ask({"bench": request})["text"].splitlines()
+    general, fast = (next(line for line in lines if line.startswith(name) and "gla_fused" in line)
+                     for name in ("tpu_pallas.fused  ", "tpu_pallas.fused (fast path)"))
+    cycles_per_token = [float(line.split("gla_fused.1")[1].split()[1]) for line in (general, fast)]
+    assert cycles_per_token[1] < 0.75 * cycles_per_token[0], (general, fast)
+    assert sum(line.startswith("tpu_pallas.fused (fast path)") for line in lines) == 3  # kernels, op and backward tables
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", FACTORS["kernel"])
 @pytest.mark.parametrize("generation", FACTORS["generation"])
 def test_forward_compiles_over_the_full_sweep(worker, kernel, generation):
