@@ -42,12 +42,16 @@ def choose(allowed: jax.Array, fast: Callable[[Any, Any], Any], general: Callabl
     if marks is not None:
         marks.append(True)
     assumed = _assumed.get()
-    if assumed is not None:
-        return (fast if assumed == FAST else general)(operands, constants)
 
+    def select(allowed, fast_arm, general_arm, *arguments):
+        if assumed is None:
+            return lax.cond(allowed, fast_arm, general_arm, *arguments)
+        return (fast_arm if assumed == FAST else general_arm)(*arguments)
+
+    # The model's arm goes through the same custom_vjp, so that its backward recomputes that arm as a run's would.
     @jax.custom_vjp
     def chosen(allowed, operands, constants):
-        return lax.cond(allowed, fast, general, operands, constants)
+        return select(allowed, fast, general, operands, constants)
 
     def chosen_forward(allowed, operands, constants):
         return chosen(allowed, operands, constants), (allowed, operands, constants)
@@ -58,7 +62,7 @@ def choose(allowed: jax.Array, fast: Callable[[Any, Any], Any], general: Callabl
         def pullback(arm):
             return lambda operands, constants: jax.vjp(lambda x: arm(x, constants), operands)[1](cotangents)[0]
 
-        return None, lax.cond(allowed, pullback(fast), pullback(general), operands, constants), None
+        return None, select(allowed, pullback(fast), pullback(general), operands, constants), None
 
     chosen.defvjp(chosen_forward, chosen_backward)
     return chosen(allowed, operands, constants)
