@@ -48,7 +48,8 @@ def choose(allowed: jax.Array, fast: Callable[[Any, Any], Any], general: Callabl
             return lax.cond(allowed, fast_arm, general_arm, *arguments)
         return (fast_arm if assumed == FAST else general_arm)(*arguments)
 
-    # The model's arm goes through the same custom_vjp, so that its backward recomputes that arm as a run's would.
+    # The model's arm goes through the same custom_vjp as a run's, so its program has the run's structure; without the
+    # cond around it the compiler may merge the arm's recomputation in the backward with its values (plugin README).
     @jax.custom_vjp
     def chosen(allowed, operands, constants):
         return select(allowed, fast, general, operands, constants)

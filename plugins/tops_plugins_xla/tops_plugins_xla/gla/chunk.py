@@ -137,9 +137,9 @@ class _Chunk:
         return dq, dk, intra.decays_backward(dataclasses.replace(by_state, later=d_later, earlier=d_earlier))
 
 
-def _take_chunk(x: _Chunked, n: Array, mild: bool) -> _Chunk:
+def _take_chunk(x: _Chunked, n: Array, g: Array, mild: bool) -> _Chunk:
+    """Chunk ``n``, its log decays ``g`` already read (``_by_decay``)."""
     C = x.layout.chunk_size
-    g = heads_first(x.g, n, C, x.dtype)
     return _Chunk(
         q=heads_first(x.q, n, C, x.dtype) * x.scale, k=heads_first(x.k, n, C, x.dtype), v=heads_first(x.v, n, C, x.dtype),
         decays=intra_mild.decays(g) if mild else intra.decays(g), mild=mild,
@@ -147,13 +147,15 @@ def _take_chunk(x: _Chunked, n: Array, mild: bool) -> _Chunk:
 
 
 def _by_decay(x: _Chunked, n: Array, chunk_step, carry):
-    """``chunk_step(carry, mild)`` for chunk ``n``: with ``mild`` true (``intra_mild``'s dense form) where
-    ``intra_mild.is_mild`` accepts the chunk, else along ``intra``'s halving; one choice for all its rows and heads.
+    """``chunk_step(carry, g, mild)`` for chunk ``n`` and its log decays ``g``: with ``mild`` true (``intra_mild``'s dense
+    form) where ``intra_mild.is_mild`` accepts the chunk, else along ``intra``'s halving; one choice for all its rows and
+    heads.
 
     The branches take and return one chunk's arrays only: the full-size buffers are written outside them.
     """
-    mild = intra_mild.is_mild(heads_first(x.g, n, x.layout.chunk_size, x.dtype))
-    return lax.cond(mild, functools.partial(chunk_step, mild=True), functools.partial(chunk_step, mild=False), carry)
+    g = heads_first(x.g, n, x.layout.chunk_size, x.dtype)
+    return lax.cond(intra_mild.is_mild(g), functools.partial(chunk_step, mild=True), functools.partial(chunk_step, mild=False),
+                    carry, g)
 
 
 def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
@@ -168,8 +170,8 @@ def _forward_sweep(x: _Chunked, *, output_dtype, record_states: bool):
     o = None if output_dtype is None else jnp.zeros((R, P, H, V), output_dtype)
 
     def step(n, state, o):
-        def chunk_step(state, mild):
-            c = _take_chunk(x, n, mild)
+        def chunk_step(state, g, mild):
+            c = _take_chunk(x, n, g, mild)
             o_n = None
             if o is not None:
                 query_state = einsum("rhik,rhkv->rhiv", c.q * c.decays.to_token, state)
@@ -189,9 +191,9 @@ def _reverse_sweep(x: _Chunked, do: Array, dht: Array | None, states: Array):
     C = x.layout.chunk_size
     grads = tuple(jnp.zeros(a.shape, a.dtype) for a in (x.q, x.k, x.v, x.g))
 
-    def chunk_step(n, dstate, mild):
+    def chunk_step(n, dstate, g, mild):
         state = states[n]
-        c = _take_chunk(x, n, mild)
+        c = _take_chunk(x, n, g, mild)
         do_n = heads_first(do, n, C, x.dtype)
         to_token, to_end = c.decays.to_token, c.decays.to_end
         query_decayed, key_to_end = c.q * to_token, c.k * to_end
