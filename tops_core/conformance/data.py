@@ -134,6 +134,9 @@ def _per_key_log_decay(case: Case, rng: np.random.Generator, shape: tuple[int, .
     g = -1.0 - np.abs(rng.standard_normal(shape)) if case.strong_decay else _log_sigmoid(rng.standard_normal(shape)) / 16
     if case.strong_decay:  # and every other key at -10: exp of its chunk sum underflows, of its negation overflows
         g[..., ::2] = -10.0
+    if case.single_strong_token:  # each key's own token of every 64
+        strong = rng.integers(0, 64, size=(shape[0], 1, *shape[2:]))
+        g = np.where(np.arange(shape[1]).reshape(1, -1, 1, 1) % 64 == strong, -39.5, 0.0)
     return jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, _gate_dtype(case))
 
 
