@@ -28,45 +28,23 @@ _assumed: contextvars.ContextVar[str | None] = contextvars.ContextVar("assumed_a
 _chosen: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("chosen", default=None)
 
 
-def choose(allowed: jax.Array, fast: Callable[[Any, Any], Any], general: Callable[[Any, Any], Any], operands: Any,
-           constants: Any = ()) -> Any:
-    """``fast(operands, constants)`` where the scalar ``allowed`` holds, else ``general(operands, constants)``: ``lax.cond``,
-    or the assumed arm alone while the cost model traces under ``assume``.
+def choose(allowed: jax.Array, fast: Callable[[], Any], general: Callable[[], Any]) -> Any:
+    """``fast()`` where the scalar ``allowed`` holds, else ``general()``: ``lax.cond``, or the assumed arm alone while the
+    cost model traces under ``assume``.
 
-    ``operands`` are what the result is differentiated by, ``constants`` what it is not (masks, integers); the arms
-    close over no traced value (Mosaic lowers no closed-over value of a ``custom_vjp``). Differentiable inside a Pallas
-    TPU kernel: ``jax.vjp`` of a ``lax.cond`` there would carry the residuals of the arm not taken, which Mosaic cannot
-    lower either, so the backward takes the choice again, each arm linearised afresh.
+    For code nothing differentiates: a forward walk, or a backward kernel's whole step with its ``jax.vjp`` calls inside
+    each arm. So the arms may close over any traced value or ref. Differentiating through the choice instead would
+    need what Mosaic cannot lower: a ``lax.cond``'s VJP carries the residuals of the arm not taken, and a ``custom_vjp``
+    that takes the choice again in its backward closes over traced values (and linearises the chosen arm afresh, its
+    work done twice).
     """
     marks = _chosen.get()
     if marks is not None:
         marks.append(True)
     assumed = _assumed.get()
-
-    def select(allowed, fast_arm, general_arm, *arguments):
-        if assumed is None:
-            return lax.cond(allowed, fast_arm, general_arm, *arguments)
-        return (fast_arm if assumed == FAST else general_arm)(*arguments)
-
-    # The model's arm goes through the same custom_vjp as a run's, so its program has the run's structure; without the
-    # cond around it the compiler may merge the arm's recomputation in the backward with its values (plugin README).
-    @jax.custom_vjp
-    def chosen(allowed, operands, constants):
-        return select(allowed, fast, general, operands, constants)
-
-    def chosen_forward(allowed, operands, constants):
-        return chosen(allowed, operands, constants), (allowed, operands, constants)
-
-    def chosen_backward(residuals, cotangents):
-        allowed, operands, constants = residuals
-
-        def pullback(arm):
-            return lambda operands, constants: jax.vjp(lambda x: arm(x, constants), operands)[1](cotangents)[0]
-
-        return None, select(allowed, pullback(fast), pullback(general), operands, constants), None
-
-    chosen.defvjp(chosen_forward, chosen_backward)
-    return chosen(allowed, operands, constants)
+    if assumed is None:
+        return lax.cond(allowed, fast, general)
+    return (fast if assumed == FAST else general)()
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from jax.extend import core as extend_core
 from tops_core.conformance import checks
 from tops_core.conformance.cases import grid
 from tops_core.conformance.compare import measure, tolerance
+from tops_core.tpu import fast_paths
 from tops_plugins_tpu_pallas import CHUNK, FUSED, launch, mxu, traffic
 from tops_plugins_tpu_pallas.kda import chunkwise as kda_chunkwise
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, chunk, chunkwise, fused, gradients
@@ -690,6 +691,26 @@ def test_gla_takes_its_fast_path_only_where_every_chunk_is_mild(total, mild):
     gs = [jnp.full((64, 128), -1e-3) for _ in range(3)]
     gs[1] = gs[1].at[5, 7].set(total)
     assert bool(kda_chunkwise.every_chunk_mild(gs)) is mild
+
+
+@pytest.mark.parametrize("op_name, forward_choices, backward_choices", [("gla", 1, 2), ("kda", 0, 0)])
+def test_gla_chooses_in_each_of_its_kernels_and_kda_in_none(op_name, forward_choices, backward_choices):
+    """gla's forward kernel holds one choice, its backward's checkpoints walk and gradients kernel one each (the
+    gradients kernel's around its whole step); kda's gates seldom allow the fast path, and its bf16 ``dg`` could not
+    afford it."""
+    rng = np.random.default_rng(0)
+    B, T, H, K, V = 1, 128, 1, 64, 32
+    q, k, g = (jnp.asarray(rng.standard_normal((B, T, H, K)) * 0.1, jnp.float32) for _ in range(3))
+    v, do = (jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32) for _ in range(2))
+    contract = tops_core.op(op_name)
+    inputs = dict(q=q, k=k, v=v, g=-jnp.abs(g), **({"beta": jnp.full((B, T, H), 0.5, jnp.float32)} if op_name == "kda" else {}))
+    implementation = ("tpu_pallas.fused", {"chunk_size": 64})
+    with tops_core.use(interpret=True, strict=True):
+        with fast_paths.recording() as forward:
+            jax.make_jaxpr(lambda inputs: contract.forward(**inputs, implementation=implementation))(inputs)
+        with fast_paths.recording() as backward:
+            jax.make_jaxpr(lambda inputs, do: contract.backward(**inputs, do=do, implementation=implementation))(inputs, do)
+    assert (len(forward), len(backward)) == (forward_choices, backward_choices)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -50,7 +50,8 @@ class Recurrence:
     """Where every chunk of a grid step decays mildly (``kda.chunkwise.every_chunk_mild``), the forward kernel's and the
     checkpoints walk's factors take one sub-chunk as wide as the chunk (``kda.chunkwise.step_factors``)."""
     fast_gradients: bool = False
-    """The same in the backward's gradients kernel (not kda's: its ``dg`` in bf16 cannot afford it)."""
+    """The same in the backward's gradients kernel, the choice taken around its whole step (``kda.backward``; not kda's:
+    its ``dg`` in bf16 cannot afford it)."""
 
     def step_body_vmem(self, geometry, lower_bound: float | None = None) -> int:
         """An upper estimate of the values one grid step of ``chunk_steps`` holds at once (bytes): what each of its chunks

@@ -13,9 +13,10 @@ on the fused grid.
    ``use_qk_l2norm``) and factors (the recurrence's ``factors``: decays, pairs, the exact inverse), recomputed;
    then the chain of ``through_state``'s VJPs from the step's last chunk to its first, with ``do`` and the state
    gradient ``dS`` carried in VMEM from the step after; then every chunk's factors' and inputs' VJPs. So the
-   backward computes exactly what the forward computes, both paths (exact and bounded gates) and every option,
-   and a change to the chunk math changes both. Packed, each sequence's terms (``kda.sequences``) add their VJPs
-   on the chain: ``dht[n]`` where a sequence ends, ``dinitial_state[n]`` where it starts.
+   backward computes exactly what the forward computes, both paths (exact and bounded gates), every option, and
+   an op's fast path (gla's, chosen around the step's factors and everything after them), and a change to the
+   chunk math changes both. Packed, each sequence's terms (``kda.sequences``) add their VJPs on the chain:
+   ``dht[n]`` where a sequence ends, ``dinitial_state[n]`` where it starts.
 
 Two things keep the VJP as exact as the forward, both in the forward's own building blocks:
 ``mxu.matmul`` differentiates into products of the same kind with float32 cotangents (jax's rule
@@ -40,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations, KDAGrads
+from tops_core.tpu import fast_paths
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
@@ -47,7 +49,7 @@ from tops_plugins_tpu_pallas.grid import (
     step_chunks,
 )
 from tops_plugins_tpu_pallas.kda import fused
-from tops_plugins_tpu_pallas.kda.chunkwise import KDA, fine_block_size, prepared_queries_keys, step_factors
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA, every_chunk_mild, fine_block_size, prepared_queries_keys
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and_strength, geometry_of, read_chunk
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_dtype, row_and_column_iotas
@@ -253,10 +255,28 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
     # "Wider sub-chunks in bf16").
     fine_size = fine_block_size(chunks[0].rows.size, activations.decay_lower_bound)
 
+    def from_factors(fine_size):
+        return _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, operands=operands,
+                             fine_size=fine_size, recurrence=recurrence)
+
+    if not recurrence.fast_gradients:
+        return from_factors(fine_size)
+    # The choice around the whole step, each arm with its own VJPs: chosen around the factors alone, the backward would
+    # take it again and linearise the chosen arm afresh, its factors computed twice (tops_core.tpu.fast_paths).
+    chunk_size = chunks[0].rows.size
+    return fast_paths.choose(
+        every_chunk_mild([g for _, _, g, _ in prepared]), lambda: from_factors(chunk_size), lambda: from_factors(fine_size),
+    )
+
+
+def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, *, operands,
+                  fine_size: int | None, recurrence: Recurrence):
+    """``_step_gradients`` from the chunks' prepared inputs on: the factors at ``fine_size`` and their VJP, the chain of
+    ``through_state``'s VJPs, then the factors' and inputs' VJPs."""
+
     def factors(prepared):
         chunk_rows = [(q, k, g, beta, chunk_resets) for (q, k, g, beta), chunk_resets in zip(prepared, resets)]
-        return step_factors(recurrence, chunk_rows, operands=operands, fine_size=fine_size, inverses=inverses,
-                            fast=recurrence.fast_gradients)
+        return recurrence.factors(chunk_rows, operands=operands, fine_size=fine_size, inverses=inverses)
 
     every_factors, factors_vjp = jax.vjp(factors, prepared)
 

@@ -629,20 +629,16 @@ def every_chunk_mild(gs) -> jax.Array:
 def step_factors(recurrence: Recurrence, prepared, *, operands, fine_size: int | None, inverses=None, fast: bool):
     """``recurrence.factors`` of a grid step's chunks ``prepared`` (``(q, k, g, beta, resets)`` each); with ``fast``, where
     ``every_chunk_mild`` holds, as one sub-chunk as wide as the chunk: the pairs one masked product per chunk, no coarse
-    levels and no run sums of theirs (``tops_core.tpu.fast_paths.choose``, so a step runs one arm or the other)."""
-    def factors(fine_size, arrays, constants):
-        resets, inverses = constants
-        chunks = [(q, k, g, beta, each) for (q, k, g, beta), each in zip(arrays, resets)]
-        return recurrence.factors(chunks, operands=operands, fine_size=fine_size, inverses=inverses)
+    levels and no run sums of theirs (``tops_core.tpu.fast_paths.choose``, so a step runs one arm or the other). Not for
+    a differentiated caller with ``fast``: the backward takes the choice around its whole step (``kda.backward``)."""
+    def factors(fine_size):
+        return recurrence.factors(prepared, operands=operands, fine_size=fine_size, inverses=inverses)
 
-    arrays = [(q, k, g, beta) for q, k, g, beta, _ in prepared]
-    constants = ([resets for *_, resets in prepared], inverses)
     if not fast:
-        return factors(fine_size, arrays, constants)
+        return factors(fine_size)
     chunk_size = prepared[0][1].shape[0]
     return fast_paths.choose(
-        every_chunk_mild([g for _, _, g, _ in arrays]), functools.partial(factors, chunk_size), functools.partial(factors, fine_size),
-        arrays, constants,
+        every_chunk_mild([g for _, _, g, _, _ in prepared]), lambda: factors(chunk_size), lambda: factors(fine_size),
     )
 
 
