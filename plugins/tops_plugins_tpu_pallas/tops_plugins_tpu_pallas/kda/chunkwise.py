@@ -196,14 +196,15 @@ def decay_sections(g: jax.Array, sizes: tuple[int, ...], fine_size: int | None, 
     section per level of ``sizes`` (the run between the level's point and the token); and, with ``fine_size``, the
     bounded path's exponents ``e`` (``C x K``, not exponentiated: it needs ``exp(-e)`` too), or None.
 
-    The MXU sums the runs inside each group of 8 tokens (one float32 vector register's rows; ``_group_run_masks``),
+    The MXU sums the runs inside each group of 8 tokens (one float32 vector register's rows, or with no levels the
+    whole chunk: ``_run_group``; ``_group_run_masks``),
     ``parts`` exact bf16 parts at once (``run_sums``), and the EUP exponentiates them; ``_doubled_runs`` then grows
     the decays to every longer segment on the VPU, multiplying in whole runs, and a longer level's section is the
     halves of those segments. A product streams each section's ``C`` rows whatever the run's length, and an ``exp``
     costs an EUP push and a result pop where a product of decays takes one vector ALU slot.
     """
     C = g.shape[0]
-    group = min(SUBLANES, C)
+    group = _run_group(C, sizes)
     small = run_sums(_group_run_masks(C, group, sizes, fine_size), g, parts)
     prefix, suffix, *rest = (small[n * C : (n + 1) * C] for n in range(small.shape[0] // C))
     levels = {s: jnp.exp(section) for s, section in zip((s for s in sizes if s < group), rest)}
@@ -220,6 +221,14 @@ def decay_sections(g: jax.Array, sizes: tuple[int, ...], fine_size: int | None, 
         to_token, to_end = _doubled_runs(to_token, to_end, size, operator.mul)
         size *= 2
     return jnp.concatenate([to_token, to_end, *(levels[s] for s in sizes)], axis=0), fine
+
+
+def _run_group(chunk_size: int, sizes: tuple[int, ...]) -> int:
+    """The tokens ``decay_sections`` sums its runs inside with the MXU: one vector register's rows, whose decays the VPU
+    grows to every longer segment the levels need; with no levels (a fast path's one sub-chunk), the whole chunk, every
+    run one product's row. Grown on the VPU there, the runs' products and their VJP cost gla's fast path more than the
+    rows they save (v6e, forward 113822 -> 101054 cycles, gradients kernel 347609 -> 310345)."""
+    return min(SUBLANES, chunk_size) if sizes else chunk_size
 
 
 def _fine_mask(chunk_size: int, size: int) -> jax.Array:
@@ -310,7 +319,7 @@ column_sums.defvjp(_column_sums_forward, _column_sums_cotangents)
 def decay_work(chunk_size: int, key_dim: int, sizes: tuple[int, ...], fine_size: int | None) -> Work:
     """``decay_sections``' matmul, one ``C x C @ C x K`` product per section of ``_group_run_masks``, and its ``exp``s,
     one ``C x K`` array per section but ``e`` (its caller's); the VPU's products of decays are elementwise, not counted."""
-    group = min(SUBLANES, chunk_size)
+    group = _run_group(chunk_size, sizes)
     exponentiated = 2 + sum(1 for s in sizes if s < group)
     sections = exponentiated + (1 if fine_size is not None and fine_size <= group else 0)
     return Work(flops=2 * sections * chunk_size * chunk_size * key_dim, transcendentals=exponentiated * chunk_size * key_dim)
