@@ -12,11 +12,12 @@ on the fused grid.
    inputs (``fused.activated_gate_and_strength``, ``chunkwise.prepared_queries_keys``: the activations,
    ``use_qk_l2norm``) and factors (the recurrence's ``factors``: decays, pairs, the exact inverse), recomputed;
    then the chain of ``through_state``'s VJPs from the step's last chunk to its first, with ``do`` and the state
-   gradient ``dS`` carried in VMEM from the step after; then every chunk's factors' and inputs' VJPs. So the
-   backward computes exactly what the forward computes, both paths (exact and bounded gates), every option, and
-   an op's fast path (gla's, chosen around the step's factors and everything after them), and a change to the
-   chunk math changes both. Packed, each sequence's terms (``kda.sequences``) add their VJPs on the chain:
-   ``dht[n]`` where a sequence ends, ``dinitial_state[n]`` where it starts.
+   gradient ``dS`` carried in VMEM from the step after (without the delta rule, each chunk's part from ``do``
+   first, off the chain); then every chunk's factors' and inputs' VJPs. So the backward computes exactly what
+   the forward computes, both paths (exact and bounded gates), every option, and an op's fast path (gla's, chosen
+   around the step's factors and everything after them), and a change to the chunk math changes both. Packed,
+   each sequence's terms (``kda.sequences``) add their VJPs on the chain: ``dht[n]`` where a sequence ends,
+   ``dinitial_state[n]`` where it starts.
 
 Two things keep the VJP as exact as the forward, both in the forward's own building blocks:
 ``mxu.matmul`` differentiates into products of the same kind with float32 cotangents (jax's rule
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -283,19 +285,39 @@ def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, d
     def through_state(q, k, v, beta, state, entering, factors):
         return recurrence.through_state(q, k, v, beta, state, entering, factors, operands)
 
-    cotangents = [None] * len(chunks)
-    for n in reversed(range(len(chunks))):
-        chunk, (q, k, g, beta), v, factors = chunks[n], prepared[n], read[n][2], every_factors[n]
-        carried = refs["checkpoints"][chunk.index]
+    # Without the delta rule a link of the chain is elementwise (dS entering a chunk is its decay times dS leaving it,
+    # plus do's part), so each chunk's VJP splits in two: from do, which no other chunk's depends on, for every chunk
+    # first; then from dS, the chain. As one VJP per chunk, each link waited for the products of do's part, the MXU
+    # taking its products in the order they are written (gla's fast path on v6e: 310345 -> 264921 cycles). The delta
+    # rule's links are products themselves, and split, each part recomputes the chunk's writes (kda's 1215853 ->
+    # 1319697): they stay whole.
+    split = not recurrence.delta_rule
+    arguments, by_outputs = [], []
+    for n, (chunk, (q, k, g, beta), (_, _, v, _, _), factors) in enumerate(zip(chunks, prepared, read, every_factors)):
         sequences = None if packed is None else packed[n]
-        entering = None
+        entering = sequence_gates = sequence_gates_vjp = None
         if sequences is not None:
             sequence_gates, sequence_gates_vjp = jax.vjp(lambda g: recurrence.per_key_log_decays(g, k.shape[1]), g)
             entering = sequences.entering(q, k, sequence_gates, operands)
-        (_, _, writes), state_vjp = jax.vjp(through_state, q, k, v, beta, carried, entering, factors)
+        arguments.append(((q, k, v, beta, refs["checkpoints"][chunk.index], entering, factors), sequence_gates, sequence_gates_vjp))
+        if split:
+            _, outputs_vjp = jax.vjp(lambda *a: through_state(*a)[0], *arguments[n][0])
+            by_outputs.append(outputs_vjp(chunk.read(refs["do"]).astype(_F32)))
+    cotangents = [None] * len(chunks)
+    for n in reversed(range(len(chunks))):
+        chunk, g, sequences = chunks[n], prepared[n][2], None if packed is None else packed[n]
+        (q, k, v, beta, carried, entering, factors), sequence_gates, sequence_gates_vjp = arguments[n]
+        if split:
+            (_, writes), state_vjp = jax.vjp(lambda *a: through_state(*a)[1:], *arguments[n][0])
+        else:
+            (_, _, writes), state_vjp = jax.vjp(through_state, *arguments[n][0])
         leaving = None if sequences is None else sequences.leave_gradients(k, sequence_gates, writes, carried, operands)
         dwrites = jnp.zeros(writes.shape, _F32) if leaving is None else leaving[2]
-        dq, dk, dv, dbeta, dcarried, dentering, dfactors = state_vjp((chunk.read(refs["do"]).astype(_F32), dstate, dwrites))
+        if split:
+            every_cotangent = jax.tree.map(operator.add, state_vjp((dstate, dwrites)), by_outputs[n])
+        else:
+            every_cotangent = state_vjp((chunk.read(refs["do"]).astype(_F32), dstate, dwrites))
+        dq, dk, dv, dbeta, dcarried, dentering, dfactors = every_cotangent
         dg = jnp.zeros(g.shape, _F32)
         if sequences is not None:
             dsequence_gates = jnp.zeros(sequence_gates.shape, _F32)
