@@ -276,13 +276,13 @@ def collectives(text: str) -> tuple[Collective, ...]:
 class Dumped:
     """A program compiled by ``DumpingCompiler``: what ``ProgramFacts`` reads, every kernel as libtpu
     dumped it, and the TensorCores of the device it was compiled for (a v4 device is one of its chip's two).
-    A program without a Mosaic kernel is only lowered: no facts, no kernels. ``fast_path``: whether a kernel in it
-    chooses a fast path from its data (``fast_paths.choose``)."""
+    A program without a Mosaic kernel is only lowered: no facts, no kernels. ``fast_arms``: the fast arms its kernels
+    choose from their data (``fast_paths.choose``), by name."""
 
     facts: ProgramFacts | None
     kernels: tuple[llo.DumpedKernel, ...]
     cores: int
-    fast_path: bool = False
+    fast_arms: tuple[str, ...] = ()
 
 
 def without_cpu_backend_flags(flags: str) -> str:
@@ -384,7 +384,7 @@ def _serve_dumping_compiler() -> None:
                 lowered = lower_for(request["generation"], function, *args)
             if "tpu_custom_call" in lowered.as_text():
                 reply: Any = Dumped(ProgramFacts.of(lowered.compile()), tuple(llo.read_directory(directory)),
-                                    device(request["generation"]).num_cores, fast_path=bool(choices))
+                                    device(request["generation"]).num_cores, fast_arms=tuple(dict.fromkeys(choices)))
             else:  # no Mosaic kernel to dump: XLA's own code is not compiled (and not dumped), which takes long
                 reply = Dumped(None, (), device(request["generation"]).num_cores)
         except CompileOnlyUnavailable as error:

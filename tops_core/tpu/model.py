@@ -65,9 +65,6 @@ from tops_core.tpu.generations import GENERATIONS, TpuGeneration
 LIMITS = ("HBM", "issue", "MXU")
 NO_TPU_KERNEL = "has no TPU kernel (no Mosaic kernel in its compiled program)"
 """Why an implementation is not modelled when XLA compiles all of it (jax.numpy): there is no kernel to read."""
-FAST_PATH = " (fast path)"
-"""Appended to an implementation's name in the row of its kernels' fast arm (``fast_paths``): what inputs that allow it
-cost; the implementation's own row is its general arm, what any input may cost."""
 CHAINS = 1.5
 """A schedule this many times longer than its busiest unit needs is bound by dependency chains, not slots."""
 
@@ -252,17 +249,17 @@ def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = Non
                     own_backward = impl.backward is not None and not impl.reasons(spec, "backward")
                     settings = ("alone", "in a layer", "backward" if own_backward else None)
                     dumped = (alone, *(None if setting is None else compiled(setting) for setting in settings[1:]))
-                    # A kernel that chooses a fast path from its data: its general arm above, its fast arm in a row of its own.
-                    fast = None
-                    if any(each is not None and each.fast_path for each in dumped):
-                        fast = tuple(None if setting is None else compiled(setting, fast_paths.FAST) for setting in settings)
+                    # A kernel that chooses fast paths from its data: its general sides above, each fast arm in a row of
+                    # its own, named "implementation (arm)": what inputs that take it cost.
+                    arms = dict.fromkeys(arm for each in dumped if each is not None for arm in each.fast_arms)
+                    fast = {arm: tuple(None if setting is None else compiled(setting, arm) for setting in settings)
+                            for arm in arms}
                 except RuntimeError as error:  # the compiler's own words, e.g. the program needs more HBM than the chip has
                     not_modelled.append((impl.name, f"does not compile: {str(error).strip().splitlines()[-1][:200]}"))
                     continue
                 share = alone.cores / tpu.tensorcores
                 rows.append(_modelled(impl.name, tpu, share, *dumped))
-                if fast is not None:
-                    rows.append(_modelled(f"{impl.name}{FAST_PATH}", tpu, share, *fast))
+                rows += [_modelled(f"{impl.name} ({arm})", tpu, share, *each) for arm, each in fast.items()]
     except compile_only.CompileOnlyUnavailable as error:
         return TpuModel(case, tpu, (), (), unavailable=str(error))
     return TpuModel(case, tpu, tuple(rows), tuple(not_modelled), share=share)
@@ -319,7 +316,8 @@ def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwi
 
 def program(case: dict[str, Any], implementation: str, setting: str, arm: str = fast_paths.GENERAL) -> tuple[Any, ...]:
     """The workload's forward forced to ``implementation``, alone or in a layer, or its backward alone, and the
-    abstract arguments (``DumpingCompiler``'s factory); every kernel's fast path traced as its ``arm`` alone."""
+    abstract arguments (``DumpingCompiler``'s factory); every kernel's choices traced alone as ``arm`` has them
+    (``fast_paths.assume``)."""
     function, *arguments = _program(case, implementation, setting)
     jax.clear_caches()  # the op's inner programs were traced under whichever arm the previous compile assumed
 

@@ -334,17 +334,19 @@ def test_bench_models_both_kernels_on_tpu(worker):
 
 
 @pytest.mark.slow
-def test_bench_models_gla_on_its_fast_path_in_a_row_of_its_own(worker):
-    # gla's kernels choose per grid step between the halving and one product per chunk (tops_core.tpu.fast_paths): the
-    # model traces each arm alone, the general one in the implementation's row and the fast one in a row beside it.
+def test_bench_models_gla_on_its_fast_paths_in_rows_of_their_own(worker):
+    # gla's kernels choose per grid step between one product per chunk, mild sub-chunks and the halving
+    # (tops_core.tpu.fast_paths): the model traces each arm alone, the general one in the implementation's row and each
+    # fast one in a row beside it.
     request = {"op": "gla", "shape": [1, 4096, 2, 128, 128], "dtype": "bfloat16", "features": [], "generation": "v6e",
                "names": ["tpu_pallas.fused"]}
     lines = worker.ask({"bench": request})["text"].splitlines()
-    general, fast = (next(line for line in lines if line.startswith(name) and "gla_fused" in line)
-                     for name in ("tpu_pallas.fused  ", "tpu_pallas.fused (fast path)"))
-    cycles_per_token = [float(line.split("gla_fused.1")[1].split()[1]) for line in (general, fast)]
-    assert cycles_per_token[1] < 0.75 * cycles_per_token[0], (general, fast)
-    assert sum(line.startswith("tpu_pallas.fused (fast path)") for line in lines) == 3  # kernels, op and backward tables
+    names = ("tpu_pallas.fused  ", "tpu_pallas.fused (fast path)", "tpu_pallas.fused (mild sub-chunks)")
+    general, fast, sub_chunks = (next(line for line in lines if line.startswith(name) and "gla_fused" in line) for name in names)
+    cycles_per_token = [float(line.split("gla_fused.1")[1].split()[1]) for line in (general, fast, sub_chunks)]
+    assert cycles_per_token[1] < cycles_per_token[2] < 0.75 * cycles_per_token[0], (general, fast, sub_chunks)
+    for name in names[1:]:
+        assert sum(line.startswith(name) for line in lines) == 3  # kernels, op and backward tables
 
 
 @pytest.mark.slow

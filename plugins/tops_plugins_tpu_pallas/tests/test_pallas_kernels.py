@@ -686,18 +686,25 @@ def test_lowered_for_v6e_the_backwards_sum_g_gammas_decay_gradient_and_match_the
 
 
 @pytest.mark.parametrize("total, mild", [(-39.9, True), (-40.1, False), (-np.inf, False), (np.nan, False)])
-def test_gla_takes_its_fast_path_only_where_every_chunk_is_mild(total, mild):
-    """One key of one chunk of a grid step at ``total`` over the chunk, the rest weak: the choice covers every chunk and key."""
+@pytest.mark.parametrize("size", [None, 32])
+def test_gla_takes_its_fast_path_only_where_every_chunk_is_mild(total, mild, size):
+    """One key of one chunk (or block of ``size`` rows) of a grid step at ``total``, the rest weak: the choice covers every
+    chunk, block and key; two blocks of a chunk each at ``-39.9`` make its sub-chunks mild and the chunk not."""
     gs = [jnp.full((64, 128), -1e-3) for _ in range(3)]
-    gs[1] = gs[1].at[5, 7].set(total)
-    assert bool(kda_chunkwise.every_chunk_mild(gs)) is mild
+    gs[1] = gs[1].at[37, 7].set(total)
+    assert bool(kda_chunkwise.every_chunk_mild(gs, size)) is mild
+    gs[1] = gs[1].at[5, 7].set(-39.9).at[37, 7].set(-39.9)
+    assert bool(kda_chunkwise.every_chunk_mild(gs, size)) is (size is not None)
 
 
-@pytest.mark.parametrize("op_name, forward_choices, backward_choices", [("gla", 1, 2), ("kda", 0, 0)])
+_BOTH_ARMS = [fast_paths.FAST, kda_chunkwise.MILD_SUB_CHUNKS]
+
+
+@pytest.mark.parametrize("op_name, forward_choices, backward_choices", [("gla", _BOTH_ARMS, 2 * _BOTH_ARMS), ("kda", [], [])])
 def test_gla_chooses_in_each_of_its_kernels_and_kda_in_none(op_name, forward_choices, backward_choices):
-    """gla's forward kernel holds one choice, its backward's checkpoints walk and gradients kernel one each (the
-    gradients kernel's around its whole step); kda's gates seldom allow the fast path, and its bf16 ``dg`` could not
-    afford it."""
+    """gla's forward kernel holds both choices (whole chunks mild, else sub-chunks), its backward's checkpoints walk and
+    gradients kernel both each (the gradients kernel's around its whole step); kda's gates seldom allow the fast paths,
+    and its bf16 ``dg`` could not afford them."""
     rng = np.random.default_rng(0)
     B, T, H, K, V = 1, 128, 1, 64, 32
     q, k, g = (jnp.asarray(rng.standard_normal((B, T, H, K)) * 0.1, jnp.float32) for _ in range(3))
@@ -710,15 +717,19 @@ def test_gla_chooses_in_each_of_its_kernels_and_kda_in_none(op_name, forward_cho
             jax.make_jaxpr(lambda inputs: contract.forward(**inputs, implementation=implementation))(inputs)
         with fast_paths.recording() as backward:
             jax.make_jaxpr(lambda inputs, do: contract.backward(**inputs, do=do, implementation=implementation))(inputs, do)
-    assert (len(forward), len(backward)) == (forward_choices, backward_choices)
+    assert (forward, backward) == (forward_choices, backward_choices)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("gates", ["mild bound, even", "mild bound, one token", "a mild step beside a strong one"])
+@pytest.mark.parametrize("gates", [
+    "mild bound, even", "mild bound, one token", "a mild step beside a strong one", "mild sub-chunks at their bound",
+    "mild sub-chunks beside a strong step",
+])
 def test_gla_fast_path_at_its_bound_matches_the_reference(dtype, gates):
     """gla's mild chunks at the edge of the fast path (``-39.5`` over each chunk of 64: its factors reach ``exp(+-39.5)``),
-    and a call whose first grid step is mild and second decays at ``-10`` per token (two chunks per step): forward and
-    every gradient against the float64 reference, in the interpreter."""
+    its mild sub-chunks at theirs (``-39.5`` over each 32 tokens, ``-79`` over a chunk), and calls whose first grid step
+    is mild and second decays at ``-10`` per token (two chunks per step): forward and every gradient against the
+    float64 reference, in the interpreter."""
     rng = np.random.default_rng(5)
     B, T, H, K, V = 1, 256, 2, 64, 32
     q, k = (jnp.asarray(rng.standard_normal((B, T, H, K)) * K**-0.5, dtype) for _ in range(2))
@@ -727,8 +738,12 @@ def test_gla_fast_path_at_its_bound_matches_the_reference(dtype, gates):
         g = np.full((B, T, H, K), -39.5 / 64)
     elif gates == "mild bound, one token":
         g = np.where(np.arange(T)[:, None, None] % 64 == rng.integers(0, 64, size=(H, K)), -39.5, 0.0)[None]
-    else:
+    elif gates == "a mild step beside a strong one":
         g = np.where(np.arange(T)[:, None, None] < 128, -39.5 / 64, -10.0) * np.ones((B, T, H, K))
+    elif gates == "mild sub-chunks at their bound":
+        g = np.full((B, T, H, K), -39.5 / kda_chunkwise.MILD_SUB_CHUNK)
+    else:
+        g = np.where(np.arange(T)[:, None, None] < 128, -39.5 / kda_chunkwise.MILD_SUB_CHUNK, -10.0) * np.ones((B, T, H, K))
     g = jnp.asarray(g, jnp.float32)
     contract = tops_core.op("gla")
     implementation = ("tpu_pallas.fused", {"chunk_size": 64, "num_steps": 2})

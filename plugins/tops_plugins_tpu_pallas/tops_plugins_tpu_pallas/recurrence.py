@@ -48,7 +48,8 @@ class Recurrence:
     ahead: Callable | None = None
     fast_walk: bool = False
     """Where every chunk of a grid step decays mildly (``kda.chunkwise.every_chunk_mild``), the forward kernel's and the
-    checkpoints walk's factors take one sub-chunk as wide as the chunk (``kda.chunkwise.step_factors``)."""
+    checkpoints walk's factors take one sub-chunk as wide as the chunk, else where every 32 tokens do, sub-chunks of 32
+    (``kda.chunkwise.by_mildness``)."""
     fast_gradients: bool = False
     """The same in the backward's gradients kernel, the choice taken around its whole step (``kda.backward``; not kda's:
     its ``dg`` in bf16 cannot afford it)."""

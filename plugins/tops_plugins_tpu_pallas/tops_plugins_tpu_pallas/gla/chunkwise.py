@@ -14,9 +14,10 @@ the values themselves.
 gates, ``log_sigmoid(x) / 16``, decay by about ``exp(-3)`` over 64 tokens), the step takes kda's bounded form with one
 sub-chunk as wide as the chunk instead: the exponents ``e`` around the chunk's middle lie in ``[-40, 40]``, as the
 bounded path's budget (``FINE_EXPONENT_LIMIT``) asks, so ``Aqk`` is one masked product of ``q exp(e)`` and
-``k exp(-e)``, with no levels and their run sums (``kda.chunkwise.step_factors``, in the forward kernel, the
-checkpoints walk and the gradients kernel). The kernel tests the step's ``g`` and takes one arm or the other; a
-stronger decay anywhere in the step, or a gate of ``-inf``, takes the halving.
+``k exp(-e)``, with no levels and their run sums. Where the chunks are not mild but every 32 tokens are, the step
+takes the bounded form's sub-chunks of 32 with exact levels above them (``kda.chunkwise.by_mildness``, in the forward
+kernel, the checkpoints walk and the gradients kernel). The kernel tests the step's ``g`` and takes one of the three;
+a stronger decay, or a gate of ``-inf``, takes the halving.
 """
 
 from __future__ import annotations

@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations, KDAGrads
-from tops_core.tpu import fast_paths
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
@@ -51,7 +50,7 @@ from tops_plugins_tpu_pallas.grid import (
     step_chunks,
 )
 from tops_plugins_tpu_pallas.kda import fused
-from tops_plugins_tpu_pallas.kda.chunkwise import KDA, every_chunk_mild, fine_block_size, prepared_queries_keys
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA, by_mildness, fine_block_size, prepared_queries_keys
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and_strength, geometry_of, read_chunk
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_dtype, row_and_column_iotas
@@ -265,10 +264,7 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
         return from_factors(fine_size)
     # The choice around the whole step, each arm with its own VJPs: chosen around the factors alone, the backward would
     # take it again and linearise the chosen arm afresh, its factors computed twice (tops_core.tpu.fast_paths).
-    chunk_size = chunks[0].rows.size
-    return fast_paths.choose(
-        every_chunk_mild([g for _, _, g, _ in prepared]), lambda: from_factors(chunk_size), lambda: from_factors(fine_size),
-    )
+    return by_mildness([g for _, _, g, _ in prepared], from_factors, lambda: from_factors(fine_size))
 
 
 def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, *, operands,
