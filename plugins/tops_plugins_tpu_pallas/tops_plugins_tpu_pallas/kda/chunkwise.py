@@ -196,15 +196,15 @@ def decay_sections(g: jax.Array, sizes: tuple[int, ...], fine_size: int | None, 
     section per level of ``sizes`` (the run between the level's point and the token); and, with ``fine_size``, the
     bounded path's exponents ``e`` (``C x K``, not exponentiated: it needs ``exp(-e)`` too), or None.
 
-    The MXU sums the runs inside each group of 8 tokens (one float32 vector register's rows, or with no levels the
-    whole chunk: ``_run_group``; ``_group_run_masks``),
+    The MXU sums the runs inside each group of tokens (one float32 vector register's rows, the bounded path's
+    sub-chunk, or with no levels the whole chunk: ``_run_group``; ``_group_run_masks``),
     ``parts`` exact bf16 parts at once (``run_sums``), and the EUP exponentiates them; ``_doubled_runs`` then grows
     the decays to every longer segment on the VPU, multiplying in whole runs, and a longer level's section is the
     halves of those segments. A product streams each section's ``C`` rows whatever the run's length, and an ``exp``
     costs an EUP push and a result pop where a product of decays takes one vector ALU slot.
     """
     C = g.shape[0]
-    group = _run_group(C, sizes)
+    group = _run_group(C, sizes, fine_size)
     small = run_sums(_group_run_masks(C, group, sizes, fine_size), g, parts)
     prefix, suffix, *rest = (small[n * C : (n + 1) * C] for n in range(small.shape[0] // C))
     levels = {s: jnp.exp(section) for s, section in zip((s for s in sizes if s < group), rest)}
@@ -223,11 +223,16 @@ def decay_sections(g: jax.Array, sizes: tuple[int, ...], fine_size: int | None, 
     return jnp.concatenate([to_token, to_end, *(levels[s] for s in sizes)], axis=0), fine
 
 
-def _run_group(chunk_size: int, sizes: tuple[int, ...]) -> int:
-    """The tokens ``decay_sections`` sums its runs inside with the MXU: one vector register's rows, whose decays the VPU
-    grows to every longer segment the levels need; with no levels (a fast path's one sub-chunk), the whole chunk, every
-    run one product's row. Grown on the VPU there, the runs' products and their VJP cost gla's fast path more than the
-    rows they save (v6e, forward 113822 -> 101054 cycles, gradients kernel 347609 -> 310345)."""
+def _run_group(chunk_size: int, sizes: tuple[int, ...], fine_size: int | None) -> int:
+    """The tokens ``decay_sections`` sums its runs inside with the MXU, whose decays the VPU grows to every longer segment
+    the levels need: the bounded path's sub-chunk (``fine_size``, its levels start there), or with no levels (a fast
+    path's one sub-chunk) the whole chunk, every run one product's row; the exact path's (levels down to 1) one vector
+    register's rows. Grown on the VPU from 8 tokens, the runs' products and their VJP cost more than the rows they
+    save: modelled on v6e, gla's fast path forward kernel 113822 -> 101054 cycles, gradients kernel 347609 -> 310345;
+    its sub-chunks of 32 120126 and 347609 (127502 and 380185 from 8); kda's bounded path (sub-chunks of 16, the
+    bench's ``use_gate,A_log,lower_bound``) 362992 -> 360176 and 980313 -> 964121."""
+    if fine_size is not None and fine_size >= SUBLANES:
+        return fine_size
     return min(SUBLANES, chunk_size) if sizes else chunk_size
 
 
@@ -319,7 +324,7 @@ column_sums.defvjp(_column_sums_forward, _column_sums_cotangents)
 def decay_work(chunk_size: int, key_dim: int, sizes: tuple[int, ...], fine_size: int | None) -> Work:
     """``decay_sections``' matmul, one ``C x C @ C x K`` product per section of ``_group_run_masks``, and its ``exp``s,
     one ``C x K`` array per section but ``e`` (its caller's); the VPU's products of decays are elementwise, not counted."""
-    group = _run_group(chunk_size, sizes)
+    group = _run_group(chunk_size, sizes, fine_size)
     exponentiated = 2 + sum(1 for s in sizes if s < group)
     sections = exponentiated + (1 if fine_size is not None and fine_size <= group else 0)
     return Work(flops=2 * sections * chunk_size * chunk_size * key_dim, transcendentals=exponentiated * chunk_size * key_dim)
@@ -632,7 +637,8 @@ MILD_SUB_CHUNK = 32
 """The sub-chunk a step takes where its whole chunks are not mild but every block of this many tokens is
 (``MILD_SUB_CHUNKS``): the bounded path's, its levels above the sub-chunk exact for any gate. gla on v6e, modelled at
 the bench's shape, forward in a layer and backward's kernels against the floor: 1.19x and 2.47x at 32, 1.24x and 2.63x
-at 16, against the halving's 1.96x and 3.74x (2026-12-07)."""
+at 16, against the halving's 1.96x and 3.74x (2026-12-07, runs grown from 8 tokens; 1.12x and 2.31x at 32 from the
+sub-chunk's, ``_run_group``)."""
 
 MILD_SUB_CHUNKS = "mild sub-chunks"
 """The fast arm's name (``tops_core.tpu.fast_paths``) of a step whose every ``MILD_SUB_CHUNK`` tokens are mild."""
