@@ -3,7 +3,7 @@
 Supported cases start from a *base* call that uses everything the implementation declares, with
 a ``scale`` other than the default, then vary one factor at a time (gates, ranks, optional state,
 kda's grouped value heads and the forms of its gate and beta, head dims, T, packing, strong decay,
-one strongly decaying token in each 64 per key, gates of ``-inf``, weak decay in bf16, dtype, config sweep). Unsupported cases are the base plus exactly one factor outside
+one strongly decaying token in each 64 per key, a steady decay of ``-39.5`` over every 32 tokens per key, gates of ``-inf``, weak decay in bf16, dtype, config sweep). Unsupported cases are the base plus exactly one factor outside
 the declarations; each must be rejected by the matcher.
 """
 
@@ -55,6 +55,10 @@ class Case:
     single_strong_token: bool = False
     """Per-key gates ``0`` but on one token of every 64 per key, ``-39.5``: chunks of 64 that decay by ``exp(-39.5)``, at the
     edge of what one reference point per chunk keeps within ``exp(+-40)`` (gla's fast paths); see ``data``."""
+    steady_sub_chunk_decay: bool = False
+    """Per-key gates ``-39.5 / 32`` on every token: every 32 tokens decay by ``exp(-39.5)``, at the edge of what one
+    reference point per 32 tokens keeps within ``exp(+-40)``, and every 64 by ``exp(-79)``, past it (gla's fast paths
+    on sub-chunks); see ``data``."""
     reset: bool = False
     """Some gates are ``-inf`` (``exp(-inf) = 0``: the state is reset there); see ``data.forward_inputs``."""
     scale: float | None = None
@@ -211,6 +215,7 @@ def grid(impl: Implementation) -> Grid:
     supported += _reset_cases(plain, plain.features, gate_options, gates)
     if not gates:  # gates per key (kda, gla)
         supported.append(dataclasses.replace(plain, name="single-strong-token-g", single_strong_token=True, seq_len=256, batch=1))
+        supported.append(dataclasses.replace(plain, name="steady-sub-chunk-decay-g", steady_sub_chunk_decay=True, seq_len=256, batch=1))
     for dtype in sorted(caps.dtypes - {base_dtype}):
         # Packed-only, bfloat16 runs with -m slow (the unpacked sibling's and xla.chunk's run by default); float16, which only
         # the XLA implementations declare, too (its rounding is bfloat16's with a narrower range: their bfloat16 runs).

@@ -137,6 +137,8 @@ def _per_key_log_decay(case: Case, rng: np.random.Generator, shape: tuple[int, .
     if case.single_strong_token:  # each key's own token of every 64
         strong = rng.integers(0, 64, size=(shape[0], 1, *shape[2:]))
         g = np.where(np.arange(shape[1]).reshape(1, -1, 1, 1) % 64 == strong, -39.5, 0.0)
+    if case.steady_sub_chunk_decay:
+        g = np.full(shape, -39.5 / 32)
     return jnp.asarray(np.where(reset_mask(g.shape), -np.inf, g) if case.reset else g, _gate_dtype(case))
 
 
