@@ -40,8 +40,8 @@ _F32 = jnp.float32
 def chunk_factors(chunks, *, operands, fine_size: int | None = None, inverses=None) -> list[Factors]:
     """Every chunk's decays, then every chunk's ``Aqk`` (kda's ``interleaved_pairs`` without the delta rule), from ``(q, k,
     g, beta, resets)`` each (``beta`` None; ``resets`` None or a packed chunk's sequence starts); ``fine_size``: None
-    (the halving) or the chunk's size (a mild step's one product, ``kda.chunkwise.step_factors``); ``inverses`` unused
-    (gla has no inverse)."""
+    (the halving), the chunk's size (a mild step's one product) or a mild step's sub-chunk
+    (``kda.chunkwise.by_mildness``); ``inverses`` unused (gla has no inverse)."""
     del inverses
     every_resets = [resets for *_, resets in chunks]
     decays = Decays.of_chunks([g for _, _, g, _, _ in chunks], fine_size, every_resets, run_sum_parts(operands))

@@ -260,11 +260,9 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
         return _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, operands=operands,
                              fine_size=fine_size, recurrence=recurrence)
 
-    if not recurrence.fast_gradients:
-        return from_factors(fine_size)
     # The choice around the whole step, each arm with its own VJPs: chosen around the factors alone, the backward would
     # take it again and linearise the chosen arm afresh, its factors computed twice (tops_core.tpu.fast_paths).
-    return by_mildness([g for _, _, g, _ in prepared], from_factors, lambda: from_factors(fine_size))
+    return by_mildness([g for _, _, g, _ in prepared], from_factors, fine_size, recurrence.fast_gradients)
 
 
 def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, *, operands,

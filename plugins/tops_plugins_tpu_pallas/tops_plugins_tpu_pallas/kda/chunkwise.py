@@ -652,33 +652,24 @@ def every_chunk_mild(gs, size: int | None = None) -> jax.Array:
     return jnp.all(jnp.stack(sums) >= -MILD_LOG_DECAY)
 
 
-def by_mildness(gs, arm, general):
-    """``arm(fine_size)`` as mild as the grid step's log decays ``gs`` allow, else ``general()``: one sub-chunk as wide as
-    the chunk where every chunk is mild (``fast_paths.FAST``: no coarse levels and no run sums of theirs), else
-    ``MILD_SUB_CHUNK`` where every block of that many tokens is (``MILD_SUB_CHUNKS``), else the general arm
-    (``tops_core.tpu.fast_paths.choose``, so a step runs one of the three)."""
+def by_mildness(gs, step, fine_size: int | None, fast: bool):
+    """``step(sub-chunk)`` at the sub-chunk a grid step's log decays ``gs`` allow: with ``fast``, one as wide as the chunk
+    where every chunk is mild (``fast_paths.FAST``: no coarse levels and no run sums of theirs), else ``MILD_SUB_CHUNK``
+    where every block of that many tokens is (``MILD_SUB_CHUNKS``); else, and without ``fast``, ``fine_size`` (the
+    halving's None or a promised bound's, ``sub_chunk_size``). ``tops_core.tpu.fast_paths.choose``, so a step runs one of
+    the three: not for a differentiated caller (the backward takes the choice around its whole step, ``kda.backward``)."""
+    if not fast:
+        return step(fine_size)
     chunk_size = gs[0].shape[0]
 
     def sub_chunks():
         if MILD_SUB_CHUNK >= chunk_size:
-            return general()
+            return step(fine_size)
         return fast_paths.choose(
-            every_chunk_mild(gs, MILD_SUB_CHUNK), lambda: arm(MILD_SUB_CHUNK), general, arm=MILD_SUB_CHUNKS,
+            every_chunk_mild(gs, MILD_SUB_CHUNK), lambda: step(MILD_SUB_CHUNK), lambda: step(fine_size), arm=MILD_SUB_CHUNKS,
         )
 
-    return fast_paths.choose(every_chunk_mild(gs), lambda: arm(chunk_size), sub_chunks)
-
-
-def step_factors(recurrence: Recurrence, prepared, *, operands, fine_size: int | None, inverses=None, fast: bool):
-    """``recurrence.factors`` of a grid step's chunks ``prepared`` (``(q, k, g, beta, resets)`` each); with ``fast``, at
-    the sub-chunk the step's gates allow (``by_mildness``). Not for a differentiated caller with ``fast``: the backward
-    takes the choice around its whole step (``kda.backward``)."""
-    def factors(fine_size):
-        return recurrence.factors(prepared, operands=operands, fine_size=fine_size, inverses=inverses)
-
-    if not fast:
-        return factors(fine_size)
-    return by_mildness([g for _, _, g, _, _ in prepared], factors, lambda: factors(fine_size))
+    return fast_paths.choose(every_chunk_mild(gs), lambda: step(chunk_size), sub_chunks)
 
 
 def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence: Recurrence, lower_bound: float | None = None):
@@ -705,7 +696,10 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
         q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
         prepared.append((q, k, g, beta, None if packed is None else packed.resets))
     fine_size = sub_chunk_size(prepared[0][1].shape[0], lower_bound, operands, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    every_factors = step_factors(recurrence, prepared, operands=operands, fine_size=fine_size, fast=recurrence.fast_walk)
+    every_factors = by_mildness(
+        [g for _, _, g, _, _ in prepared], lambda size: recurrence.factors(prepared, operands=operands, fine_size=size),
+        fine_size, recurrence.fast_walk,
+    )
     if recurrence.ahead is not None:
         every_factors = [
             recurrence.ahead(q, k, v, beta, own, operands) for (q, k, _, beta, _), (_, _, v, *_), own in zip(prepared, chunks, every_factors)
