@@ -209,6 +209,10 @@ def test_decays_grown_from_8_token_groups_are_the_runs_decays(size, fine):
         assert exponents is None
     else:
         np.testing.assert_allclose(np.asarray(exponents, np.float64), runs[-size:] @ g, rtol=1e-6, atol=1e-6 * np.abs(g).max())
+    # A packed chunk sums e apart: the same decays, summed inside the same groups, without it.
+    alone, none = chunkwise.decay_sections(jnp.asarray(g, jnp.float32), levels, fine, 3, exponents=False)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(decays))
 
 
 @pytest.mark.parametrize("fine, packed", [(None, False), (16, False), (16, True), (None, True)])

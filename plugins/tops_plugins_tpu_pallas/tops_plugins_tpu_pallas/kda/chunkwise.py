@@ -169,17 +169,16 @@ def _group_run_masks(chunk_size: int, group: int, sizes: tuple[int, ...], fine_s
     return masks
 
 
-def _doubled_runs(prefix: jax.Array, suffix: jax.Array, size: int, combine=operator.add) -> tuple[jax.Array, jax.Array]:
-    """``(P_2s, X_2s)`` from ``(P_s, X_s)``: each token's run from its ``s``-segment's first token to itself (inclusive)
-    and from after it to the segment's last token, as sums of ``g`` (``combine`` adds) or as their decays (it
-    multiplies). A later half's prefix takes in its earlier half's whole run (that half's last ``P_s`` row), an earlier
-    half's suffix its later half's: sums of one sign or products of decays, never a difference or a quotient. ``s`` a
-    multiple of a vector register's rows, so every slice is whole registers and each whole run one row broadcast."""
+def _doubled_runs(prefix: jax.Array, suffix: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """``(P_2s, X_2s)`` from ``(P_s, X_s)``: the decays of each token's run from its ``s``-segment's first token to itself
+    (inclusive) and from after it to the segment's last token. A later half's prefix takes in its earlier half's whole
+    run (that half's last ``P_s`` row), an earlier half's suffix its later half's: products of decays, never a quotient.
+    ``s`` a multiple of a vector register's rows, so every slice is whole registers and each whole run one row broadcast."""
     doubled_prefix, doubled_suffix = [], []
     for start in range(0, prefix.shape[0], 2 * size):
         middle, end = start + size, start + 2 * size
-        doubled_prefix += [prefix[start:middle], combine(prefix[middle:end], prefix[middle - 1 : middle])]
-        doubled_suffix += [combine(suffix[start:middle], prefix[end - 1 : end]), suffix[middle:end]]
+        doubled_prefix += [prefix[start:middle], prefix[middle:end] * prefix[middle - 1 : middle]]
+        doubled_suffix += [suffix[start:middle] * prefix[end - 1 : end], suffix[middle:end]]
     return jnp.concatenate(doubled_prefix, axis=0), jnp.concatenate(doubled_suffix, axis=0)
 
 
@@ -191,10 +190,13 @@ def _by_halves(earlier: jax.Array, later: jax.Array, size: int) -> jax.Array:
     )
 
 
-def decay_sections(g: jax.Array, sizes: tuple[int, ...], fine_size: int | None, parts: int) -> tuple[jax.Array, jax.Array | None]:
+def decay_sections(
+    g: jax.Array, sizes: tuple[int, ...], fine_size: int | None, parts: int, exponents: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
     """``exp`` of the run sums, ``(2 + len(sizes)) * C x K``: per token and key ``exp(b_i)``, ``exp(b_C - b_i)`` and one
-    section per level of ``sizes`` (the run between the level's point and the token); and, with ``fine_size``, the
-    bounded path's exponents ``e`` (``C x K``, not exponentiated: it needs ``exp(-e)`` too), or None.
+    section per level of ``sizes`` (the run between the level's point and the token); and, with ``fine_size`` and
+    ``exponents``, the bounded path's exponents ``e`` (``C x K``, not exponentiated: it needs ``exp(-e)`` too), or None
+    (a packed chunk's ``e`` must not sum its resets' stand-in gates: ``Decays.of_chunks`` sums it apart).
 
     The MXU sums the runs inside each group of tokens (one float32 vector register's rows, the bounded path's
     sub-chunk, or with no levels the whole chunk: ``_run_group``; ``_group_run_masks``),
@@ -204,21 +206,18 @@ def decay_sections(g: jax.Array, sizes: tuple[int, ...], fine_size: int | None, 
     costs an EUP push and a result pop where a product of decays takes one vector ALU slot.
     """
     C = g.shape[0]
-    group = _run_group(C, sizes, fine_size)
-    small = run_sums(_group_run_masks(C, group, sizes, fine_size), g, parts)
+    group = _run_group(C, sizes, fine_size)  # never below the sub-chunk: e's run lies inside the group
+    with_exponents = exponents and fine_size is not None
+    small = run_sums(_group_run_masks(C, group, sizes, fine_size if with_exponents else None), g, parts)
     prefix, suffix, *rest = (small[n * C : (n + 1) * C] for n in range(small.shape[0] // C))
     levels = {s: jnp.exp(section) for s, section in zip((s for s in sizes if s < group), rest)}
-    fine = rest[-1] if fine_size is not None and fine_size <= group else None
+    fine = rest[-1] if with_exponents else None
     to_token, to_end = jnp.exp(prefix), jnp.exp(suffix)
     size = group
     while size < C:
         if size in sizes:
             levels[size] = _by_halves(to_end, to_token, size)
-        if fine_size == 2 * size:
-            fine = _by_halves(-suffix, prefix, size)
-        elif fine_size is not None and fine_size > 2 * size:  # e's runs are still to grow, as sums
-            prefix, suffix = _doubled_runs(prefix, suffix, size)
-        to_token, to_end = _doubled_runs(to_token, to_end, size, operator.mul)
+        to_token, to_end = _doubled_runs(to_token, to_end, size)
         size *= 2
     return jnp.concatenate([to_token, to_end, *(levels[s] for s in sizes)], axis=0), fine
 
@@ -321,12 +320,12 @@ def _column_sums_cotangents(rows, dsums):
 column_sums.defvjp(_column_sums_forward, _column_sums_cotangents)
 
 
-def decay_work(chunk_size: int, key_dim: int, sizes: tuple[int, ...], fine_size: int | None) -> Work:
+def decay_work(chunk_size: int, key_dim: int, sizes: tuple[int, ...], fine_size: int | None, exponents: bool = True) -> Work:
     """``decay_sections``' matmul, one ``C x C @ C x K`` product per section of ``_group_run_masks``, and its ``exp``s,
     one ``C x K`` array per section but ``e`` (its caller's); the VPU's products of decays are elementwise, not counted."""
     group = _run_group(chunk_size, sizes, fine_size)
     exponentiated = 2 + sum(1 for s in sizes if s < group)
-    sections = exponentiated + (1 if fine_size is not None and fine_size <= group else 0)
+    sections = exponentiated + (1 if exponents and fine_size is not None else 0)
     return Work(flops=2 * sections * chunk_size * chunk_size * key_dim, transcendentals=exponentiated * chunk_size * key_dim)
 
 
@@ -361,7 +360,7 @@ class Decays:
         g = jnp.maximum(jnp.concatenate(gs, axis=1), RESET_LOG_DECAY)
         sizes = coarse_level_sizes(C, fine_size)
         fine_separately = fine_size is not None and packed  # no reset: e's run sums ride along
-        decays, exponents = decay_sections(g, sizes, None if fine_separately else fine_size, parts)
+        decays, exponents = decay_sections(g, sizes, fine_size, parts, exponents=not fine_separately)
         if fine_separately:
             exponents = run_sums(_fine_mask(C, fine_size), jnp.concatenate(bounded_gs, axis=1), parts)
         fine = None if fine_size is None else (jnp.exp(exponents), jnp.exp(-exponents))
@@ -725,7 +724,7 @@ def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | Non
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
     fine = fine_block_size(C, lower_bound)
     coarse = coarse_level_sizes(C, fine)
-    decays = decay_work(C, K, coarse, None if packed else fine)  # packed, e is its own matmul
+    decays = decay_work(C, K, coarse, fine, exponents=not packed)  # packed, e is its own matmul
     separate_fine = 2 * C * C * K if fine and packed else 0
     levels = sum(2 * (2 * level_rows(C, s)) * K * C for s in coarse)  # keys' and queries' rows
     sub_chunk = 2 * (2 * C) * K * C if fine else 0
