@@ -155,11 +155,13 @@ class LogDecays:
         """From the per-head constant ``decay`` (0 without g_gamma; finite: ``constant_decay``) and per-token ``g`` ``(C, 1)``.
 
         ``valid_rows`` (None: all) stops the constant decay at the last real token, so the rows past
-        the end of the sequence leave the final state exact; their ``g`` must already be 0.
+        the end of the sequence leave the final state exact; their ``g`` must already be 0. A ``decay`` of a static
+        0 with ``g`` (an op without a constant decay: gated_delta_rule) adds no positions at all.
         """
+        without_decay = isinstance(decay, (int, float)) and decay == 0 and g is not None
         # Same float32 products in both layouts, so B_i - B_i is exactly 0 on the diagonal.
-        column = decay * _positions(chunk_size, 0, valid_rows)
-        row = decay * _positions(chunk_size, 1, valid_rows)
+        column = 0.0 if without_decay else decay * _positions(chunk_size, 0, valid_rows)
+        row = 0.0 if without_decay else decay * _positions(chunk_size, 1, valid_rows)
         if g is None:
             return cls(column=column, row=row, resets_column=None, resets_row=None)
         cumulative, resets = cumulative_sum(g)
