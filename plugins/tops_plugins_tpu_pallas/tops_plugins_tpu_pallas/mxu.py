@@ -103,3 +103,11 @@ _product.defvjp(_product_forward, _product_cotangents)
 
 def row_and_column_iotas(size: int) -> tuple[jax.Array, jax.Array]:
     return lax.broadcasted_iota(jnp.int32, (size, size), 0), lax.broadcasted_iota(jnp.int32, (size, size), 1)
+
+
+def column_to_row(column: jax.Array) -> jax.Array:
+    """``(n, 1)`` -> ``(1, n)`` by a masked sum over the rows: exact (one term per column is nonzero), no transpose
+    support needed. (A product with the identity at HIGHEST, six MXU passes after a step's other work, cost
+    gated_delta_rule's backward gradients kernel 812649 -> 746681 cycles on v6e for its ``dg`` and ``dbeta`` rows.)"""
+    rows, columns = row_and_column_iotas(column.shape[0])
+    return jnp.sum(jnp.where(rows == columns, column, 0.0), axis=0, keepdims=True)

@@ -53,7 +53,7 @@ from tops_plugins_tpu_pallas.kda import fused
 from tops_plugins_tpu_pallas.kda.chunkwise import KDA, by_mildness, fine_block_size, prepared_queries_keys
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and_strength, geometry_of, read_chunk
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
-from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul, mxu_operand_dtype, row_and_column_iotas
+from tops_plugins_tpu_pallas.mxu import column_to_row, mxu_operand_dtype
 from tops_plugins_tpu_pallas.layout import Geometry, caller_output, caller_state, heads_flattened, kernel_operands, padded_state
 from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.recurrence import Recurrence
@@ -216,12 +216,6 @@ def _over_the_group(plan: LaunchPlan, geometry: Geometry) -> LaunchPlan:
     )
 
 
-def _as_row(column: jax.Array) -> jax.Array:
-    """``(C, 1)`` -> ``(1, C)``, exactly: a product with the identity at HIGHEST, each term one value times 1 or 0."""
-    rows, columns = row_and_column_iotas(column.shape[0])
-    return matmul(column, (rows == columns).astype(_F32), _F32, COLUMNS_BY_COLUMNS)
-
-
 def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstate, packed: list[PackedChunk] | None, *,
                     scale: float, use_qk_l2norm: bool, activations: Activations, recurrence: Recurrence):
     """A grid step's gradients, ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` of each chunk (``dbeta`` None without the
@@ -381,7 +375,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
                 sums = refs.get(f"{name}_sum", refs[name])
                 sums[chunk.rows, :] = value.astype(_F32) + jnp.where(group == 0, 0.0, sums[chunk.rows, :])
             elif value.shape[1] == 1:  # one per token (beta, a gate per head): a row per chunk
-                refs[name][chunk.index : chunk.index + 1, :] = _as_row(value)
+                refs[name][chunk.index : chunk.index + 1, :] = column_to_row(value)
             else:
                 refs[name][chunk.rows, :] = value.astype(refs[name].dtype)
         for name, value in (("dA_log", dA_log), ("ddt_bias", ddt_bias)):

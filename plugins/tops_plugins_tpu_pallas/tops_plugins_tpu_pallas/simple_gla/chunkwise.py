@@ -35,16 +35,10 @@ from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY, masked_exp
 from tops_plugins_tpu_pallas.grid import Chunk, Work
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 from tops_plugins_tpu_pallas.mxu import (
-    COLUMNS_BY_COLUMNS, ROWS_BY_COLUMNS, ROWS_BY_ROWS, bf16_parts, matmul, mxu_operand_dtype, row_and_column_iotas,
+    COLUMNS_BY_COLUMNS, ROWS_BY_COLUMNS, ROWS_BY_ROWS, bf16_parts, column_to_row, matmul, mxu_operand_dtype, row_and_column_iotas,
 )
 
 _F32 = jnp.float32
-
-
-def _column_to_row(column: jax.Array) -> jax.Array:
-    """``(n, 1)`` -> ``(1, n)`` by a masked sublane sum: exact (one term is nonzero), and needs no transpose support."""
-    rows, cols = row_and_column_iotas(column.shape[0])
-    return jnp.sum(jnp.where(rows == cols, column, 0.0), axis=0, keepdims=True)
 
 
 @jax.custom_vjp
@@ -166,7 +160,7 @@ class LogDecays:
             return cls(column=column, row=row, resets_column=None, resets_row=None)
         cumulative, resets = cumulative_sum(g)
         return cls(
-            column=column + cumulative, row=row + _column_to_row(cumulative), resets_column=resets, resets_row=_column_to_row(resets),
+            column=column + cumulative, row=row + column_to_row(cumulative), resets_column=resets, resets_row=column_to_row(resets),
         )
 
     @property
