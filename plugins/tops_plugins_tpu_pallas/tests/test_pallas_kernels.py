@@ -22,6 +22,7 @@ from tops_core.conformance.cases import grid
 from tops_core.conformance.compare import measure, tolerance
 from tops_core.tpu import fast_paths
 from tops_plugins_tpu_pallas import CHUNK, FUSED, launch, mxu, traffic
+from tops_plugins_tpu_pallas.gated_delta_rule import chunkwise as gdn_chunkwise
 from tops_plugins_tpu_pallas.kda import chunkwise as kda_chunkwise
 from tops_plugins_tpu_pallas.simple_gla import backward_fused, chunk, chunkwise, fused, gradients
 from tops_plugins_tpu_pallas.simple_gla.chunk import ChunkConfig
@@ -758,6 +759,73 @@ def test_gla_fast_path_at_its_bound_matches_the_reference(dtype, gates):
 
     with tops_core.use(interpret=True, strict=True):
         got = results(implementation)
+    want = results("ref.recurrent")
+    for name, x in got.items():
+        assert bool(jnp.isfinite(x).all()), name
+        measurement = measure(name, x, want[name], tolerance(dtype, gradient=name.startswith("d")))
+        assert measurement.passed, measurement.describe()
+
+
+@pytest.mark.parametrize("gate, finite", [(-3.0, True), (-np.inf, False), (np.nan, False)])
+def test_gated_delta_rule_takes_finite_gates_only_where_every_gate_is(gate, finite):
+    """One token's gate of one chunk of a grid step decides it: ``-inf`` or NaN anywhere takes the arm that counts
+    ``-inf`` gates apart, as does a packed call (its sequence starts are ``-inf`` gates) whatever its gates."""
+    gs = [jnp.full((64, 1), -0.5) for _ in range(3)]
+    gs[2] = gs[2].at[41, 0].set(gate)
+
+    def arm(**options):
+        return int(gdn_chunkwise.by_finiteness(gs, lambda size: jnp.int32(size or 0), None, **options))
+
+    assert arm(fast=True, packed=False) == (64 if finite else 0)
+    assert arm(fast=True, packed=True) == arm(fast=False, packed=False) == 0
+
+
+def _gated_delta_rule_inputs(dtype, g, T=256, H=2, K=64, V=32, seed=9):
+    rng = np.random.default_rng(seed)
+    q, k = (jnp.asarray(rng.standard_normal((1, T, H, K)) * K**-0.5, dtype) for _ in range(2))
+    v, do = (jnp.asarray(rng.standard_normal((1, T, H, V)), dtype) for _ in range(2))
+    beta = jnp.asarray(rng.uniform(0.2, 0.9, (1, T, H)), dtype)
+    return dict(q=q, k=k, v=v, g=jnp.asarray(g, jnp.float32), beta=beta), do
+
+
+def test_gated_delta_rule_chooses_finite_gates_in_each_of_its_kernels():
+    """The forward kernel, the backward's checkpoints walk and its gradients kernel each hold the choice; packed, none."""
+    inputs, do = _gated_delta_rule_inputs(jnp.float32, np.full((1, 256, 2), -0.1))
+    contract = tops_core.op("gated_delta_rule")
+    implementation = ("tpu_pallas.fused", {"chunk_size": 64})
+    with tops_core.use(interpret=True, strict=True):
+        with fast_paths.recording() as forward:
+            jax.make_jaxpr(lambda inputs: contract.forward(**inputs, implementation=implementation))(inputs)
+        with fast_paths.recording() as backward:
+            jax.make_jaxpr(lambda inputs, do: contract.backward(**inputs, do=do, implementation=implementation))(inputs, do)
+        with fast_paths.recording() as packed:
+            cu_seqlens = jnp.asarray([0, 100, 256], jnp.int32)
+            jax.make_jaxpr(lambda inputs: contract.forward(**inputs, cu_seqlens=cu_seqlens, implementation="tpu_pallas.varlen"))(inputs)
+    finite = gdn_chunkwise.FINITE_GATES
+    assert (forward, backward, packed) == ([finite], [finite, finite], [])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gated_delta_rule_with_infinite_gates_beside_finite_ones_matches_the_reference(dtype):
+    """A first grid step with ``-inf`` gates (on one head, then on every head at one token) takes the arm that counts
+    them, the second step's finite gates the other: forward and every gradient against the float64 reference."""
+    rng = np.random.default_rng(4)
+    g = -rng.exponential(0.3, (1, 256, 2))
+    g[0, [3, 70, 71], 1] = -np.inf
+    g[0, 100, :] = -np.inf
+    inputs, do = _gated_delta_rule_inputs(jnp.dtype(dtype), g)
+    contract = tops_core.op("gated_delta_rule")
+
+    def results(impl):
+        def loss(q, k, v, g, beta):
+            o, final_state = contract.forward(q, k, v, g, beta, output_final_state=True, implementation=impl)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(final_state), (o, final_state)
+
+        (_, outputs), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(*inputs.values())
+        return dict(zip(("o", "final_state", "dq", "dk", "dv", "dg", "dbeta"), (*outputs, *grads)))
+
+    with tops_core.use(interpret=True, strict=True):
+        got = results(("tpu_pallas.fused", {"chunk_size": 64, "num_steps": 2}))
     want = results("ref.recurrent")
     for name, x in got.items():
         assert bool(jnp.isfinite(x).all()), name

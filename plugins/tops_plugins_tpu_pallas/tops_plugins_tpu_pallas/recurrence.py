@@ -45,11 +45,16 @@ class Recurrence:
     chunk_work: Callable
     chunk_body_vmem: Callable
     kept_vmem: Callable
+    arms: Callable
+    """``arms(gs, step, fine_size, fast, packed)``: ``step(fine_size)`` at the ``fine_size`` a grid step's gates allow,
+    its fast arms where ``fast`` (``fast_walk``, ``fast_gradients``), chosen in the kernel (``tops_core.tpu.fast_paths``):
+    kda's and gla's ``kda.chunkwise.by_mildness``, gated_delta_rule's ``gated_delta_rule.chunkwise.by_finiteness``.
+    ``packed``: whether the chunks are a packed call's (their sequence starts reset the state)."""
     ahead: Callable | None = None
     fast_walk: bool = False
-    """Where every chunk of a grid step decays mildly (``kda.chunkwise.every_chunk_mild``), the forward kernel's and the
-    checkpoints walk's factors take one sub-chunk as wide as the chunk, else where every 32 tokens do, sub-chunks of 32
-    (``kda.chunkwise.by_mildness``)."""
+    """The forward kernel's and the checkpoints walk's factors take the fast arms the step's gates allow (``arms``): gla's
+    where every chunk, or every 32 tokens, decays mildly (``kda.chunkwise.every_chunk_mild``), gated_delta_rule's where
+    every gate is finite."""
     fast_gradients: bool = False
     """The same in the backward's gradients kernel, the choice taken around its whole step (``kda.backward``; not kda's:
     its ``dg`` in bf16 cannot afford it)."""

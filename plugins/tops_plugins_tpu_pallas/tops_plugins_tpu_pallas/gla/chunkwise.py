@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.kda.chunkwise import (
-    Decays, Factors, chunk_body_vmem, decay_work, interleaved_pairs, level_rows, level_sizes, run_sum_parts,
+    Decays, Factors, by_mildness, chunk_body_vmem, decay_work, interleaved_pairs, level_rows, level_sizes, run_sum_parts,
 )
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, matmul
@@ -101,5 +101,6 @@ def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
 
 GLA = Recurrence(
     op="gla", gate_per_key=True, delta_rule=False, factors=chunk_factors, through_state=through_state, chunk_work=chunk_work,
-    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, ahead=ahead_of_state, fast_walk=True, fast_gradients=True,
+    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, arms=by_mildness, ahead=ahead_of_state, fast_walk=True,
+    fast_gradients=True,
 )

@@ -50,7 +50,7 @@ from tops_plugins_tpu_pallas.grid import (
     step_chunks,
 )
 from tops_plugins_tpu_pallas.kda import fused
-from tops_plugins_tpu_pallas.kda.chunkwise import KDA, by_mildness, fine_block_size, prepared_queries_keys
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA, fine_block_size, prepared_queries_keys
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and_strength, geometry_of, read_chunk
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.mxu import column_to_row, mxu_operand_dtype
@@ -256,7 +256,7 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
 
     # The choice around the whole step, each arm with its own VJPs: chosen around the factors alone, the backward would
     # take it again and linearise the chosen arm afresh, its factors computed twice (tops_core.tpu.fast_paths).
-    return by_mildness([g for _, _, g, _ in prepared], from_factors, fine_size, recurrence.fast_gradients)
+    return recurrence.arms([g for _, _, g, _ in prepared], from_factors, fine_size, recurrence.fast_gradients, packed is not None)
 
 
 def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, *, operands,

@@ -26,6 +26,7 @@ the exponent masked before ``exp`` like the one above the diagonal; ``exp(b_i)``
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +42,11 @@ from tops_plugins_tpu_pallas.mxu import (
 _F32 = jnp.float32
 
 
-@jax.custom_vjp
-def cumulative_sum(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cumulative_sum(g: jax.Array, counts_resets: bool = True) -> tuple[jax.Array, jax.Array | None]:
     """The chunk-local cumulative sums ``(B, R)`` of ``g`` ``(C, 1)`` (float32) as one bf16 MXU pass, each exact as a float32
     HIGHEST product: ``B`` sums the gates with every ``-inf`` counted as 0, ``R`` counts the ``-inf`` gates (module docstring).
+    Without ``counts_resets`` (every gate known finite) ``B`` alone, ``R`` None.
 
     Mosaic has no cumsum, so it is a lower-triangular 0/1 matrix times ``g``. The 0/1 matrix is exact
     in bf16, and ``g`` splits exactly into three bf16 parts (8 + 8 + 8 bits of its 24-bit
@@ -54,22 +56,22 @@ def cumulative_sum(g: jax.Array) -> tuple[jax.Array, jax.Array]:
     passes of a ``(C, 1)`` column, which was most of a gated chunk's MXU pushes.
     """
     rows, cols = row_and_column_iotas(g.shape[0])
-    partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), _parts_and_resets_in_lanes(g), jnp.bfloat16)
-    return _sums_of_parts_and_resets(partial_sums)
+    partial_sums = matmul((rows >= cols).astype(jnp.bfloat16), _parts_and_resets_in_lanes(g, counts_resets), jnp.bfloat16)
+    return _sums_of_parts_and_resets(partial_sums, counts_resets)
 
 
-def _cumulative_sum_forward(g):
-    return cumulative_sum(g), g == -jnp.inf
+def _cumulative_sum_forward(g, counts_resets):
+    return cumulative_sum(g, counts_resets), g == -jnp.inf if counts_resets else None
 
 
-def _cumulative_sum_cotangents(resets, cotangents):
+def _cumulative_sum_cotangents(counts_resets, resets, cotangents):
     """``dg_t = sum_{i >= t} dB_i`` (0 on a ``-inf`` gate, which ``B`` counts as 0), in the forward's exact bf16 parts:
     jax's own rule would round the cotangent to bf16 on its way through the parts (what kda's ``run_sums`` avoids too)."""
     dsums, _ = cotangents  # R counts resets: no gradient
     rows, cols = row_and_column_iotas(dsums.shape[0])
-    partial_sums = matmul((rows <= cols).astype(jnp.bfloat16), _parts_and_resets_in_lanes(dsums), jnp.bfloat16)
-    dg, _ = _sums_of_parts_and_resets(partial_sums)
-    return (jnp.where(resets, 0.0, dg),)
+    partial_sums = matmul((rows <= cols).astype(jnp.bfloat16), _parts_and_resets_in_lanes(dsums, False), jnp.bfloat16)
+    dg, _ = _sums_of_parts_and_resets(partial_sums, False)
+    return (dg if resets is None else jnp.where(resets, 0.0, dg),)
 
 
 cumulative_sum.defvjp(_cumulative_sum_forward, _cumulative_sum_cotangents)
@@ -101,19 +103,22 @@ _RESETS = 3
 """The lane where ``_parts_and_resets_in_lanes`` puts the resets' indicators, after ``g``'s three parts."""
 
 
-def _parts_and_resets_in_lanes(g: jax.Array) -> jax.Array:
+def _parts_and_resets_in_lanes(g: jax.Array, counts_resets: bool = True) -> jax.Array:
     """``g`` ``(C, 1)``'s three exact bf16 parts (``bf16_parts``, every ``-inf`` as 0) in lanes 0, 1, 2 of a ``(C, 128)``
-    operand and its ``-inf`` gates as 1 in lane ``_RESETS``, zeros elsewhere."""
+    operand and, with ``counts_resets``, its ``-inf`` gates as 1 in lane ``_RESETS``; zeros elsewhere."""
     index = lax.broadcasted_iota(jnp.int32, (g.shape[0], LANES), 1)
-    resets = g == -jnp.inf
-    high, middle, low = bf16_parts(jnp.where(resets, 0.0, g), 3)
+    resets = g == -jnp.inf if counts_resets else None
+    high, middle, low = bf16_parts(g if resets is None else jnp.where(resets, 0.0, g), 3)
     parts = jnp.where(index == 0, high, jnp.where(index == 1, middle, jnp.where(index == 2, low, 0.0)))
-    return jnp.where(index == _RESETS, resets.astype(_F32), parts)
+    return parts if resets is None else jnp.where(index == _RESETS, resets.astype(_F32), parts)
 
 
-def _sums_of_parts_and_resets(partial_sums: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(B, R)`` from the partial sums of ``_parts_and_resets_in_lanes``'s operand: its three parts added, and its resets.
+def _sums_of_parts_and_resets(partial_sums: jax.Array, counts_resets: bool = True) -> tuple[jax.Array, jax.Array | None]:
+    """``(B, R)`` from the partial sums of ``_parts_and_resets_in_lanes``'s operand: its three parts added, and its resets
+    (None without ``counts_resets``, whose every other lane is 0: ``B`` is then the whole lane sum, the same value).
     Both are masked sums (reading the resets' lane where it lies costs the backward's kernels about 15% more cycles)."""
+    if not counts_resets:
+        return jnp.sum(partial_sums, axis=1, keepdims=True), None
     index = lax.broadcasted_iota(jnp.int32, partial_sums.shape, 1)
     finite = jnp.sum(jnp.where(index < _RESETS, partial_sums, 0.0), axis=1, keepdims=True)
     resets = jnp.sum(jnp.where(index == _RESETS, partial_sums, 0.0), axis=1, keepdims=True)
@@ -145,12 +150,15 @@ class LogDecays:
     resets_row: jax.Array | None  # (1, C)
 
     @classmethod
-    def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int) -> LogDecays:
+    def compute(
+        cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int, counts_resets: bool = True,
+    ) -> LogDecays:
         """From the per-head constant ``decay`` (0 without g_gamma; finite: ``constant_decay``) and per-token ``g`` ``(C, 1)``.
 
         ``valid_rows`` (None: all) stops the constant decay at the last real token, so the rows past
         the end of the sequence leave the final state exact; their ``g`` must already be 0. A ``decay`` of a static
-        0 with ``g`` (an op without a constant decay: gated_delta_rule) adds no positions at all.
+        0 with ``g`` (an op without a constant decay: gated_delta_rule) adds no positions at all. Without
+        ``counts_resets`` (every ``g`` known finite) no ``R``: ``resets_column`` and ``resets_row`` None.
         """
         without_decay = isinstance(decay, (int, float)) and decay == 0 and g is not None
         # Same float32 products in both layouts, so B_i - B_i is exactly 0 on the diagonal.
@@ -158,9 +166,10 @@ class LogDecays:
         row = 0.0 if without_decay else decay * _positions(chunk_size, 1, valid_rows)
         if g is None:
             return cls(column=column, row=row, resets_column=None, resets_row=None)
-        cumulative, resets = cumulative_sum(g)
+        cumulative, resets = cumulative_sum(g, counts_resets)
         return cls(
-            column=column + cumulative, row=row + column_to_row(cumulative), resets_column=resets, resets_row=column_to_row(resets),
+            column=column + cumulative, row=row + column_to_row(cumulative), resets_column=resets,
+            resets_row=None if resets is None else column_to_row(resets),
         )
 
     @property
