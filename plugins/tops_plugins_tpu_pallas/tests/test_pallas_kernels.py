@@ -710,15 +710,20 @@ def test_gla_chooses_in_each_of_its_kernels_and_kda_in_none(op_name, forward_cho
     B, T, H, K, V = 1, 128, 1, 64, 32
     q, k, g = (jnp.asarray(rng.standard_normal((B, T, H, K)) * 0.1, jnp.float32) for _ in range(3))
     v, do = (jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32) for _ in range(2))
-    contract = tops_core.op(op_name)
     inputs = dict(q=q, k=k, v=v, g=-jnp.abs(g), **({"beta": jnp.full((B, T, H), 0.5, jnp.float32)} if op_name == "kda" else {}))
-    implementation = ("tpu_pallas.fused", {"chunk_size": 64})
+    assert _choices(op_name, inputs, do, ("tpu_pallas.fused", {"chunk_size": 64})) == (forward_choices, backward_choices)
+
+
+def _choices(op_name: str, inputs: dict, do, implementation) -> tuple[list[str], list[str]]:
+    """The fast arms ``op_name``'s forward and backward choose between (``fast_paths.recording``), traced in the
+    interpreter."""
+    contract = tops_core.op(op_name)
     with tops_core.use(interpret=True, strict=True):
         with fast_paths.recording() as forward:
             jax.make_jaxpr(lambda inputs: contract.forward(**inputs, implementation=implementation))(inputs)
         with fast_paths.recording() as backward:
             jax.make_jaxpr(lambda inputs, do: contract.backward(**inputs, do=do, implementation=implementation))(inputs, do)
-    assert (forward, backward) == (forward_choices, backward_choices)
+    return forward, backward
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -791,18 +796,10 @@ def _gated_delta_rule_inputs(dtype, g, T=256, H=2, K=64, V=32, seed=9):
 def test_gated_delta_rule_chooses_finite_gates_in_each_of_its_kernels():
     """The forward kernel, the backward's checkpoints walk and its gradients kernel each hold the choice; packed, none."""
     inputs, do = _gated_delta_rule_inputs(jnp.float32, np.full((1, 256, 2), -0.1))
-    contract = tops_core.op("gated_delta_rule")
-    implementation = ("tpu_pallas.fused", {"chunk_size": 64})
-    with tops_core.use(interpret=True, strict=True):
-        with fast_paths.recording() as forward:
-            jax.make_jaxpr(lambda inputs: contract.forward(**inputs, implementation=implementation))(inputs)
-        with fast_paths.recording() as backward:
-            jax.make_jaxpr(lambda inputs, do: contract.backward(**inputs, do=do, implementation=implementation))(inputs, do)
-        with fast_paths.recording() as packed:
-            cu_seqlens = jnp.asarray([0, 100, 256], jnp.int32)
-            jax.make_jaxpr(lambda inputs: contract.forward(**inputs, cu_seqlens=cu_seqlens, implementation="tpu_pallas.varlen"))(inputs)
     finite = gdn_chunkwise.FINITE_GATES
-    assert (forward, backward, packed) == ([finite], [finite, finite], [])
+    assert _choices("gated_delta_rule", inputs, do, ("tpu_pallas.fused", {"chunk_size": 64})) == ([finite], [finite, finite])
+    packed = {**inputs, "cu_seqlens": jnp.asarray([0, 100, 256], jnp.int32)}
+    assert _choices("gated_delta_rule", packed, do, ("tpu_pallas.varlen", {"chunk_size": 64})) == ([], [])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
