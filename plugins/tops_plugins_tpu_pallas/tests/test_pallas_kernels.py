@@ -774,15 +774,19 @@ def test_gla_fast_path_at_its_bound_matches_the_reference(dtype, gates):
 @pytest.mark.parametrize("gate, finite", [(-3.0, True), (-np.inf, False), (np.nan, False)])
 def test_gated_delta_rule_takes_finite_gates_only_where_every_gate_is(gate, finite):
     """One token's gate of one chunk of a grid step decides it: ``-inf`` or NaN anywhere takes the arm that counts
-    ``-inf`` gates apart, as does a packed call (its sequence starts are ``-inf`` gates) whatever its gates."""
+    ``-inf`` gates apart, as does a packed sequence starting anywhere in the step (its first gate is ``-inf``)."""
     gs = [jnp.full((64, 1), -0.5) for _ in range(3)]
     gs[2] = gs[2].at[41, 0].set(gate)
 
     def arm(**options):
         return int(gdn_chunkwise.by_finiteness(gs, lambda size: jnp.int32(size or 0), None, **options))
 
-    assert arm(fast=True, packed=False) == (64 if finite else 0)
-    assert arm(fast=True, packed=True) == arm(fast=False, packed=False) == 0
+    assert arm(fast=True) == (64 if finite else 0)
+    assert arm(fast=False) == 0
+    starts = [jnp.zeros((64, 1), bool) for _ in range(3)]
+    assert arm(fast=True, resets=starts) == (64 if finite else 0)
+    starts[0] = starts[0].at[9, 0].set(True)  # a packed sequence starting in the step: a -inf gate
+    assert arm(fast=True, resets=starts) == 0
 
 
 def _gated_delta_rule_inputs(dtype, g, T=256, H=2, K=64, V=32, seed=9):
@@ -793,36 +797,44 @@ def _gated_delta_rule_inputs(dtype, g, T=256, H=2, K=64, V=32, seed=9):
     return dict(q=q, k=k, v=v, g=jnp.asarray(g, jnp.float32), beta=beta), do
 
 
-def test_gated_delta_rule_chooses_finite_gates_in_each_of_its_kernels():
-    """The forward kernel, the backward's checkpoints walk and its gradients kernel each hold the choice; packed, none."""
+@pytest.mark.parametrize("implementation", ["tpu_pallas.fused", "tpu_pallas.varlen"])
+def test_gated_delta_rule_chooses_finite_gates_in_each_of_its_kernels(implementation):
+    """The forward kernel, the backward's checkpoints walk and its gradients kernel each hold the choice, packed too."""
     inputs, do = _gated_delta_rule_inputs(jnp.float32, np.full((1, 256, 2), -0.1))
+    if implementation == "tpu_pallas.varlen":
+        inputs["cu_seqlens"] = jnp.asarray([0, 100, 256], jnp.int32)
     finite = gdn_chunkwise.FINITE_GATES
-    assert _choices("gated_delta_rule", inputs, do, ("tpu_pallas.fused", {"chunk_size": 64})) == ([finite], [finite, finite])
-    packed = {**inputs, "cu_seqlens": jnp.asarray([0, 100, 256], jnp.int32)}
-    assert _choices("gated_delta_rule", packed, do, ("tpu_pallas.varlen", {"chunk_size": 64})) == ([], [])
+    assert _choices("gated_delta_rule", inputs, do, (implementation, {"chunk_size": 64})) == ([finite], [finite, finite])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gated_delta_rule_with_infinite_gates_beside_finite_ones_matches_the_reference(dtype):
-    """A first grid step with ``-inf`` gates (on one head, then on every head at one token) takes the arm that counts
-    them, the second step's finite gates the other: forward and every gradient against the float64 reference."""
+@pytest.mark.parametrize("packed", [False, True], ids=["infinite gates", "packed"])
+def test_gated_delta_rule_with_infinite_gates_beside_finite_ones_matches_the_reference(dtype, packed):
+    """A first grid step with ``-inf`` gates (on one head, then on every head at one token) or, packed, with a sequence
+    start takes the arm that counts them, the second step's finite gates the other: forward and every gradient against
+    the float64 reference."""
     rng = np.random.default_rng(4)
     g = -rng.exponential(0.3, (1, 256, 2))
-    g[0, [3, 70, 71], 1] = -np.inf
-    g[0, 100, :] = -np.inf
+    if not packed:
+        g[0, [3, 70, 71], 1] = -np.inf
+        g[0, 100, :] = -np.inf
     inputs, do = _gated_delta_rule_inputs(jnp.dtype(dtype), g)
+    cu_seqlens = jnp.asarray([0, 37, 256], jnp.int32) if packed else None
     contract = tops_core.op("gated_delta_rule")
 
     def results(impl):
         def loss(q, k, v, g, beta):
-            o, final_state = contract.forward(q, k, v, g, beta, output_final_state=True, implementation=impl)
+            o, final_state = contract.forward(
+                q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_seqlens, implementation=impl,
+            )
             return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(final_state), (o, final_state)
 
         (_, outputs), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(*inputs.values())
         return dict(zip(("o", "final_state", "dq", "dk", "dv", "dg", "dbeta"), (*outputs, *grads)))
 
+    implementation = "tpu_pallas.varlen" if packed else "tpu_pallas.fused"
     with tops_core.use(interpret=True, strict=True):
-        got = results(("tpu_pallas.fused", {"chunk_size": 64, "num_steps": 2}))
+        got = results((implementation, {"chunk_size": 64, "num_steps": 2}))
     want = results("ref.recurrent")
     for name, x in got.items():
         assert bool(jnp.isfinite(x).all()), name

@@ -46,10 +46,10 @@ class Recurrence:
     chunk_body_vmem: Callable
     kept_vmem: Callable
     arms: Callable
-    """``arms(gs, step, fine_size, fast, packed)``: ``step(fine_size)`` at the ``fine_size`` a grid step's gates allow,
+    """``arms(gs, step, fine_size, fast, resets)``: ``step(fine_size)`` at the ``fine_size`` a grid step's gates allow,
     its fast arms where ``fast`` (``fast_walk``, ``fast_gradients``), chosen in the kernel (``tops_core.tpu.fast_paths``):
     kda's and gla's ``kda.chunkwise.by_mildness``, gated_delta_rule's ``gated_delta_rule.chunkwise.by_finiteness``.
-    ``packed``: whether the chunks are a packed call's (their sequence starts reset the state)."""
+    ``resets``: each chunk's packed sequence starts (``(C, 1)`` bool, they reset the state), or None."""
     ahead: Callable | None = None
     fast_walk: bool = False
     """The forward kernel's and the checkpoints walk's factors take the fast arms the step's gates allow (``arms``): gla's

@@ -54,14 +54,17 @@ FINITE_GATES = "finite gates"
 """The fast arm's name (``tops_core.tpu.fast_paths``) of a step whose every gate is finite."""
 
 
-def by_finiteness(gs, step, fine_size: int | None, fast: bool, packed: bool):
+def by_finiteness(gs, step, fine_size: int | None, fast: bool, resets=None):
     """``step(C)`` where every gate ``g`` (``(C, 1)`` each) of the grid step is finite (``FINITE_GATES``), else
     ``step(fine_size)`` (None: ``-inf`` gates counted apart, ``LogDecays``): a model's gates are finite, and counting
     what no gate holds cost a quarter of the gate's work (the forward kernel on v6e, modelled: 321578 -> 292554
-    cycles without it). A packed call's sequence starts are ``-inf`` gates: it never takes the fast arm. Not for a
-    differentiated caller (``kda.chunkwise.by_mildness``)."""
-    if not fast or packed:
+    cycles without it). A packed chunk's sequence starts (``resets``, ``(C, 1)`` bool each, or None) are ``-inf``
+    gates: a packed step takes the fast arm where no sequence starts in it. Not for a differentiated caller
+    (``kda.chunkwise.by_mildness``)."""
+    if not fast:
         return step(fine_size)
+    if resets is not None and any(r is not None for r in resets):
+        gs = [g if r is None else jnp.where(r, -jnp.inf, g) for g, r in zip(gs, resets)]
     finite = jnp.all(jnp.stack([jnp.min(g) for g in gs]) > -jnp.inf)  # false for NaN too
     return fast_paths.choose(finite, lambda: step(gs[0].shape[0]), lambda: step(fine_size), arm=FINITE_GATES)
 

@@ -256,7 +256,7 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
 
     # The choice around the whole step, each arm with its own VJPs: chosen around the factors alone, the backward would
     # take it again and linearise the chosen arm afresh, its factors computed twice (tops_core.tpu.fast_paths).
-    return recurrence.arms([g for _, _, g, _ in prepared], from_factors, fine_size, recurrence.fast_gradients, packed is not None)
+    return recurrence.arms([g for _, _, g, _ in prepared], from_factors, fine_size, recurrence.fast_gradients, resets)
 
 
 def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, *, operands,

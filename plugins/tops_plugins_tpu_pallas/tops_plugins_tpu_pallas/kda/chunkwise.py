@@ -651,14 +651,14 @@ def every_chunk_mild(gs, size: int | None = None) -> jax.Array:
     return jnp.all(jnp.stack(sums) >= -MILD_LOG_DECAY)
 
 
-def by_mildness(gs, step, fine_size: int | None, fast: bool, packed: bool = False):
+def by_mildness(gs, step, fine_size: int | None, fast: bool, resets=None):
     """``step(sub-chunk)`` at the sub-chunk a grid step's log decays ``gs`` allow: with ``fast``, one as wide as the chunk
     where every chunk is mild (``fast_paths.FAST``: no coarse levels and no run sums of theirs), else ``MILD_SUB_CHUNK``
     where every block of that many tokens is (``MILD_SUB_CHUNKS``); else, and without ``fast``, ``fine_size`` (the
     halving's None or a promised bound's, ``sub_chunk_size``). ``tops_core.tpu.fast_paths.choose``, so a step runs one of
     the three: not for a differentiated caller (the backward takes the choice around its whole step, ``kda.backward``).
-    ``packed`` changes nothing: every arm takes a packed chunk's resets exactly (``Decays.of_chunks``)."""
-    del packed
+    ``resets`` (a packed chunk's sequence starts) change nothing: every arm takes them exactly (``Decays.of_chunks``)."""
+    del resets
     if not fast:
         return step(fine_size)
     chunk_size = gs[0].shape[0]
@@ -699,7 +699,7 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     fine_size = sub_chunk_size(prepared[0][1].shape[0], lower_bound, operands, use_qk_l2norm=use_qk_l2norm, scale=scale)
     every_factors = recurrence.arms(
         [g for _, _, g, _, _ in prepared], lambda size: recurrence.factors(prepared, operands=operands, fine_size=size),
-        fine_size, recurrence.fast_walk, any(packed is not None for *_, packed in chunks),
+        fine_size, recurrence.fast_walk, [resets for *_, resets in prepared],
     )
     if recurrence.ahead is not None:
         every_factors = [
