@@ -66,7 +66,9 @@ def _cumulative_sum_forward(g, counts_resets):
 
 def _cumulative_sum_cotangents(counts_resets, resets, cotangents):
     """``dg_t = sum_{i >= t} dB_i`` (0 on a ``-inf`` gate, which ``B`` counts as 0), in the forward's exact bf16 parts:
-    jax's own rule would round the cotangent to bf16 on its way through the parts (what kda's ``run_sums`` avoids too)."""
+    jax's own rule would round the cotangent to bf16 on its way through the parts (what kda's ``run_sums`` avoids too).
+    The cotangent holds no ``-inf``, so its sums count none, whether or not the forward's did."""
+    del counts_resets
     dsums, _ = cotangents  # R counts resets: no gradient
     rows, cols = row_and_column_iotas(dsums.shape[0])
     partial_sums = matmul((rows <= cols).astype(jnp.bfloat16), _parts_and_resets_in_lanes(dsums, False), jnp.bfloat16)
