@@ -291,7 +291,7 @@ def test_config_names_the_bad_field():
 
 def test_lowered_for_a_tpu_the_chunks_per_step_are_each_ops_and_chips():
     # kda's backward keeps 8 (at 16 Mosaic's spills passed v5p's VMEM) but on v5e and v6e; gla's and gated_delta_rule's
-    # walk 16, 32 on v6e. On v6e kda's and gla's forwards walk 32, gated_delta_rule's 16.
+    # walk 16, 32 on v6e. On v6e every op's forward walks 32.
     configs = [config(interpret=False) for config in (kda_fused.KdaFusedConfig, GlaFusedConfig, GatedDeltaRuleFusedConfig)]
 
     def steps():
@@ -299,7 +299,7 @@ def test_lowered_for_a_tpu_the_chunks_per_step_are_each_ops_and_chips():
 
     assert steps() == [(16, 8), (16, 16), (16, 16)]  # a TPU of no known generation
     with jax.default_device(compile_only.device("v6e")):
-        assert steps() == [(32, 16), (32, 32), (16, 32)]
+        assert steps() == [(32, 16), (32, 32), (32, 32)]
     with jax.default_device(compile_only.device("v5e")):
         assert steps() == [(16, 16), (16, 16), (16, 16)]
     with jax.default_device(compile_only.device("v5p")):

@@ -37,7 +37,7 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaRuleFusedConfig(kda_fused.KdaFusedConfig):
     """kda's config with this op's defaults: chunks of 128 on every chip (``CHUNK_SIZE``) and, lowered for a TPU, 16 of
-    them per grid step in the backward too (kda's backward walks 8), 32 on v6e.
+    them per grid step, 32 on v6e, in the backward too (kda's backward walks 8).
 
     kda's chunk grows per token with ``C`` (its per-key levels); this op's pair products are one dense product whatever
     ``C``, so a longer chunk halves the links of the chain through the state per token for one more inverse level. A
@@ -45,10 +45,13 @@ class GatedDeltaRuleFusedConfig(kda_fused.KdaFusedConfig):
     the bench's default shape (B=2 T=4096 H=8 K=V=128 bf16), the forward kernel on v6e: 288 us at (64, 8), 248 at
     (128, 8), 245 at (64, 16), 208 at (128, 16), 214 at (128, 32); on v5e 379 us at (64, 8), 343 at (128, 16). The
     backward on v6e at 32 chunks per step against 16 (2026-12-07, cycles): checkpoints walk 311507 -> 301828, gradients
-    kernel 833986 -> 812617; on v5e 377265 -> 377756 and 957622 -> 945177, so v5e keeps 16.
+    kernel 833986 -> 812617; on v5e 377265 -> 377756 and 957622 -> 945177, so v5e keeps 16. Once the finite gates'
+    arm had made the chunk's own work cheaper (``chunkwise.by_finiteness``), the forward on v6e at 32 against 16
+    (2026-12-07, later, cycles): 304362 -> 294432 with finite gates, 334858 -> 325248 with any, packed (16 sequences,
+    T=8192) 298867 -> 291955 and 329331 -> 321539; on v5e 386981 -> 384697, so v5e keeps 16.
     """
 
-    TPU_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({})  # 16 on every chip: 32 was slower on v6e
+    TPU_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v6e": 32})
     TPU_BACKWARD_NUM_STEPS: ClassVar[int] = 16
     TPU_BACKWARD_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v6e": 32})
     CHUNK_SIZE: ClassVar[int] = 128
