@@ -194,10 +194,10 @@ def _runs(size: int, levels: tuple[int, ...], fine: int | None) -> np.ndarray:
 
 
 @pytest.mark.parametrize("size, fine", [(8, None), (64, None), (64, 4), (64, 16), (128, 32), (128, 128)])
-def test_decays_grown_from_8_token_groups_are_the_runs_decays(size, fine):
-    # Runs inside a group of 8 tokens are summed on the MXU, longer ones' decays are products of whole groups' on the
-    # VPU; every section is its run's decay to float32 accuracy, strong and weak gates side by side, and the bounded
-    # path's e its run's sum.
+def test_decays_grown_from_run_groups_are_the_runs_decays(size, fine):
+    # Runs inside a group (8 tokens, the bounded path's sub-chunk, or the whole chunk without levels) are summed on the
+    # MXU, longer ones' decays are products of whole groups' on the VPU; every section is its run's decay to float32
+    # accuracy, strong and weak gates side by side, and the bounded path's e its run's sum.
     g = -np.abs(np.random.default_rng(size).standard_normal((size, 128))) * np.where(np.arange(128) < 64, 10.0, 1e-3)
     levels = chunkwise.coarse_level_sizes(size, fine)
     decays, exponents = chunkwise.decay_sections(jnp.asarray(g, jnp.float32), levels, fine, 3)

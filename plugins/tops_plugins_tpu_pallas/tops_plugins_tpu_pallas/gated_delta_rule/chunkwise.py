@@ -24,7 +24,7 @@ from tops_plugins_tpu_pallas.kda.chunkwise import Factors, inverse_work, inverse
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, row_and_column_iotas
 from tops_plugins_tpu_pallas.recurrence import Recurrence
-from tops_plugins_tpu_pallas.simple_gla.chunkwise import ChunkGates, LogDecays
+from tops_plugins_tpu_pallas.simple_gla.chunkwise import ChunkGates
 
 
 def chunk_factors(chunks, *, operands, fine_size: int | None = None, inverses=None) -> list[Factors]:
@@ -39,8 +39,8 @@ def chunk_factors(chunks, *, operands, fine_size: int | None = None, inverses=No
     masks = [level_pairs_mask(C, size) for size in level_sizes(C)]
     gates, aqk, every_levels = [], [], []
     for q, k, g, beta, resets in chunks:
-        log = LogDecays.compute(0.0, g if resets is None else jnp.where(resets, -jnp.inf, g), None, C, counts_resets)
-        own = ChunkGates.of(log)
+        g = g if resets is None else jnp.where(resets, -jnp.inf, g)
+        own = ChunkGates.compute(0.0, g, None, C, counts_resets=counts_resets)
         products = matmul(k if q is None else jnp.concatenate([k, q], axis=0), k, operands, ROWS_BY_ROWS)
         beta_akk = beta * jnp.where(j < i, products[:C] * own.decays, 0.0)
         gates.append(own)

@@ -204,9 +204,13 @@ class ChunkGates:
     cuts: jax.Array | None = None  # (1, C) int32: where cut_at's sequence starts cut the decays, while they wait (with_decays)
 
     @classmethod
-    def compute(cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int, attention: bool = True) -> ChunkGates:
-        """Gates of one chunk from its ``decay``, ``g`` and ``valid_rows``, as ``LogDecays.compute`` takes them."""
-        return cls.of(LogDecays.compute(decay, g, valid_rows, chunk_size), attention)
+    def compute(
+        cls, decay: jax.Array, g: jax.Array | None, valid_rows: jax.Array | None, chunk_size: int, attention: bool = True,
+        counts_resets: bool = True,
+    ) -> ChunkGates:
+        """Gates of one chunk from its ``decay``, ``g``, ``valid_rows`` and ``counts_resets``, as ``LogDecays.compute``
+        takes them."""
+        return cls.of(LogDecays.compute(decay, g, valid_rows, chunk_size, counts_resets), attention)
 
     @classmethod
     def of(cls, log: LogDecays, attention: bool = True) -> ChunkGates:
