@@ -30,8 +30,9 @@ class Recurrence:
     ``through_state(q, k, v, beta, state, entering, factors, operands)``: ``(o, state leaving, writes)``, the writes being
     what each row adds to the state (``delta`` of the delta rule, ``v`` itself without it).
     ``ahead(q, k, v, beta, factors, operands)`` (optional): ``factors`` with ``Factors.ahead`` set to what
-    ``through_state`` needs that does not depend on the state, computed for every chunk before the chain (``through_state``
-    computes it itself where ``ahead`` is None, as the backward's VJP of one chunk calls it).
+    ``through_state`` needs that does not depend on the state, computed for every chunk before the chain (where
+    ``Factors.ahead`` is None, as the backward's VJP of one chunk calls it, ``through_state`` computes what it needs
+    itself: gla's ``ahead_of_state`` there, the delta rule's solve, ``kda.chunkwise.ahead_of_walk``).
     ``chunk_work(geometry, use_qk_l2norm, lower_bound, packed)``, ``chunk_body_vmem(geometry, lower_bound)`` and
     ``kept_vmem(geometry, lower_bound)``: what a chunk computes, holds while it works, and keeps (bytes) from its factors
     to its turn at the state, for the launch plans.

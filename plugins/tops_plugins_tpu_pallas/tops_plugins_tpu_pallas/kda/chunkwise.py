@@ -605,23 +605,47 @@ def chunk_factors(chunks, *, operands, fine_size: int | None, inverses=None) -> 
     return [Factors(d.to_token, d.to_end, d.whole, p.aqk, p.inverse) for d, p in zip(decays, every_pairs)]
 
 
+def ahead_of_walk(q, k, v, beta, factors: Factors, operands) -> Factors:
+    """``factors`` with ``ahead``, for a walk for the states alone (``q`` None): ``W = D diag(beta) (k * to_token)`` and
+    ``u = D diag(beta) v``, one product ``D [beta k exp(b) | beta v]`` (``D`` the inverse), with which the chunk's writes
+    are ``delta = u - W S`` (``through_state``): two products on the chain through the state per link, not three
+    (flash-linear-attention's WY form). With the queries (the forward), ``factors`` as they are: there ``W`` cost more
+    than the link it saves, and the backward's VJP of ``through_state`` takes the solve too.
+
+    Modelled at the bench's shape (2026-12-07), the checkpoints walk's cycles with the solve -> in this form: kda v6e
+    362402 -> 355170, v5e 488272 -> 482512; gated_delta_rule's finite gates v6e 264068 -> 255316, v5e 340977 ->
+    321681, any gates v6e 298388 -> 288468, v5e 378449 -> 347985. The forward in this form: kda's v6e forward kernel
+    420655 -> 434447, gated_delta_rule's (in a layer) 286448 -> 290714."""
+    if q is not None:
+        return factors
+    K = k.shape[1]
+    both = matmul(factors.inverse, beta * jnp.concatenate([k * factors.to_token, v.astype(_F32)], axis=1), operands)
+    return dataclasses.replace(factors, ahead=(both[:, :K], both[:, K:]))
+
+
 def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
     """``(o, S_out, delta)`` of one chunk from the state entering it and its ``factors``: the writes ``delta`` (float32
-    ``(C, value block)``) and what they and ``state`` give.
+    ``(C, value block)``) and what they and ``state`` give; ``delta = D diag(beta) (v - k exp(b) S)``, solved after the
+    state's product, or ``u - W S`` where ``factors.ahead`` holds ``(W, u)`` (``ahead_of_walk``).
 
     ``entering``: None, or a packed chunk's initial-state terms ``(keys, queries, leaving)`` (``kda.sequences``) added to
     ``k S``, ``o`` and ``S_out``. ``q`` None: no ``o`` (None), the states alone. A pure function of its arrays, so its VJP
     is the backward's (``kda.backward``)."""
     C = k.shape[0]
-    rows = [k * factors.to_token] if q is None else [k * factors.to_token, q * factors.to_token]
-    by_state = matmul(jnp.concatenate(rows, axis=0), state, operands)
+    solved = factors.ahead is None  # else the WY form: keys are W, and what they give already went through D
+    keys = k * factors.to_token if solved else factors.ahead[0]
+    by_state = matmul(keys if q is None else jnp.concatenate([keys, q * factors.to_token], axis=0), state, operands)
     keys_by_state, o = by_state[:C], None if q is None else by_state[C:]  # one product: the state is loaded into the MXU once
     state_out = factors.whole * state
     if entering is not None:
-        keys, queries, leaving = entering
-        keys_by_state, state_out = keys_by_state + keys, state_out + leaving
+        entering_keys, queries, leaving = entering
+        state_out = state_out + leaving
         o = None if q is None else o + queries
-    delta = matmul(factors.inverse, beta * (v.astype(_F32) - keys_by_state), operands)
+        keys_by_state = keys_by_state + (entering_keys if solved else matmul(factors.inverse, beta * entering_keys, operands))
+    if solved:
+        delta = matmul(factors.inverse, beta * (v.astype(_F32) - keys_by_state), operands)
+    else:
+        delta = factors.ahead[1] - keys_by_state
     if q is not None:
         o = o + matmul(factors.aqk, delta, operands)
     state_out = state_out + matmul(k * factors.to_end, delta, operands, COLUMNS_BY_COLUMNS)
@@ -765,5 +789,5 @@ def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int
 
 KDA = Recurrence(
     op="kda", gate_per_key=True, delta_rule=True, factors=chunk_factors, through_state=through_state, chunk_work=chunk_work,
-    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, arms=by_mildness,
+    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, arms=by_mildness, ahead=ahead_of_walk,
 )
