@@ -10,6 +10,7 @@ precomputed ``gate``, ``beta_activation``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,6 +19,8 @@ import numpy as np
 import pytest
 import tops_core
 from tops_core.conformance.compare import measure, relative_error, tolerance
+from tops_core.conformance.cases import grid
+from tops_core.conformance.checks import run_case
 from tops_core.ops.kda import Activations, beta_activation, gate
 from tops_core.tpu import compile_only
 from tops_core.tpu.generations import UNKNOWN_CHIP_VMEM_BUDGET
@@ -315,6 +318,25 @@ def test_config_names_the_bad_field():
         kda_fused.KdaFusedConfig(chunk_size=32)
     with pytest.raises(TypeError, match="full_values"):
         kda_fused.KdaFusedConfig(full_values=1)
+    with pytest.raises(TypeError, match="wy_gradients"):
+        kda_fused.KdaFusedConfig(wy_gradients=1)
+
+
+def test_the_wy_gradients_are_taken_on_a_256_wide_mxu_unless_the_config_says():
+    # The delta rule's gradients kernel in the WY form on v6e, the solve on 128-wide MXUs and in the interpreter (no chip).
+    by_chip = {chip: kda_fused.wy_gradients_of(GatedDeltaRuleFusedConfig(), chip) for chip in (None, "v4", "v5e", "v5p", "v6e")}
+    assert by_chip == {None: False, "v4": False, "v5e": False, "v5p": False, "v6e": True}
+    assert kda_fused.wy_gradients_of(kda_fused.KdaFusedConfig(wy_gradients=True), None)
+    assert not kda_fused.wy_gradients_of(kda_fused.KdaFusedConfig(wy_gradients=False), "v6e")
+
+
+@pytest.mark.parametrize("op_name", ["kda", "gated_delta_rule"])
+def test_the_wy_gradients_keep_the_bf16_tolerances(op_name):
+    # The kit's bf16 case (kda's with the in-kernel gate) in the WY form, which its default grid runs in float32 alone:
+    # forward and every gradient against the float64 reference.
+    impl = next(i for i in tops_core.op(op_name).implementations() if i.name == "tpu_pallas.fused")
+    case = next(c for c in grid(impl).supported if c.name == "bfloat16")
+    run_case(impl, dataclasses.replace(case, name="bfloat16-wy", config=(("wy_gradients", True),)))
 
 
 def test_lowered_for_a_tpu_the_chunks_per_step_are_each_ops_and_chips():
@@ -359,6 +381,13 @@ def test_the_chunk_left_none_is_each_ops_and_chips():
         decision = tops_core.op(op).decide(spec, "forward")
         assert decision.implementation.name == "tpu_pallas.fused"
         assert f"for this call: {line}" in decision.explain()
+    # The delta rule's backward names its form too.
+    for chip, form in (("v6e", "True (None: on a 256-wide MXU; v6e)"), ("v5e", "False (None: on a 256-wide MXU; v5e)")):
+        decision = tops_core.op("gated_delta_rule").decide(_spec(op="gated_delta_rule", chip=chip, num_seqs=1, features=set()), "backward")
+        assert f"wy_gradients={form}" in decision.explain()
+    gla_backward = tops_core.op("gla").decide(_spec(op="gla", chip="v6e", num_seqs=1, features=set()), "backward")
+    (line,) = [line for line in gla_backward.explain().splitlines() if "for this call:" in line]
+    assert "wy_gradients" not in line
 
 
 def test_vmem_fitting_walks_fewer_chunks_per_step_for_a_large_key_dim():

@@ -249,11 +249,17 @@ _BY_CHIP = {"forward_config": kda.fused.resolved, "backward_config": kda.fused.r
 
 
 def _explain_kda_grid_config(config, spec: tops_core.CallSpec, direction: str) -> str:
-    """``explain``'s line on the chunk a call on kda's grid walks, and the rule behind it where ``chunk_size`` is None."""
+    """``explain``'s line on the chunk a call on kda's grid walks and, for the delta rule's backward, whether its gradients
+    kernel takes the WY form, each with the rule behind it where the config leaves it None."""
+    chip = spec.chip or "chip not known"
     line = f"chunk_size={grid.chunk_size_of(config, spec.chip)}"
     if config.chunk_size is None:
         by_chip = "".join(f"{size} on {chip}, else " for chip, size in config.TPU_CHUNK_SIZE_BY_CHIP.items())
-        line += f" (None: {by_chip or 'on every chip '}{config.CHUNK_SIZE}; {spec.chip or 'chip not known'})"
+        line += f" (None: {by_chip or 'on every chip '}{config.CHUNK_SIZE}; {chip})"
+    if direction == "backward" and spec.op != "gla":
+        line += f", wy_gradients={kda.fused.wy_gradients_of(config, spec.chip)}"
+        if config.wy_gradients is None:
+            line += f" (None: on a {kda.fused.WY_GRADIENTS_MXU}-wide MXU; {chip})"
     return line
 
 
@@ -268,6 +274,10 @@ PADDED_GRID = {"num_steps": 4}
 """The kit's sweep for the kernels on kda's grid: the interpreter walks one chunk per step by default (``grid.steps_of``),
 a TPU several; at 4, T=600's 10 chunks of 64 take three steps, the last with the ragged chunk and two past the end (the
 packed base's T=261, two steps of 3, one past the end)."""
+
+WY_GRADIENTS = {"wy_gradients": True}
+"""The delta rule's gradients kernel in the WY form (``KdaFusedConfig.wy_gradients``), which a call lowered for v6e takes
+and the interpreter (no chip) would not: the kit runs it in a config of its own."""
 
 KDA_FUSED = tops_core.Implementation(
     op="kda",
@@ -284,7 +294,8 @@ KDA_FUSED = tops_core.Implementation(
     ),
     priority={"tpu": 200},
     config=KDA_FUSED_CONFIG,
-    config_sweep=(PADDED_GRID, {"chunk_size": 128}),  # v6e's chunk, which the interpreter (no chip) would not walk
+    # v6e's chunk and its backward's WY form, which the interpreter (no chip) would not take
+    config_sweep=(PADDED_GRID, {"chunk_size": 128}, WY_GRADIENTS),
     explain_config=_explain_kda_grid_config,
     serves_pools=True,
     description=(
@@ -309,7 +320,7 @@ KDA_VARLEN = tops_core.Implementation(
     ),
     priority=_varlen_priority,
     config=KDA_FUSED_CONFIG,
-    config_sweep=(PADDED_GRID,),
+    config_sweep=(PADDED_GRID, WY_GRADIENTS),
     explain_config=_explain_kda_grid_config,
     serves_pools=True,
     description=(
@@ -322,11 +333,12 @@ KDA_VARLEN = tops_core.Implementation(
 
 def _delta_rule_family(
     op: str, kernels, features: set[str], label: str, config=KDA_FUSED_CONFIG, packed_explain_config=None, config_sweep=(),
+    packed_config_sweep=(),
 ) -> tuple[tops_core.Implementation, ...]:
     """``tpu_pallas.fused`` and, packed, ``tpu_pallas.varlen`` for an op on kda's machinery (``kernels``: its module with
     ``forward``, ``packed_forward``, ``backward``, ``plans`` and ``backward_plans``), kda's priorities and ``config``
-    (a ``KdaFusedConfig``); ``packed_explain_config``: the packed one's ``explain_config``, if any; ``config_sweep``: the
-    unpacked one's configs for the kit besides ``PADDED_GRID``."""
+    (a ``KdaFusedConfig``); ``packed_explain_config``: the packed one's ``explain_config``, if any; ``config_sweep`` and
+    ``packed_config_sweep``: the unpacked and the packed one's configs for the kit besides ``PADDED_GRID``."""
     unpacked = tops_core.Implementation(
         op=op,
         name="fused",
@@ -360,7 +372,7 @@ def _delta_rule_family(
         ),
         priority=_varlen_priority,
         config=config,
-        config_sweep=(PADDED_GRID,),
+        config_sweep=(PADDED_GRID, *packed_config_sweep),
         explain_config=packed_explain_config or _explain_kda_grid_config,
         serves_pools=True,
         description=(
@@ -396,6 +408,7 @@ GATED_DELTA_RULE_FUSED, GATED_DELTA_RULE_VARLEN = _delta_rule_family(
     "gated_delta_rule", gated_delta_rule.fused, {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"},
     "the pair products of its gate per head dense and kda's exact per-chunk inverse",
     gated_delta_rule.fused.GatedDeltaRuleFusedConfig(), _explain_packed_gated_delta_rule_config,
+    config_sweep=(WY_GRADIENTS,), packed_config_sweep=(WY_GRADIENTS,),
 )
 
 

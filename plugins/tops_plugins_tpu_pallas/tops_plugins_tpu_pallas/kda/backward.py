@@ -3,7 +3,9 @@ on the fused grid.
 
 1. **checkpoints**: the forward kernel itself (``fused.kernel``) walking time, writing the float32 state
    entering every chunk instead of ``o``, and reading no ``q``: without the queries it computes the states alone
-   (no ``Aqk``, no ``o``; ``chunkwise.chunk_steps``). KDA's chunk is compute-bound (its inverse and pairs), so one
+   (no ``Aqk``, no ``o``; ``chunkwise.chunk_steps``), with the delta rule in the WY form (``chunkwise.ahead_of_walk``:
+   two dependent products per link where the forward's solve takes three; the forward's states to the rounding of
+   its bf16 operands). KDA's chunk is compute-bound (its inverse and pairs), so one
    checkpoint per chunk (``4 K V / C`` bytes per token written and read again) costs less than
    recomputing a segment's states in the reverse walk.
 2. **gradients**: the grid's time axis reversed (``grid.reversed_in_time``; nothing flipped or
@@ -13,8 +15,9 @@ on the fused grid.
    ``use_qk_l2norm``) and factors (the recurrence's ``factors``: decays, pairs, the exact inverse), recomputed;
    then the chain of ``through_state``'s VJPs from the step's last chunk to its first, with ``do`` and the state
    gradient ``dS`` carried in VMEM from the step after (without the delta rule, each chunk's part from ``do``
-   first, off the chain); then every chunk's factors' and inputs' VJPs. So the backward computes exactly what
-   the forward computes, both paths (exact and bounded gates), every option, and an op's fast path (gla's, chosen
+   first, off the chain); then every chunk's factors' and inputs' VJPs. So the backward differentiates the function
+   the forward computes (with the delta rule in the WY form where ``KdaFusedConfig.wy_gradients`` says so: the same
+   function, its writes ``u - W S``), both paths (exact and bounded gates), every option, and an op's fast path (gla's, chosen
    around the step's factors and everything after them), and a change to the chunk math changes both. Packed,
    each sequence's terms (``kda.sequences``) add their VJPs on the chain: ``dht[n]`` where a sequence ends,
    ``dinitial_state[n]`` where it starts.
@@ -50,7 +53,7 @@ from tops_plugins_tpu_pallas.grid import (
     step_chunks,
 )
 from tops_plugins_tpu_pallas.kda import fused
-from tops_plugins_tpu_pallas.kda.chunkwise import KDA, fine_block_size, prepared_queries_keys
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA, fine_block_size, prepared_queries_keys, with_wy
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, activated_gate_and_strength, geometry_of, read_chunk
 from tops_plugins_tpu_pallas.kda.sequences import PackedChunk, sequence_work
 from tops_plugins_tpu_pallas.mxu import column_to_row, mxu_operand_dtype
@@ -217,10 +220,10 @@ def _over_the_group(plan: LaunchPlan, geometry: Geometry) -> LaunchPlan:
 
 
 def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstate, packed: list[PackedChunk] | None, *,
-                    scale: float, use_qk_l2norm: bool, activations: Activations, recurrence: Recurrence):
+                    scale: float, use_qk_l2norm: bool, activations: Activations, recurrence: Recurrence, wy: bool):
     """A grid step's gradients, ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` of each chunk (``dbeta`` None without the
     delta rule), and ``dS`` entering the first: the VJPs of the forward's pieces in reverse, ``dS`` leaving the last
-    chunk (``dstate``) and ``do`` given. ``packed``: each chunk's sequences, or None.
+    chunk (``dstate``) and ``do`` given. ``packed``: each chunk's sequences, or None; ``wy``: the WY form (``_from_factors``).
 
     In three passes, as the forward (``chunk_steps``) computes: every chunk's inputs (the activations and
     ``prepared_queries_keys``) and factors, recomputed with their VJPs; then the chain of ``through_state``'s VJPs from
@@ -252,7 +255,7 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
 
     def from_factors(fine_size):
         return _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, operands=operands,
-                             fine_size=fine_size, recurrence=recurrence)
+                             fine_size=fine_size, recurrence=recurrence, wy=wy)
 
     # The choice around the whole step, each arm with its own VJPs: chosen around the factors alone, the backward would
     # take it again and linearise the chosen arm afresh, its factors computed twice (tops_core.tpu.fast_paths).
@@ -260,15 +263,21 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
 
 
 def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, *, operands,
-                  fine_size: int | None, recurrence: Recurrence):
+                  fine_size: int | None, recurrence: Recurrence, wy: bool):
     """``_step_gradients`` from the chunks' prepared inputs on: the factors at ``fine_size`` and their VJP, the chain of
-    ``through_state``'s VJPs, then the factors' and inputs' VJPs."""
+    ``through_state``'s VJPs, then the factors' and inputs' VJPs. ``wy``: the factors hold the WY form's ``W`` and ``u``
+    (``kda.chunkwise.with_wy``, differentiated with them, ``v`` among their inputs), so each link of the chain's VJP is
+    two dependent products (``W^T ddelta`` after ``(k exp(b_C - b)) dS``) where the solve's takes three."""
 
-    def factors(prepared):
+    def factors(prepared, values=None):
         chunk_rows = [(q, k, g, beta, chunk_resets) for (q, k, g, beta), chunk_resets in zip(prepared, resets)]
-        return recurrence.factors(chunk_rows, operands=operands, fine_size=fine_size, inverses=inverses)
+        every = recurrence.factors(chunk_rows, operands=operands, fine_size=fine_size, inverses=inverses)
+        if values is None:
+            return every
+        return [with_wy(k, v, beta, own, operands) for (_, k, _, beta), v, own in zip(prepared, values, every)]
 
-    every_factors, factors_vjp = jax.vjp(factors, prepared)
+    values = [v.astype(_F32) for _, _, v, _, _ in read] if wy else None
+    every_factors, factors_vjp = jax.vjp(factors, *((prepared,) if values is None else (prepared, values)))
 
     def through_state(q, k, v, beta, state, entering, factors):
         return recurrence.through_state(q, k, v, beta, state, entering, factors, operands)
@@ -317,11 +326,13 @@ def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, d
             (dg,) = sequence_gates_vjp(dsequence_gates)
         cotangents[n] = (dq, dk, dv, dg, dbeta, dfactors)
         dstate = dcarried
-    (dprepared,) = factors_vjp([dfactors for *_, dfactors in cotangents])
+    dprepared, *dvalues = factors_vjp([dfactors for *_, dfactors in cotangents])
     gradients = []
-    for (dq, dk, dv, dg, dbeta, _), (dq_factors, dk_factors, dg_factors, dbeta_factors), inputs_vjp in zip(
+    for n, ((dq, dk, dv, dg, dbeta, _), (dq_factors, dk_factors, dg_factors, dbeta_factors), inputs_vjp) in enumerate(zip(
         cotangents, dprepared, inputs_vjps,
-    ):
+    )):
+        if wy:  # v reaches the factors in the WY form alone
+            dv = dv + dvalues[0][n]
         dbeta = None if dbeta is None else dbeta + dbeta_factors
         dq, dk, dg, dbeta, dA_log, ddt_bias = inputs_vjp((dq + dq_factors, dk + dk_factors, dg + dg_factors, dbeta))
         gradients.append((dq, dk, dv, dg, dbeta, dA_log, ddt_bias))
@@ -329,7 +340,7 @@ def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, d
 
 
 def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2norm: bool, activations: Activations,
-            recurrence: Recurrence):
+            recurrence: Recurrence, wy: bool):
     refs = plan.bind(refs)
     G = geometry.groups
     group = pl.program_id(4) if G > 1 else 0  # the value head of the query/key head's group (_over_the_group)
@@ -365,7 +376,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
         packed_chunks = [PackedChunk.of(refs, first + chunk.index, geometry, states) for chunk in chunks]
     every_gradients, dstate = _step_gradients(
         chunks, refs, head, A_log, dt_bias, dstate, packed_chunks, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        activations=activations, recurrence=recurrence,
+        activations=activations, recurrence=recurrence, wy=wy,
     )
     for chunk, (dq, dk, dv, dg, dbeta, dA_log, ddt_bias) in zip(chunks, every_gradients):
         for name, value in (("dq", dq), ("dk", dk), ("dv", dv), ("dg", dg), ("dbeta", dbeta)):
@@ -432,7 +443,8 @@ def gradients(
         arrays.update(fused.packed_operands(cu_seqlens, T, geometry.chunk_size))
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence)
     checkpoints = run(checkpoints_plan, fused.kernel, arrays, **static)
-    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, **static)
+    wy = recurrence.delta_rule and fused.wy_gradients_of(config, launch.Target.lowered_for().chip)
+    results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, **static, wy=wy)
     grads = _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry)
     if cu_seqlens is not None and initial_state is not None:
         grads["dinitial_state"] = with_empty_sequences(grads["dinitial_state"], cu_seqlens, dht)

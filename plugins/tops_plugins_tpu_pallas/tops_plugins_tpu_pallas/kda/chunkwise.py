@@ -605,22 +605,26 @@ def chunk_factors(chunks, *, operands, fine_size: int | None, inverses=None) -> 
     return [Factors(d.to_token, d.to_end, d.whole, p.aqk, p.inverse) for d, p in zip(decays, every_pairs)]
 
 
-def ahead_of_walk(q, k, v, beta, factors: Factors, operands) -> Factors:
-    """``factors`` with ``ahead``, for a walk for the states alone (``q`` None): ``W = D diag(beta) (k * to_token)`` and
-    ``u = D diag(beta) v``, one product ``D [beta k exp(b) | beta v]`` (``D`` the inverse), with which the chunk's writes
-    are ``delta = u - W S`` (``through_state``): two products on the chain through the state per link, not three
-    (flash-linear-attention's WY form). With the queries (the forward), ``factors`` as they are: there ``W`` cost more
-    than the link it saves, and the backward's VJP of ``through_state`` takes the solve too.
-
-    Modelled at the bench's shape (2026-12-07), the checkpoints walk's cycles with the solve -> in this form: kda v6e
-    362402 -> 355170, v5e 488272 -> 482512; gated_delta_rule's finite gates v6e 264068 -> 255316, v5e 340977 ->
-    321681, any gates v6e 298388 -> 288468, v5e 378449 -> 347985. The forward in this form: kda's v6e forward kernel
-    420655 -> 434447, gated_delta_rule's (in a layer) 286448 -> 290714."""
-    if q is not None:
-        return factors
+def with_wy(k, v, beta, factors: Factors, operands) -> Factors:
+    """``factors`` with ``ahead`` the WY form's ``(W, u)``: ``W = D diag(beta) (k * to_token)`` and ``u = D diag(beta) v``,
+    one product ``D [beta k exp(b) | beta v]`` (``D`` the inverse), with which the chunk's writes are ``delta = u - W S``
+    (``through_state``): two products on the chain through the state per link, not three (flash-linear-attention's
+    form). The backward's checkpoints walk takes it (``ahead_of_walk``) and, where ``wy_gradients`` says so, its
+    gradients kernel (``kda.backward``)."""
     K = k.shape[1]
     both = matmul(factors.inverse, beta * jnp.concatenate([k * factors.to_token, v.astype(_F32)], axis=1), operands)
     return dataclasses.replace(factors, ahead=(both[:, :K], both[:, K:]))
+
+
+def ahead_of_walk(q, k, v, beta, factors: Factors, operands) -> Factors:
+    """The delta rule's ``Recurrence.ahead``: the WY form (``with_wy``) for a walk for the states alone (``q`` None); with
+    the queries (the forward), ``factors`` as they are, the solve, where ``W`` cost more than the link it saves.
+
+    Modelled at the bench's shape (2026-12-07), the checkpoints walk's cycles with the solve -> in the WY form: kda v6e
+    362402 -> 355170, v5e 488272 -> 482512; gated_delta_rule's finite gates v6e 264068 -> 255316, v5e 340977 ->
+    321681, any gates v6e 298388 -> 288468, v5e 378449 -> 347985. The forward in the WY form: kda's v6e forward kernel
+    420655 -> 434447, gated_delta_rule's (in a layer) 286448 -> 290714."""
+    return factors if q is not None else with_wy(k, v, beta, factors, operands)
 
 
 def through_state(q, k, v, beta, state, entering, factors: Factors, operands):

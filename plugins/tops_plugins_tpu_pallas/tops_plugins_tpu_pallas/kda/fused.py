@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from tops_core.ops.kda import Activations
 from tops_core.packing import sequence_starts
+from tops_core.tpu.generations import GENERATIONS
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
@@ -88,7 +89,10 @@ class KdaFusedConfig:
     K=V=256 compile there); kda's checkpoints walk 493097 -> 420009 cycles on v6e and 538321 -> 488272 on v5e, its
     gradients kernel 1286743 -> 1242134 and 1564999 -> 1532741.
     ``full_values``: one grid point per (batch, head) holding all of ``V`` (the decays, pairs and inverse computed once,
-    not per 128-lane value tile). ``interpret``: as ``FusedConfig``'s.
+    not per 128-lane value tile). ``wy_gradients`` (the delta rule's backward; gla has no solve to replace): the
+    gradients kernel differentiates each chunk in flash-linear-attention's WY form (``kda.backward``); None: where the
+    chip lowered for has a 256-wide MXU (``WY_GRADIENTS_MXU``), the solve elsewhere and in the interpreter.
+    ``interpret``: as ``FusedConfig``'s.
     """
 
     TPU_NUM_STEPS: ClassVar[int] = 16
@@ -101,12 +105,31 @@ class KdaFusedConfig:
     chunk_size: int | None = None
     num_steps: int | None = None
     full_values: bool = True
+    wy_gradients: bool | None = None
     interpret: Any = None
 
     def __post_init__(self):
         check_common_fields(self, (None, *CHUNK_SIZES))
         if not isinstance(self.full_values, bool):
             raise TypeError(f"KdaFusedConfig.full_values must be a bool, got {self.full_values!r}")
+        if self.wy_gradients is not None and not isinstance(self.wy_gradients, bool):
+            raise TypeError(f"KdaFusedConfig.wy_gradients must be None or a bool, got {self.wy_gradients!r}")
+
+
+WY_GRADIENTS_MXU = 256
+"""The MXU width from which the gradients kernel takes the WY form by default (``wy_gradients_of``): its products
+``D [beta k exp(b) | beta v]`` and their cotangents are 256 wide, one pass there and two on 128-wide MXUs. Modelled at
+the bench's shape (2026-12-07), the gradients kernel's cycles with the solve -> in the WY form: gated_delta_rule v6e
+731465 -> 679465 (any gates), 697865 -> 639097 (finite gates), v5e 844182 -> 874614, 811542 -> 828277; kda v6e
+1216723 -> 1166389, v5e 1532159 -> 1572095."""
+
+
+def wy_gradients_of(config: KdaFusedConfig, chip: str | None) -> bool:
+    """Whether the gradients kernel takes the WY form: ``config.wy_gradients``, or where it is None, whether ``chip`` (the
+    chip the call is lowered for; None where not known, as in the interpreter) has an MXU ``WY_GRADIENTS_MXU`` wide."""
+    if config.wy_gradients is not None:
+        return config.wy_gradients
+    return chip is not None and GENERATIONS[chip].mxu >= WY_GRADIENTS_MXU
 
 
 def activation_work(activations: Activations, geometry: Geometry) -> Work:
