@@ -251,15 +251,15 @@ _BY_CHIP = {"forward_config": kda.fused.resolved, "backward_config": kda.fused.r
 def _explain_kda_grid_config(config, spec: tops_core.CallSpec, direction: str) -> str:
     """``explain``'s line on the chunk a call on kda's grid walks and, for the delta rule's backward, whether its gradients
     kernel takes the WY form, each with the rule behind it where the config leaves it None."""
-    chip = spec.chip or "chip not known"
+    lowered_for = spec.chip or "chip not known"
     line = f"chunk_size={grid.chunk_size_of(config, spec.chip)}"
     if config.chunk_size is None:
         by_chip = "".join(f"{size} on {chip}, else " for chip, size in config.TPU_CHUNK_SIZE_BY_CHIP.items())
-        line += f" (None: {by_chip or 'on every chip '}{config.CHUNK_SIZE}; {chip})"
+        line += f" (None: {by_chip or 'on every chip '}{config.CHUNK_SIZE}; {lowered_for})"
     if direction == "backward" and spec.op != "gla":
         line += f", wy_gradients={kda.fused.wy_gradients_of(config, spec.chip)}"
         if config.wy_gradients is None:
-            line += f" (None: on a {kda.fused.WY_GRADIENTS_MXU}-wide MXU; {chip})"
+            line += f" (None: on a {kda.fused.WY_GRADIENTS_MXU}-wide MXU; {lowered_for})"
     return line
 
 
