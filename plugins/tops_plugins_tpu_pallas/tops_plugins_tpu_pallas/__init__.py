@@ -248,6 +248,10 @@ _BY_CHIP = {"forward_config": kda.fused.resolved, "backward_config": kda.fused.r
 """``_fits_vmem``'s configs for the kernels on kda's grid: each direction at the chunk the call's chip takes."""
 
 
+_SOLVES_FOR_WRITES = {r.op: r.delta_rule for r in (kda.chunkwise.KDA, gla.chunkwise.GLA, gated_delta_rule.chunkwise.GATED_DELTA_RULE)}
+"""Whether each op on kda's grid solves for its writes (the delta rule), so that its backward has a form to choose."""
+
+
 def _explain_kda_grid_config(config, spec: tops_core.CallSpec, direction: str) -> str:
     """``explain``'s line on the chunk a call on kda's grid walks and, for the delta rule's backward, whether its gradients
     kernel takes the WY form, each with the rule behind it where the config leaves it None."""
@@ -256,7 +260,7 @@ def _explain_kda_grid_config(config, spec: tops_core.CallSpec, direction: str) -
     if config.chunk_size is None:
         by_chip = "".join(f"{size} on {chip}, else " for chip, size in config.TPU_CHUNK_SIZE_BY_CHIP.items())
         line += f" (None: {by_chip or 'on every chip '}{config.CHUNK_SIZE}; {lowered_for})"
-    if direction == "backward" and spec.op != "gla":
+    if direction == "backward" and _SOLVES_FOR_WRITES[spec.op]:
         line += f", wy_gradients={kda.fused.wy_gradients_of(config, spec.chip)}"
         if config.wy_gradients is None:
             line += f" (None: on a {kda.fused.WY_GRADIENTS_MXU}-wide MXU; {lowered_for})"
