@@ -283,6 +283,11 @@ WY_GRADIENTS = {"wy_gradients": True}
 """The delta rule's gradients kernel in the WY form (``KdaFusedConfig.wy_gradients``), which a call lowered for v6e takes
 and the interpreter (no chip) would not: the kit runs it in a config of its own."""
 
+GATES_AS_COLUMNS = {"chunk_size": 64}
+"""gated_delta_rule's gate read as each chunk's ``(C, 1)`` column: its kernels read it along lanes at chunks of 128 and more
+(``Recurrence.gates_along_lanes``), the interpreter's chunk, and as columns at 64, where v5e and v5p walk its packed
+bfloat16 backward with initial states (``gated_delta_rule.fused.backward_config``)."""
+
 KDA_FUSED = tops_core.Implementation(
     op="kda",
     name="fused",
@@ -412,7 +417,7 @@ GATED_DELTA_RULE_FUSED, GATED_DELTA_RULE_VARLEN = _delta_rule_family(
     "gated_delta_rule", gated_delta_rule.fused, {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"},
     "the pair products of its gate per head dense and kda's exact per-chunk inverse",
     gated_delta_rule.fused.GatedDeltaRuleFusedConfig(), _explain_packed_gated_delta_rule_config,
-    config_sweep=(WY_GRADIENTS,), packed_config_sweep=(WY_GRADIENTS,),
+    config_sweep=(WY_GRADIENTS, GATES_AS_COLUMNS), packed_config_sweep=(WY_GRADIENTS, GATES_AS_COLUMNS),
 )
 
 

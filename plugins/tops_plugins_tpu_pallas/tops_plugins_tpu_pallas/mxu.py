@@ -105,6 +105,12 @@ def row_and_column_iotas(size: int) -> tuple[jax.Array, jax.Array]:
     return lax.broadcasted_iota(jnp.int32, (size, size), 0), lax.broadcasted_iota(jnp.int32, (size, size), 1)
 
 
+def row_to_column(row: jax.Array) -> jax.Array:
+    """``(1, n)`` -> ``(n, 1)``, ``column_to_row``'s way: a masked sum over the lanes, exact."""
+    rows, columns = row_and_column_iotas(row.shape[1])
+    return jnp.sum(jnp.where(rows == columns, row, 0.0), axis=1, keepdims=True)
+
+
 def column_to_row(column: jax.Array) -> jax.Array:
     """``(n, 1)`` -> ``(1, n)`` by a masked sum over the rows: exact (one term per column is nonzero), no transpose
     support needed. A product with the identity at HIGHEST is exact too, but six MXU passes: for gated_delta_rule's

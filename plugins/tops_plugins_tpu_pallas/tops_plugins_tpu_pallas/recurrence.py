@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
+from tops_plugins_tpu_pallas.mxu import row_to_column
+from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +67,17 @@ class Recurrence:
         keeps, plus one chunk's working values."""
         return geometry.chunks_per_step * self.kept_vmem(geometry, lower_bound) + self.chunk_body_vmem(geometry, lower_bound)
 
+    def gates_along_lanes(self, chunk_size: int) -> bool:
+        """Whether the kernels read a gate per head laid out ``[B, HV, T]`` (``blocks.gate_rows``) and take each chunk's as a
+        row ``(1, C)``, where the chunks fill whole 128-lane rows (``simple_gla.fused.gates_along_lanes``); else as it is,
+        ``[B, T, HV]``, a ``(C, 1)`` column each. A gate per key is read as ``k`` is."""
+        return gates_along_lanes(not self.gate_per_key, chunk_size)
+
     def per_key_log_decays(self, g: jax.Array, key_dim: int) -> jax.Array:
-        """``g`` as kda's per-sequence terms (``kda.sequences``) take it: ``(C, K)`` (a gate per head given to every key),
-        ``-inf`` as ``RESET_LOG_DECAY`` (those terms sum runs of it, and a mask's 0 times ``-inf`` is NaN)."""
+        """``g`` as kda's per-sequence terms (``kda.sequences``) take it: ``(C, K)`` (a gate per head, its ``(C, 1)`` column
+        or ``(1, C)`` row, given to every key), ``-inf`` as ``RESET_LOG_DECAY`` (those terms sum runs of it, and a mask's 0
+        times ``-inf`` is NaN)."""
         if not self.gate_per_key:
-            g = jnp.broadcast_to(g, (g.shape[0], key_dim))
+            column = row_to_column(g) if g.shape[0] == 1 else g
+            g = jnp.broadcast_to(column, (column.shape[0], key_dim))
         return jnp.maximum(g, RESET_LOG_DECAY)

@@ -12,6 +12,13 @@ where kda builds them level by level from per-key decays. The inverse of ``I + d
 (``exact_inverses``, blocked forward substitution along the halving levels), and the way through the state is kda's
 ``through_state``, the decays broadcast over the keys. A grid step whose every gate is finite (any model's) takes
 decays that count no ``-inf`` gates apart (``by_finiteness``).
+
+At chunks of 128 and more the kernels read ``g`` laid out ``[B, HV, T]`` (``GATED_DELTA_RULE.gates_along_lanes``), and
+``chunk_factors`` takes a grid step's log decays at once from its chunks' rows (``LogDecays.of_rows``): one MXU pass
+for every chunk's cumulative sum, whose weights (the triangle) load once, and each chunk's column from one transpose.
+Cycles one TensorCore issues at the bench's shape on v6e (any gates / finite gates), each chunk's own gates -> a
+step's at once: forward 325248 -> 294562 / 294432 -> 277746, checkpoints walk 288468 -> 256102 / 255316 -> 238518,
+gradients kernel 679465 -> 595185 / 639097 -> 560897.
 """
 
 from __future__ import annotations
@@ -26,23 +33,29 @@ from tops_plugins_tpu_pallas.kda.chunkwise import (
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, row_and_column_iotas
 from tops_plugins_tpu_pallas.recurrence import Recurrence
-from tops_plugins_tpu_pallas.simple_gla.chunkwise import ChunkGates
+from tops_plugins_tpu_pallas.simple_gla.chunkwise import ChunkGates, LogDecays
 
 
 def chunk_factors(chunks, *, operands, fine_size: int | None = None, inverses=None) -> list[Factors]:
-    """kda's ``chunk_factors`` for gates per head: ``(q, k, g, beta, resets)`` each, ``g`` ``(C, 1)`` float32 (0 past the
-    end of the sequence, ``-inf`` a reset, as a packed chunk's ``resets`` rows are; ``q`` None: no ``Aqk``; ``inverses``
-    where known, ``kda.chunkwise.inverses_of``). No decay can overflow, so ``fine_size`` is not a sub-chunk here but the
-    arm ``by_finiteness`` chose: the chunk's size where every gate is finite and no sequence starts (the decays from
-    the cumulative sums alone), None where ``-inf`` gates may lie (counted apart, ``LogDecays``)."""
+    """kda's ``chunk_factors`` for gates per head: ``(q, k, g, beta, resets)`` each, ``g`` float32 (0 past the end of
+    the sequence, ``-inf`` a reset, as a packed chunk's ``resets`` rows are) a ``(1, C)`` row where the kernels read
+    gates along lanes (``GATED_DELTA_RULE.gates_along_lanes``: the step's log decays at once, ``LogDecays.of_rows``),
+    else a ``(C, 1)`` column, and ``resets`` laid out as ``g``; ``q`` None: no ``Aqk``; ``inverses`` where known,
+    ``kda.chunkwise.inverses_of``. No decay can overflow, so ``fine_size`` is not a sub-chunk here but the arm
+    ``by_finiteness`` chose: the chunk's size where every gate is finite and no sequence starts (the decays from the
+    cumulative sums alone), None where ``-inf`` gates may lie (counted apart, ``LogDecays``)."""
     C = chunks[0][1].shape[0]
     counts_resets = fine_size is None
     i, j = row_and_column_iotas(C)
     masks = [level_pairs_mask(C, size) for size in level_sizes(C)]
+    gs = [g if resets is None else jnp.where(resets, -jnp.inf, g) for _, _, g, _, resets in chunks]
+    if GATED_DELTA_RULE.gates_along_lanes(C):
+        every_log = LogDecays.of_rows(jnp.concatenate(gs, axis=0), counts_resets)
+    else:
+        every_log = [LogDecays.compute(0.0, g, None, C, counts_resets) for g in gs]
     gates, aqk, every_levels = [], [], []
-    for q, k, g, beta, resets in chunks:
-        g = g if resets is None else jnp.where(resets, -jnp.inf, g)
-        own = ChunkGates.compute(0.0, g, None, C, counts_resets=counts_resets)
+    for (q, k, _, beta, _), log in zip(chunks, every_log):
+        own = ChunkGates.of(log)
         products = matmul(k if q is None else jnp.concatenate([k, q], axis=0), k, operands, ROWS_BY_ROWS)
         beta_akk = beta * jnp.where(j < i, products[:C] * own.decays, 0.0)
         gates.append(own)
@@ -72,12 +85,14 @@ def by_finiteness(gs, step, fine_size: int | None, fast: bool, resets=None):
 
 
 def chunk_work(geometry: Geometry, use_qk_l2norm: bool, lower_bound: float | None = None, packed: bool = False) -> Work:
-    """One chunk's ``chunk_factors`` and ``through_state`` for one value block, counted op by op: the cumulative sum (a
-    ``C x C`` by ``C x 128`` product), the pair products, the inverse's levels, the state's products; the exps of the
-    decays and, with ``use_qk_l2norm``, the norms' square roots. ``lower_bound`` and ``packed`` change none of it."""
+    """One chunk's ``chunk_factors`` and ``through_state`` for one value block, counted op by op: the cumulative sum (gates
+    along lanes: four rows, ``g``'s three bf16 parts and its resets, by a ``C x C`` triangle, in the step's one product;
+    else the triangle by a ``C x 128`` operand), the pair products, the inverse's levels,
+    the state's products; the exps of the decays and, with ``use_qk_l2norm``, the norms' square roots. ``lower_bound``
+    and ``packed`` change none of it."""
     del lower_bound, packed
     C, K, Vb = geometry.chunk_size, geometry.padded_key_dim, geometry.value_block
-    cumulative = 2 * C * C * LANES
+    cumulative = 2 * 4 * C * C if GATED_DELTA_RULE.gates_along_lanes(C) else 2 * C * C * LANES
     pairs = 2 * (2 * C) * K * C
     outputs = 2 * (2 * C) * K * Vb + 2 * C * C * Vb + 2 * C * C * Vb + 2 * C * K * Vb
     exps = C * C + 2 * C + 1 + (2 * C if use_qk_l2norm else 0)

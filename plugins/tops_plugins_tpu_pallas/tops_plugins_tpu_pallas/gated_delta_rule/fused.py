@@ -3,8 +3,10 @@
 
 The forward is one ``pallas_call`` on the fused grid ``(batch, value head, value block, time step)``, the float32 state
 in VMEM along the sequential time axis, each step's chunks unrolled through ``kda.chunkwise.chunk_steps``. Value head
-``j`` reads query/key head ``j // G`` in place (grouped value heads); ``g`` and ``beta`` ``[B, T, HV]`` are read as they
-are, every head's column of a step's rows (``blocks.per_head``), the kernel taking its own. Packed, a sequence's first
+``j`` reads query/key head ``j // G`` in place (grouped value heads); ``beta`` ``[B, T, HV]`` is read as it is, every
+head's column of a step's rows (``blocks.per_head``), the kernel taking its own, and ``g`` too at chunks of 64; at 128
+and more ``g`` is read transposed to ``[B, HV, T]``, every head's row of a step's tokens (``blocks.gate_rows``), whose
+chunks' log decays the kernel takes at once (``gated_delta_rule.chunkwise``). Packed, a sequence's first
 row is a reset (``g = -inf`` there, which ``ChunkGates`` takes exactly) and its states move by DMA where it starts and
 ends (``kda.sequences``, the gate given to every key). The backward is kda's two walks: the state entering every chunk,
 then each chunk's VJP in reverse with ``dS`` in VMEM; ``dg`` and ``dbeta`` leave as a row per chunk. It recomputes the

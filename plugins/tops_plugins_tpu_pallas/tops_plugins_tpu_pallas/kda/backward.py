@@ -243,7 +243,8 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
         inputs, inputs_vjp = jax.vjp(chunk_inputs, q, k, g, beta, A_log, dt_bias)
         prepared.append(inputs)
         inputs_vjps.append(inputs_vjp)
-    resets = [None] * len(chunks) if packed is None else [sequences.resets for sequences in packed]
+    along_lanes = recurrence.gates_along_lanes(chunks[0].rows.size)
+    resets = [None] * len(chunks) if packed is None else [sequences.resets_as(along_lanes) for sequences in packed]
 
     # The walk's inverses (float32 again: their cotangents stay float32), which the factors' VJP takes as they are.
     inverses = [refs["inverses"][chunk.index].astype(_F32) for chunk in chunks] if "inverses" in refs else None
@@ -387,6 +388,8 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
                 sums[chunk.rows, :] = value.astype(_F32) + jnp.where(group == 0, 0.0, sums[chunk.rows, :])
             elif value.shape[1] == 1:  # one per token (beta, a gate per head): a row per chunk
                 refs[name][chunk.index : chunk.index + 1, :] = column_to_row(value)
+            elif value.shape[0] == 1:  # a gate per head read along lanes (Recurrence.gates_along_lanes): a row already
+                refs[name][chunk.index : chunk.index + 1, :] = value
             else:
                 refs[name][chunk.rows, :] = value.astype(refs[name].dtype)
         for name, value in (("dA_log", dA_log), ("ddt_bias", ddt_bias)):
@@ -435,7 +438,10 @@ def gradients(
         use_qk_l2norm=use_qk_l2norm, activations=activations, with_A_log=A_log is not None,
         dt_bias_dtype=None if dt_bias is None else dt_bias.dtype, num_seqs=num_seqs, recurrence=recurrence,
     )
-    arrays = {**kernel_operands(q, k, v, None, None, initial_state, geometry), **fused.gate_operands(g, beta, A_log, dt_bias, geometry)}
+    arrays = {
+        **kernel_operands(q, k, v, None, None, initial_state, geometry),
+        **fused.gate_operands(g, beta, A_log, dt_bias, geometry, recurrence),
+    }
     arrays["do"] = heads_flattened(do, geometry.padded_value_dim)
     if dht is not None:
         arrays["dht"] = padded_state(dht.astype(_F32), geometry)

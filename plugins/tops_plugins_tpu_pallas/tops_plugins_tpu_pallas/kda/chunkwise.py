@@ -706,10 +706,10 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     of each)``, ``o`` float32 ``(C, value block)``, the states float32 ``(K_pad, value block)``.
 
     ``chunks``: ``(q, k, v, g, beta, packed)`` each: ``q``, ``k``, ``v`` in the input dtype (``q`` None: the states alone,
-    every ``o`` None, as the backward's walk needs them), ``g`` float32 ``(C, K_pad)``
-    (``(C, 1)`` for a gate per head) and ``beta`` ``(C, 1)`` float32 (None without the delta rule), every row past the end
-    of the sequence already zero (no decay, no write). ``lower_bound``: static, a bound every ``g`` respects (kda's
-    bounded path where ``sub_chunk_size`` allows it). ``packed``: a packed chunk's sequences
+    every ``o`` None, as the backward's walk needs them), ``g`` float32 ``(C, K_pad)`` (a gate per head: ``(C, 1)``, or
+    ``(1, C)`` where ``recurrence.gates_along_lanes``) and ``beta`` ``(C, 1)`` float32 (None without the delta rule),
+    every row past the end of the sequence already zero (no decay, no write). ``lower_bound``: static, a bound every
+    ``g`` respects (kda's bounded path where ``sub_chunk_size`` allows it). ``packed``: a packed chunk's sequences
     (``kda.sequences.PackedChunk``) or None: its sequences' first rows reset the state (every key's decay ``exp(-inf)``),
     their initial states enter there and their final states leave.
 
@@ -720,10 +720,11 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     order they are written, a product written into the chain waiting for the chain's previous link however independent.
     """
     operands = mxu_operand_dtype(chunks[0][1].dtype)
+    along_lanes = recurrence.gates_along_lanes(chunks[0][1].shape[0])
     prepared = []
     for q, k, v, g, beta, packed in chunks:
         q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
-        prepared.append((q, k, g, beta, None if packed is None else packed.resets))
+        prepared.append((q, k, g, beta, None if packed is None else packed.resets_as(along_lanes)))
     fine_size = sub_chunk_size(prepared[0][1].shape[0], lower_bound, operands, use_qk_l2norm=use_qk_l2norm, scale=scale)
     every_factors = recurrence.arms(
         [g for _, _, g, _, _ in prepared], lambda size: recurrence.factors(prepared, operands=operands, fine_size=size),

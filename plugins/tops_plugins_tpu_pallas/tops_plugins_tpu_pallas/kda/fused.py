@@ -224,19 +224,27 @@ def fitted_plans(geometry: Geometry, dtype, *, target: launch.Target = launch.UN
 
 def gate_block(geometry: Geometry, dtype, recurrence: Recurrence) -> Blocked:
     """``g``'s block: a gate per key ``[B, T, HV, K]`` laid out as ``k`` (a row per value head), or one per head ``[B, T, HV]``
-    as it is (every head's column of a step's rows)."""
+    transposed to ``[B, HV, T]`` (every head's row of a step's tokens, ``Recurrence.gates_along_lanes``) or as it is
+    (every head's column of a step's rows)."""
     if recurrence.gate_per_key:
         return blocks.key_rows("g", geometry, dtype, per_value_head=True)
+    if recurrence.gates_along_lanes(geometry.chunk_size):
+        return blocks.gate_rows(geometry, dtype)
     return blocks.per_head("g", geometry, dtype)
 
 
 def read_chunk(refs: dict, chunk: Chunk, head, recurrence: Recurrence) -> tuple[jax.Array, ...]:
     """The chunk's ``q`` (None where the kernel reads none: the backward's walk for the states alone), ``k``, ``v``,
-    ``g`` (as given: raw with ``use_gate``; a gate per head as a float32 ``(C, 1)`` column) and ``beta`` (float32
-    ``(C, 1)``, as given; None without the delta rule)."""
+    ``g`` (as given: raw with ``use_gate``; a gate per head as a float32 ``(C, 1)`` column, or ``(1, C)`` row where
+    ``recurrence.gates_along_lanes``) and ``beta`` (float32 ``(C, 1)``, as given; None without the delta rule)."""
     q = chunk.read(refs["q"]) if "q" in refs else None
     k, v = (chunk.read(refs[name]) for name in ("k", "v"))
-    g = chunk.read(refs["g"]) if recurrence.gate_per_key else chunk.head_column(refs["g"], head)
+    if recurrence.gate_per_key:
+        g = chunk.read(refs["g"])
+    elif recurrence.gates_along_lanes(chunk.rows.size):
+        g = chunk.head_row(refs["g"], head)
+    else:
+        g = chunk.head_column(refs["g"], head)
     return q, k, v, g, chunk.head_column(refs["beta"], head) if recurrence.delta_rule else None
 
 
@@ -314,10 +322,14 @@ def forward(
     )
 
 
-def gate_operands(g, beta, A_log, dt_bias, geometry: Geometry) -> dict:
+def gate_operands(g, beta, A_log, dt_bias, geometry: Geometry, recurrence: Recurrence) -> dict:
     """The op's own operands beyond ``layout.kernel_operands``, by name: ``g`` laid out as ``k`` (per value head) when it
-    is per key (``[B, T, HV, K]``), as given when per head (``[B, T, HV]``); ``beta``, ``A_log`` and ``dt_bias`` when given."""
-    operands = {"g": heads_flattened(g, geometry.padded_key_dim) if g.ndim == 4 else g}
+    is per key (``[B, T, HV, K]``); when per head (``[B, T, HV]``), transposed to ``[B, HV, T]`` where
+    ``recurrence.gates_along_lanes``, else as given; ``beta``, ``A_log`` and ``dt_bias`` when given."""
+    if recurrence.gate_per_key:
+        operands = {"g": heads_flattened(g, geometry.padded_key_dim)}
+    else:
+        operands = {"g": jnp.swapaxes(g, 1, 2) if recurrence.gates_along_lanes(geometry.chunk_size) else g}
     if beta is not None:
         operands["beta"] = beta
     if A_log is not None:
@@ -362,7 +374,7 @@ def run(
     """One launch of ``recurrence``'s kernel: unpacked, or (``cu_seqlens`` given, ``B == 1``) packed, ``kda/varlen.py``'s,
     its states perhaps rows of a pool (``ssm_state_indices``); ``beta`` None without the delta rule."""
     geometry = geometry_of(*q.shape, v.shape[-1], config)
-    operands = gate_operands(g, beta, A_log, dt_bias, geometry)
+    operands = gate_operands(g, beta, A_log, dt_bias, geometry, recurrence)
     num_seqs = None
     if cu_seqlens is not None:
         num_seqs = cu_seqlens.shape[0] - 1

@@ -87,6 +87,7 @@ class PackedChunk:
     chunk_size: int
     states: SequenceStates
     resets: jax.Array  # (C, 1) bool: the rows that are a sequence's first token
+    resets_row: jax.Array  # (1, C) bool: the same along lanes, for gates read along lanes (Recurrence.gates_along_lanes)
     past_end: jax.Array | bool  # a padded grid's chunk past the end of T: the middle of the last sequence, no boundary
 
     @classmethod
@@ -98,14 +99,23 @@ class PackedChunk:
         first_sequence, last_sequence = chunk_sequences(refs, number, geometry)
         past_end = geometry.past_end(number)
         word_of = geometry.real_chunk(number) * (chunk_size // 32)
-        rows = lax.broadcasted_iota(jnp.int32, (chunk_size, 1), 0)
-        word = refs["start_bits"][word_of]
-        for index in range(1, chunk_size // 32):
-            word = jnp.where(rows >= 32 * index, refs["start_bits"][word_of + index], word)
-        resets = (lax.shift_right_logical(word, rows % 32) & 1) > 0
-        if geometry.chunks_past_end:
-            resets = resets & jnp.logical_not(past_end)
-        return cls(refs["cu_seqlens"], number * chunk_size, first_sequence, last_sequence, chunk_size, states, resets, past_end)
+
+        def starts(axis: int) -> jax.Array:  # along sublanes (axis 0) or lanes (1)
+            rows = lax.broadcasted_iota(jnp.int32, (chunk_size, 1) if axis == 0 else (1, chunk_size), axis)
+            word = refs["start_bits"][word_of]
+            for index in range(1, chunk_size // 32):
+                word = jnp.where(rows >= 32 * index, refs["start_bits"][word_of + index], word)
+            resets = (lax.shift_right_logical(word, rows % 32) & 1) > 0
+            return resets & jnp.logical_not(past_end) if geometry.chunks_past_end else resets
+
+        return cls(
+            refs["cu_seqlens"], number * chunk_size, first_sequence, last_sequence, chunk_size, states, starts(0), starts(1),
+            past_end,
+        )
+
+    def resets_as(self, along_lanes: bool) -> jax.Array:
+        """``resets`` laid out as the chunk's gate is: a row where the kernel reads it along lanes, else a column."""
+        return self.resets_row if along_lanes else self.resets
 
     def _rows_of(self, sequence: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``[start, end)``: the rows of the chunk ``sequence`` covers (empty when it covers none)."""

@@ -79,17 +79,45 @@ def _cumulative_sum_cotangents(counts_resets, resets, cotangents):
 cumulative_sum.defvjp(_cumulative_sum_forward, _cumulative_sum_cotangents)
 
 
-def cumulative_sums_along_lanes(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cumulative_sums_along_lanes(g: jax.Array, counts_resets: bool = True) -> tuple[jax.Array, jax.Array | None]:
     """``cumulative_sum`` of every chunk of a grid step at once, ``g`` ``(n, C)`` with one chunk per row: the rows'
     three bf16 parts and their resets stacked along sublanes times an upper-triangular 0/1 matrix, one bf16 MXU
     pass whose weights (the triangle) load once per step instead of once per chunk, then the parts' sums added.
-    The four stacks start on whole 8-row tiles (``_tiled_stack``), so the sums are aligned sublane slices."""
-    n, size = g.shape
-    resets = g == -jnp.inf
-    stack, tile = _tiled_stack([*bf16_parts(jnp.where(resets, 0.0, g), 3), resets.astype(_F32)])
+    The four stacks start on whole 8-row tiles (``_tiled_stack``), so the sums are aligned sublane slices. Without
+    ``counts_resets`` (every gate known finite) the sums alone, the resets None."""
+    resets = g == -jnp.inf if counts_resets else None
+    parts = bf16_parts(g if resets is None else jnp.where(resets, 0.0, g), 3)
+    sums = _lane_sums_of_stacked(parts if resets is None else [*parts, resets.astype(_F32)], upper=True)
+    return sums[0] + sums[1] + sums[2], None if resets is None else sums[3]
+
+
+def _lane_sums_of_stacked(pieces: list[jax.Array], upper: bool) -> list[jax.Array]:
+    """Each of ``pieces`` (``(n, C)``, each exact in bf16) times the upper (``upper``: running sums along lanes) or lower
+    (the sums from each lane to the last) triangular 0/1 matrix, as one bf16 MXU product of their stack."""
+    n, size = pieces[0].shape
+    stack, tile = _tiled_stack(pieces)
     rows, cols = row_and_column_iotas(size)
-    sums = matmul(stack, (rows <= cols).astype(jnp.bfloat16), jnp.bfloat16)
-    return sums[:n] + sums[tile : tile + n] + sums[2 * tile : 2 * tile + n], sums[3 * tile : 3 * tile + n]
+    triangle = rows <= cols if upper else rows >= cols
+    sums = matmul(stack, triangle.astype(jnp.bfloat16), jnp.bfloat16)
+    return [sums[i * tile : i * tile + n] for i in range(len(pieces))]
+
+
+def _cumulative_sums_along_lanes_forward(g, counts_resets):
+    return cumulative_sums_along_lanes(g, counts_resets), g == -jnp.inf if counts_resets else None
+
+
+def _cumulative_sums_along_lanes_cotangents(counts_resets, resets, cotangents):
+    """``dg_t = sum_{i >= t} dB_i`` along each row, in exact bf16 parts as ``cumulative_sum``'s VJP (0 on a ``-inf``
+    gate, which ``B`` counts as 0)."""
+    del counts_resets
+    dsums, _ = cotangents  # R counts resets: no gradient
+    high, middle, low = _lane_sums_of_stacked(bf16_parts(dsums, 3), upper=False)
+    dg = high + middle + low
+    return (dg if resets is None else jnp.where(resets, 0.0, dg),)
+
+
+cumulative_sums_along_lanes.defvjp(_cumulative_sums_along_lanes_forward, _cumulative_sums_along_lanes_cotangents)
 
 
 def _tiled_stack(pieces: list[jax.Array]) -> tuple[jax.Array, int]:
@@ -174,6 +202,31 @@ class LogDecays:
             resets_row=None if resets is None else column_to_row(resets),
         )
 
+    @classmethod
+    def of_rows(cls, g: jax.Array, counts_resets: bool = True) -> list[LogDecays]:
+        """The log decays of a grid step's chunks from their ``g`` as rows ``(n, C)``, one chunk per row, without a
+        constant decay (``compute``'s of each row): every chunk's cumulative sums in one MXU pass
+        (``cumulative_sums_along_lanes``), their rows as they come, and each chunk's column from one transpose of them
+        by a masked lane sum, laid out as a lane reduction leaves it: every use broadcasts it along lanes for free.
+
+        A lane slice of the transpose (``along_lanes``' columns) takes a lane broadcast on the cross-lane unit at each
+        of its uses, and each chunk's ``C x C`` decays use its column: gated_delta_rule's forward kernel on v6e (cycles,
+        finite gates), every chunk's own cumulative sum and columns 286448 -> sliced columns 326450, this 262914."""
+        cumulative, resets = cumulative_sums_along_lanes(g, counts_resets)
+        columns = cumulative.T
+        reset_columns = None if resets is None else resets.T
+        lanes = lax.broadcasted_iota(jnp.int32, columns.shape, 1)
+
+        def column(of: jax.Array, chunk: int) -> jax.Array:  # one nonzero term per row: exact
+            return jnp.sum(jnp.where(lanes == chunk, of, 0.0), axis=1, keepdims=True)
+
+        return [
+            cls(column=column(columns, chunk), row=cumulative[chunk : chunk + 1],
+                resets_column=None if resets is None else column(reset_columns, chunk),
+                resets_row=None if resets is None else resets[chunk : chunk + 1])
+            for chunk in range(g.shape[0])
+        ]
+
     @property
     def total(self) -> tuple[jax.Array, jax.Array | None]:
         """``(B_C, R_C)`` of the whole chunk, ``(1, 1)`` each (``R_C`` None without g)."""
@@ -248,7 +301,7 @@ class ChunkGates:
         K=V=128 bf16 with ``g``, 2048-token segments), key columns -> rows: v6e 60494 -> 34382, v5e 66096 -> 41874.
         """
         n, size = g.shape
-        cumulative, resets = cumulative_sums_along_lanes(g)
+        cumulative, resets = cumulative_sums_along_lanes(g, True)
         positions = lax.broadcasted_iota(jnp.int32, (n, size), 1) + 1
         if any(valid is not None for valid in valid_rows):
             chunk, limits = lax.broadcasted_iota(jnp.int32, (n, 1), 0), jnp.full((n, 1), size, jnp.int32)
