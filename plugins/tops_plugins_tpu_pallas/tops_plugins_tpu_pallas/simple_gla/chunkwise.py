@@ -231,9 +231,9 @@ class LogDecays:
 
     @property
     def total(self) -> tuple[jax.Array, jax.Array | None]:
-        """``(B_C, R_C)`` of the whole chunk, ``(1, 1)`` each (``R_C`` None without g; a column broadcast along lanes gives
-        its first lane)."""
-        return self.column[-1:, :1], None if self.resets_column is None else self.resets_column[-1:, :]
+        """``(B_C, R_C)`` of the whole chunk, ``(1, 1)`` each (``R_C`` None without g; ``B_C`` a row of it where the column is
+        broadcast along lanes)."""
+        return self.column[-1:, :], None if self.resets_column is None else self.resets_column[-1:, :]
 
 
 def unreset(resets: jax.Array | None, since) -> jax.Array | None:
@@ -277,7 +277,7 @@ class ChunkGates:
             decays=causal_decays(log) if attention else None,
             query=masked_exp(log.column, unreset(log.resets_column, 0.0)),
             key=masked_exp(total - log.column, unreset(log.resets_column, total_resets)),
-            chunk=masked_exp(total, unreset(total_resets, 0.0)),
+            chunk=masked_exp(total[:, :1], unreset(total_resets, 0.0)),
         )
 
     @classmethod
