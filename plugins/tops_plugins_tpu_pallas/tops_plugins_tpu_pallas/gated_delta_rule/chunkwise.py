@@ -30,7 +30,7 @@ from tops_core.tpu import fast_paths
 
 from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.kda.chunkwise import (
-    Factors, ahead_of_walk, inverse_work, inverses_of, level_pairs_mask, level_sizes, through_state,
+    Factors, ahead_of_walk, inverse_work, inverses_of_strictly_lower, level_sizes, through_state,
 )
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, row_and_column_iotas
@@ -49,21 +49,20 @@ def chunk_factors(chunks, *, operands, fine_size: int | None = None, inverses=No
     C = chunks[0][1].shape[0]
     counts_resets = fine_size is None
     i, j = row_and_column_iotas(C)
-    masks = [level_pairs_mask(C, size) for size in level_sizes(C)]
     gs = [g if resets is None else jnp.where(resets, -jnp.inf, g) for _, _, g, _, resets in chunks]
     if GATED_DELTA_RULE.gates_along_lanes(C):
         every_log = LogDecays.of_rows(jnp.concatenate(gs, axis=0), counts_resets)
     else:
         every_log = [LogDecays.compute(0.0, g, None, C, counts_resets) for g in gs]
-    gates, aqk, every_levels = [], [], []
+    gates, aqk, every_n = [], [], []
     for (q, k, _, beta, _), log in zip(chunks, every_log):
         own = ChunkGates.of(_column_across_lanes(log, k.shape[1]))
         products = matmul(k if q is None else jnp.concatenate([k, q], axis=0), k, operands, ROWS_BY_ROWS)
         beta_akk = beta * jnp.where(j < i, products[:C] * own.decays, 0.0)
         gates.append(own)
         aqk.append(None if q is None else products[C:] * own.decays)
-        every_levels.append(tuple(jnp.where(mask, beta_akk, 0.0) for mask in masks))
-    inverses = inverses_of(every_levels, operands, inverses)
+        every_n.append(beta_akk)
+    inverses = inverses_of_strictly_lower(tuple(every_n), operands, None if inverses is None else tuple(inverses))
     return [Factors(to_token=own.query, to_end=own.key, whole=own.chunk, aqk=a, inverse=d) for own, a, d in zip(gates, aqk, inverses)]
 
 
