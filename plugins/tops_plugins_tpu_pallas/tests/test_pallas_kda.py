@@ -142,6 +142,27 @@ def test_chunk_pairs_and_inverse_match_their_definitions(size, gate):
     np.testing.assert_array_equal(np.diagonal(np.asarray(pairs.inverse)), 1)
 
 
+@pytest.mark.parametrize("known", [False, True], ids=["computed", "known"])
+def test_the_inverse_of_a_strictly_lower_n_and_its_cotangent_are_their_definitions(known):
+    # gated_delta_rule's inverse (I + N)^-1 from N whole, and its VJP dN = -D^T dD D^T on N's strictly lower triangle alone.
+    size = 128
+    rng = np.random.default_rng(3)
+    every_n = np.tril(rng.standard_normal((2, size, size)) * 0.05, -1)
+    inverses = [np.linalg.inv(np.eye(size) + n) for n in every_n]
+    given = tuple(jnp.asarray(d, jnp.float32) for d in inverses) if known else None
+    got, vjp = jax.vjp(
+        lambda every_n: chunkwise.inverses_of_strictly_lower(every_n, jnp.float32, given), tuple(jnp.asarray(every_n, jnp.float32)),
+    )
+    every_dd = rng.standard_normal((2, size, size))
+    (every_dn,) = vjp(tuple(jnp.asarray(every_dd, jnp.float32)))
+    for d, want, dd, dn in zip(got, inverses, every_dd, every_dn):
+        want_dn = np.tril(-want.T @ dd @ want.T, -1)
+        for name, x, y in (("inverse", d, want), ("dN", dn, want_dn)):
+            error = np.sqrt(np.mean((np.asarray(x, np.float64) - y) ** 2) / np.mean(y**2))
+            assert error < 1e-6, (name, error)
+        np.testing.assert_array_equal(np.triu(np.asarray(dn)), 0)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("recurrence", [KDA, GATED_DELTA_RULE, GLA], ids=lambda r: r.op)
 def test_a_walk_without_queries_computes_the_same_states_and_no_outputs(recurrence, dtype):

@@ -71,9 +71,8 @@ def _column_across_lanes(log: LogDecays, key_dim: int) -> LogDecays:
     of lanes wide (``C = K_pad = 128``, the kernels' chunk): the decays, ``exp(b)`` and ``exp(b_C - b)`` (which scale
     ``(C, K_pad)`` queries and keys) then take it as it is (``b_C`` its last row, so ``b_C - b`` is lane by lane too),
     and the VJP adds their cotangents lane by lane and takes one lane sum for ``dB``, where a ``(C, 1)`` column took one
-    per use. It costs the forward nothing (a column takes a
-    register per 8 rows either way); the gradients kernel on v6e (cycles, finite gates, in the backward's program)
-    487262 -> 462189."""
+    per use. It costs the forward nothing (a column takes a register per 8 rows either way); the gradients kernel on
+    v6e (cycles, finite gates, in the backward's program) 487262 -> 462189."""
     C = log.column.shape[0]
     if C != LANES or key_dim != LANES:
         return log
