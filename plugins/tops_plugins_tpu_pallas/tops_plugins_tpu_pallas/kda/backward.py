@@ -243,8 +243,7 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
         inputs, inputs_vjp = jax.vjp(chunk_inputs, q, k, g, beta, A_log, dt_bias)
         prepared.append(inputs)
         inputs_vjps.append(inputs_vjp)
-    along_lanes = recurrence.gates_along_lanes(chunks[0].rows.size)
-    resets = [None] * len(chunks) if packed is None else [sequences.resets_as(along_lanes) for sequences in packed]
+    resets = [None] * len(chunks) if packed is None else [sequences.resets for sequences in packed]
 
     # The walk's inverses (float32 again: their cotangents stay float32), which the factors' VJP takes as they are.
     inverses = [refs["inverses"][chunk.index].astype(_F32) for chunk in chunks] if "inverses" in refs else None
@@ -374,7 +373,8 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
     packed_chunks = None
     if packed:
         first = forward_step * geometry.chunks_per_step
-        packed_chunks = [PackedChunk.of(refs, first + chunk.index, geometry, states) for chunk in chunks]
+        along_lanes = recurrence.gates_along_lanes(geometry.chunk_size)
+        packed_chunks = [PackedChunk.of(refs, first + chunk.index, geometry, states, along_lanes) for chunk in chunks]
     every_gradients, dstate = _step_gradients(
         chunks, refs, head, A_log, dt_bias, dstate, packed_chunks, scale=scale, use_qk_l2norm=use_qk_l2norm,
         activations=activations, recurrence=recurrence, wy=wy,

@@ -751,11 +751,10 @@ def chunk_steps(chunks, state, *, scale: float, use_qk_l2norm: bool, recurrence:
     order they are written, a product written into the chain waiting for the chain's previous link however independent.
     """
     operands = mxu_operand_dtype(chunks[0][1].dtype)
-    along_lanes = recurrence.gates_along_lanes(chunks[0][1].shape[0])
     prepared = []
     for q, k, v, g, beta, packed in chunks:
         q, k = prepared_queries_keys(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm)
-        prepared.append((q, k, g, beta, None if packed is None else packed.resets_as(along_lanes)))
+        prepared.append((q, k, g, beta, None if packed is None else packed.resets))
     fine_size = sub_chunk_size(prepared[0][1].shape[0], lower_bound, operands, use_qk_l2norm=use_qk_l2norm, scale=scale)
     every_factors = recurrence.arms(
         [g for _, _, g, _, _ in prepared], lambda size: recurrence.factors(prepared, operands=operands, fine_size=size),

@@ -284,7 +284,8 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
         g, beta = activated_gate_and_strength(chunk, g, beta, A_log, dt_bias, activations)
         sequences = None
         if packed:
-            sequences = PackedChunk.of(refs, step * geometry.chunks_per_step + chunk.index, geometry, states)
+            number = step * geometry.chunks_per_step + chunk.index
+            sequences = PackedChunk.of(refs, number, geometry, states, recurrence.gates_along_lanes(geometry.chunk_size))
         inputs.append((q, k, v, g, beta, sequences))
     outputs, entering, state, every_factors = chunk_steps(
         inputs, refs["state"][...], scale=scale, use_qk_l2norm=use_qk_l2norm, recurrence=recurrence,

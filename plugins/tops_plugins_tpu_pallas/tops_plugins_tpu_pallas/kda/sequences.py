@@ -86,36 +86,29 @@ class PackedChunk:
     last_sequence: jax.Array
     chunk_size: int
     states: SequenceStates
-    resets: jax.Array  # (C, 1) bool: the rows that are a sequence's first token
-    resets_row: jax.Array  # (1, C) bool: the same along lanes, for gates read along lanes (Recurrence.gates_along_lanes)
+    resets: jax.Array  # bool: the rows that are a sequence's first token, laid out as the chunk's gate, (C, 1) or (1, C)
     past_end: jax.Array | bool  # a padded grid's chunk past the end of T: the middle of the last sequence, no boundary
 
     @classmethod
-    def of(cls, refs: dict, number: jax.Array, geometry: Geometry, states: SequenceStates) -> PackedChunk:
+    def of(cls, refs: dict, number: jax.Array, geometry: Geometry, states: SequenceStates, along_lanes: bool) -> PackedChunk:
         """Chunk ``number`` of the packed ``T``, its sequences (``varlen.chunk_sequences``) and its resets from the bits of
         ``start_bits`` in SMEM (``fused.packed_operands``): a shift of the row's word by the row, compared, exact and
-        without a loop over the chunk's sequences. A chunk past the end has no reset and no boundary."""
+        without a loop over the chunk's sequences. A chunk past the end has no reset and no boundary. ``along_lanes``: the
+        resets as a row ``(1, C)``, as the kernel reads a gate per head along lanes (``Recurrence.gates_along_lanes``),
+        else as a column ``(C, 1)``."""
         chunk_size = geometry.chunk_size
         first_sequence, last_sequence = chunk_sequences(refs, number, geometry)
         past_end = geometry.past_end(number)
         word_of = geometry.real_chunk(number) * (chunk_size // 32)
-
-        def starts(axis: int) -> jax.Array:  # along sublanes (axis 0) or lanes (1)
-            rows = lax.broadcasted_iota(jnp.int32, (chunk_size, 1) if axis == 0 else (1, chunk_size), axis)
-            word = refs["start_bits"][word_of]
-            for index in range(1, chunk_size // 32):
-                word = jnp.where(rows >= 32 * index, refs["start_bits"][word_of + index], word)
-            resets = (lax.shift_right_logical(word, rows % 32) & 1) > 0
-            return resets & jnp.logical_not(past_end) if geometry.chunks_past_end else resets
-
-        return cls(
-            refs["cu_seqlens"], number * chunk_size, first_sequence, last_sequence, chunk_size, states, starts(0), starts(1),
-            past_end,
-        )
-
-    def resets_as(self, along_lanes: bool) -> jax.Array:
-        """``resets`` laid out as the chunk's gate is: a row where the kernel reads it along lanes, else a column."""
-        return self.resets_row if along_lanes else self.resets
+        axis = 1 if along_lanes else 0
+        rows = lax.broadcasted_iota(jnp.int32, (1, chunk_size) if along_lanes else (chunk_size, 1), axis)
+        word = refs["start_bits"][word_of]
+        for index in range(1, chunk_size // 32):
+            word = jnp.where(rows >= 32 * index, refs["start_bits"][word_of + index], word)
+        resets = (lax.shift_right_logical(word, rows % 32) & 1) > 0
+        if geometry.chunks_past_end:
+            resets = resets & jnp.logical_not(past_end)
+        return cls(refs["cu_seqlens"], number * chunk_size, first_sequence, last_sequence, chunk_size, states, resets, past_end)
 
     def _rows_of(self, sequence: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``[start, end)``: the rows of the chunk ``sequence`` covers (empty when it covers none)."""
