@@ -279,9 +279,12 @@ PADDED_GRID = {"num_steps": 4}
 a TPU several; at 4, T=600's 10 chunks of 64 take three steps, the last with the ragged chunk and two past the end (the
 packed base's T=261, two steps of 3, one past the end)."""
 
-WY_GRADIENTS = {"wy_gradients": True}
+WY_GRADIENTS = {"wy_gradients": True, "num_steps": 4}
 """The delta rule's gradients kernel in the WY form (``KdaFusedConfig.wy_gradients``), which a call lowered for v6e takes
-and the interpreter (no chip) would not: the kit runs it in a config of its own."""
+and the interpreter (no chip) would not: the kit runs it in a config of its own, at 4 chunks per step, so that
+gated_delta_rule's unpacked cases walk their states both ways (``kda.backward.walks_every_chunk``): in the gradients
+kernel where one segment is the whole sequence (T=100, the strong cases' 256), from the walk's checkpoints where it is
+not (T=600); kda's always from the walk's."""
 
 GATES_AS_COLUMNS = {"chunk_size": 64}
 """gated_delta_rule's gate read as each chunk's ``(C, 1)`` column: its kernels read it along lanes at chunks of 128 and more
@@ -309,7 +312,8 @@ KDA_FUSED = tops_core.Implementation(
     serves_pools=True,
     description=(
         "one pallas_call: state in VMEM along a sequential time axis, exact per-chunk inverse; "
-        "backward: the state entering every chunk, then each chunk's VJP with dS in VMEM along the reverse time axis"
+        "backward: the state and inverse entering every chunk, then each chunk's VJP with dS in VMEM along the reverse "
+        "time axis"
     ),
 )
 
@@ -363,8 +367,9 @@ def _delta_rule_family(
         explain_config=_explain_kda_grid_config,
         serves_pools=True,
         description=(
-            f"one pallas_call on kda's fused grid: state in VMEM along a sequential time axis, {label}; backward: the state "
-            "entering every chunk, then each chunk's VJP with dS in VMEM along the reverse time axis"
+            f"one pallas_call on kda's fused grid: state in VMEM along a sequential time axis, {label}; backward: the states "
+            "walked per segment (with the delta rule over several segments, per chunk, and kda's always), then each chunk's VJP with dS in VMEM "
+            "along the reverse time axis"
         ),
     )
     packed = tops_core.Implementation(

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -512,9 +513,41 @@ def segment_ends(geometry: Geometry) -> Blocked:
         return (b, h, t, 0, 0)
 
     return Blocked(
-        "checkpoints", (g.batch, g.heads, g.time_steps - 1, g.padded_key_dim, g.padded_value_dim), _F32,
+        "segment_ends", (g.batch, g.heads, g.time_steps - 1, g.padded_key_dim, g.padded_value_dim), _F32,
         (None, None, None, g.padded_key_dim, g.padded_value_dim), step_state,
     )
+
+
+def segments_but_the_last(geometry: Geometry) -> Geometry:
+    """``geometry`` cut to its time steps but the last: what a walk writing ``segment_ends`` walks (the last step's keys and
+    values reach no state a reverse walk reads). ``geometry`` has more than one step."""
+    return dataclasses.replace(geometry, seq_len=(geometry.time_steps - 1) * geometry.rows_per_step, num_steps=geometry.chunks_per_step)
+
+
+def entering_segment(geometry: Geometry) -> Blocked:
+    """``segment_ends`` as a reverse walk reads them at segment ``s``: the state leaving segment ``s - 1``. The first
+    segment starts from the initial state (or zeros) instead (``segment_entering_state``); it maps to the block the
+    second one read, which is then not fetched again."""
+    ends = segment_ends(geometry)
+
+    def index_map(b, h, tile, segment, *scalars):
+        return ends.index_map(b, h, tile, _previous(segment), *scalars)
+
+    return dataclasses.replace(ends, index_map=index_map)
+
+
+def _previous(index):
+    """``max(index - 1, 0)`` of a grid index: NumPy's on the traffic model's points, else jax's."""
+    return np.maximum(index - 1, 0) if isinstance(index, np.ndarray) else jnp.maximum(index - 1, 0)
+
+
+def segment_entering_state(refs: dict, segment, shape: tuple[int, int]) -> jax.Array:
+    """The float32 state ``shape`` entering ``segment``: the initial state (or zeros) at the first, else the walk's
+    ``segment_ends`` (``entering_segment``), where there is a walk."""
+    start = refs["initial_state"][...].astype(_F32) if "initial_state" in refs else jnp.zeros(shape, _F32)
+    if "segment_ends" not in refs:
+        return start
+    return jnp.where(segment == 0, start, refs["segment_ends"][...])
 
 
 def state_gradient(geometry: Geometry) -> Scratch:

@@ -8,8 +8,9 @@ head's column of a step's rows (``blocks.per_head``), the kernel taking its own,
 and more ``g`` is read transposed to ``[B, HV, T]``, every head's row of a step's tokens (``blocks.gate_rows``), whose
 chunks' log decays the kernel takes at once (``gated_delta_rule.chunkwise``). Packed, a sequence's first
 row is a reset (``g = -inf`` there, which ``ChunkGates`` takes exactly) and its states move by DMA where it starts and
-ends (``kda.sequences``, the gate given to every key). The backward is kda's two walks: the state entering every chunk,
-then each chunk's VJP in reverse with ``dS`` in VMEM; ``dg`` and ``dbeta`` leave as a row per chunk. It recomputes the
+ends (``kda.sequences``, the gate given to every key). The backward is kda's: the state and inverse entering every chunk
+(or, where one segment is the whole sequence, no walk: the gradients kernel walks the states), then each chunk's VJP
+in reverse with ``dS`` in VMEM; ``dg`` and ``dbeta`` leave as a row per chunk. It recomputes the
 states itself, so it may walk chunks of its own size (``backward_config``).
 """
 
@@ -39,7 +40,7 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaRuleFusedConfig(kda_fused.KdaFusedConfig):
     """kda's config with this op's defaults: chunks of 128 on every chip (``CHUNK_SIZE``) and, lowered for a TPU, 16 of
-    them per grid step, 32 on v6e, in the backward too (kda's backward walks 8).
+    them per grid step, 32 on v6e, in the backward too, and 32 in v5e's backward (kda's backward walks 8).
 
     kda's chunk grows per token with ``C`` (its per-key levels); this op's pair products are one dense product whatever
     ``C``, so a longer chunk halves the links of the chain through the state per token for one more inverse level. A
@@ -50,12 +51,15 @@ class GatedDeltaRuleFusedConfig(kda_fused.KdaFusedConfig):
     kernel 833986 -> 812617; on v5e 377265 -> 377756 and 957622 -> 945177, so v5e keeps 16. Once the finite gates'
     arm had made the chunk's own work cheaper (``chunkwise.by_finiteness``), the forward on v6e at 32 against 16
     (2026-12-07, later, cycles): 304362 -> 294432 with finite gates, 334858 -> 325248 with any, packed (16 sequences,
-    T=8192) 298867 -> 291955 and 329331 -> 321539; on v5e 386981 -> 384697, so v5e keeps 16.
+    T=8192) 298867 -> 291955 and 329331 -> 321539; on v5e 386981 -> 384697, so v5e keeps 16. Once a sequence of one
+    segment had no walk (``kda.backward.walks_every_chunk``), v5e's backward at 32 (T=4096: one segment, the gradients
+    kernel alone) against 16 (two, the walk of every chunk over the first): finite gates 4.42x -> 4.18x the floor
+    (144539 + 921411 cycles -> 907442), any gates 4.64x -> 4.36x (945874).
     """
 
     TPU_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v6e": 32})
     TPU_BACKWARD_NUM_STEPS: ClassVar[int] = 16
-    TPU_BACKWARD_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v6e": 32})
+    TPU_BACKWARD_NUM_STEPS_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({"v5e": 32, "v6e": 32})
     CHUNK_SIZE: ClassVar[int] = 128
     TPU_CHUNK_SIZE_BY_CHIP: ClassVar[Mapping[str, int]] = MappingProxyType({})
 
@@ -65,8 +69,9 @@ def plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
     return kda_fused.plans(geometry, dtype, recurrence=GATED_DELTA_RULE, **inputs)
 
 
-def backward_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
-    """The backward's checkpoints and gradients plans: ``kda.backward.plans``' with this op's chunk math."""
+def backward_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan, ...]:
+    """The backward's checkpoints and gradients plans (the latter alone without a walk): ``kda.backward.plans``' with this
+    op's chunk math."""
     return kda_backward.plans(geometry, dtype, recurrence=GATED_DELTA_RULE, **inputs)
 
 

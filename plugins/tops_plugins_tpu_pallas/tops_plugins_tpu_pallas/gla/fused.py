@@ -5,8 +5,9 @@ decays and query pairs, no delta rule).
 The forward is one ``pallas_call`` on the fused grid ``(batch, head, value block, time step)``, the float32 state in
 VMEM along the sequential time axis; ``g`` ``[B, T, H, K]`` is read in place, laid out as ``k``. Packed, every key's
 decay is reset on a sequence's first row and the sequence's states move by DMA where it starts and ends
-(``kda.sequences``). The backward is kda's two walks: the state entering every chunk, then each chunk's VJP in
-reverse with ``dS`` in VMEM.
+(``kda.sequences``). The backward is kda's: the state leaving every segment but the last (none where one segment is
+the whole sequence; packed, the state entering every chunk), then each segment's chunks' states walked from the one
+entering it and each chunk's VJP in reverse with ``dS`` in VMEM (``kda.backward``).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan]:
     return kda_fused.plans(geometry, dtype, recurrence=GLA, **inputs)
 
 
-def backward_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan, LaunchPlan]:
-    """The backward's checkpoints and gradients plans: ``kda.backward.plans``' with this op's chunk math."""
+def backward_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan, ...]:
+    """The backward's checkpoints and gradients plans (the latter alone without a walk): ``kda.backward.plans``' with this
+    op's chunk math."""
     return kda_backward.plans(geometry, dtype, recurrence=GLA, **inputs)
 
 

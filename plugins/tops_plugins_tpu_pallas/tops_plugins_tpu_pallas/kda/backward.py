@@ -1,16 +1,18 @@
 """The backward of kda's ``tpu_pallas.fused`` and, packed, ``tpu_pallas.varlen``: every gradient in two ``pallas_call``s
-on the fused grid.
+on the fused grid (one where there is no walk).
 
-1. **checkpoints**: the forward kernel itself (``fused.kernel``) walking time, writing the float32 state
-   entering every chunk instead of ``o``, and reading no ``q``: without the queries it computes the states alone
-   (no ``Aqk``, no ``o``; ``chunkwise.chunk_steps``), with the delta rule in the WY form (``chunkwise.ahead_of_walk``:
-   two dependent products per link where the forward's solve takes three; the forward's states to the rounding of
-   its bf16 operands). KDA's chunk is compute-bound (its inverse and pairs), so one
-   checkpoint per chunk (``4 K V / C`` bytes per token written and read again) costs less than
-   recomputing a segment's states in the reverse walk.
+1. **checkpoints**: the forward kernel itself (``fused.kernel``) walking time, writing float32 states instead of
+   ``o``, and reading no ``q``: without the queries it computes the states alone (no ``Aqk``, no ``o``;
+   ``chunkwise.chunk_steps``), with the delta rule in the WY form (``chunkwise.ahead_of_walk``: two dependent products
+   per link where the forward's solve takes three; the forward's states to the rounding of its bf16 operands). Which
+   states (``walks_every_chunk``): for kda, with the delta rule over more than one segment (grid step), and for packed
+   sequences, the state entering every chunk and the chunk's inverse, which the gradients kernel then need not
+   compute; otherwise the state leaving every segment but the last, walking those alone (as simple_gla's fused
+   backward), and no walk at all where one segment is the whole sequence: the gradients kernel walks each segment's
+   chunks for their states from the one entering it.
 2. **gradients**: the grid's time axis reversed (``grid.reversed_in_time``; nothing flipped or
    copied). A step's gradients are the VJPs of the forward's own chunk functions, taken by ``jax.vjp`` inside
-   the kernel at the chunks' inputs and checkpoints (``_step_gradients``), in three passes: every chunk's
+   the kernel at the chunks' inputs and entering states (``_step_gradients``), in three passes: every chunk's
    inputs (``fused.activated_gate_and_strength``, ``chunkwise.prepared_queries_keys``: the activations,
    ``use_qk_l2norm``) and factors (the recurrence's ``factors``: decays, pairs, the exact inverse), recomputed;
    then the chain of ``through_state``'s VJPs from the step's last chunk to its first, with ``do`` and the state
@@ -49,8 +51,8 @@ from tops_core.ops.kda import Activations, KDAGrads
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
-    Chunk, backward_geometry, finish_state_gradient, reversed_in_time, start_state_gradient, state_checkpoints, state_gradient,
-    step_chunks,
+    Chunk, backward_geometry, entering_segment, finish_state_gradient, reversed_in_time, segment_ends, segment_entering_state,
+    segments_but_the_last, start_state_gradient, state_checkpoints, state_gradient, step_chunks,
 )
 from tops_plugins_tpu_pallas.kda import fused
 from tops_plugins_tpu_pallas.kda.chunkwise import KDA, fine_block_size, prepared_queries_keys, with_wy
@@ -92,27 +94,36 @@ def plans(
     geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None, output_final_state: bool = False,
     use_qk_l2norm: bool = False, activations: Activations = Activations(), with_A_log: bool = False, dt_bias_dtype=None,
     num_seqs: int | None = None, recurrence: Recurrence = KDA,
-) -> tuple[LaunchPlan, LaunchPlan]:
-    """The checkpoints and gradients plans of one call; ``output_final_state``: a ``dht`` is given; ``num_seqs``: a packed
+) -> tuple[LaunchPlan, ...]:
+    """The checkpoints and gradients plans of one call, or the gradients plan alone where there is no walk
+    (``walks_every_chunk``); ``output_final_state``: a ``dht`` is given; ``num_seqs``: a packed
     call (``B == 1``) of that many sequences, whose per-sequence ``initial_state``, ``dht`` and ``dinitial_state`` sit in
     HBM and move by DMA where each sequence starts or ends; the other arguments as ``fused.plans``'."""
     geometry = backward_geometry(geometry)
+    every_chunk = walks_every_chunk(recurrence, geometry, packed=num_seqs is not None)
     forward_inputs = dict(
         gate_dtype=gate_dtype, beta_dtype=beta_dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
         with_A_log=with_A_log, dt_bias_dtype=dt_bias_dtype, num_seqs=num_seqs, recurrence=recurrence,
     )
     (forward,) = fused.plans(geometry, dtype, initial_state_dtype=initial_state_dtype, **forward_inputs)
-    # The forward's kernel walking for the states alone: no queries read, no Aqk, no o (kda.chunkwise.chunk_steps); with
-    # the delta rule it writes each chunk's inverse too.
-    walked = (state_checkpoints(geometry), *([chunk_inverses(geometry, dtype)] if recurrence.delta_rule else []))
-    checkpoints = dataclasses.replace(
+    # The forward's kernel walking for the states alone: no queries read, no Aqk, no o (kda.chunkwise.chunk_steps). It
+    # writes the state entering every chunk, and with the delta rule each chunk's inverse too; or else the state leaving
+    # every segment but the last, walking those alone, and none where one segment is the whole sequence.
+    if every_chunk:
+        walked = (state_checkpoints(geometry), *([chunk_inverses(geometry, dtype)] if recurrence.delta_rule else []))
+    else:
+        walked = (segment_ends(geometry),) if geometry.time_steps > 1 else ()
+    walk = dataclasses.replace(
         forward, name=f"{recurrence.op}_backward_checkpoints", inputs=tuple(x for x in forward.inputs if x.name != "q"),
         outputs=walked,
     )
+    if walked and not every_chunk:
+        walk = dataclasses.replace(walk, grid=blocks.grid(segments_but_the_last(geometry)))
     steps = functools.partial(reversed_in_time, geometry=geometry)
-    # The forward's inputs but the initial state (the checkpoints hold it); dt_bias's block ignores the time step.
-    inputs = [steps(x) for x in forward.inputs if x.name != "initial_state"]
-    inputs += [steps(blocks.value_rows("do", geometry, dtype)), *map(steps, walked)]
+    # The forward's inputs (but the initial state where the checkpoints hold it); dt_bias's block ignores the time step.
+    inputs = [steps(x) for x in forward.inputs if x.name != "initial_state" or not every_chunk]
+    inputs += [steps(blocks.value_rows("do", geometry, dtype))]
+    inputs += map(steps, walked) if every_chunk else [steps(entering_segment(geometry)) for _ in walked]
     # Per query/key head: grouped value heads sum dq and dk over their group in the kernel (_over_the_group).
     outputs = [
         steps(blocks.key_rows("dq", geometry, dtype)),
@@ -149,13 +160,31 @@ def plans(
     work = chunk * (VJP_WORK_FACTOR * grid.chunks_of_the_grid(geometry))
     kept = recurrence.kept_vmem(geometry, bound)
     body = VJP_VMEM_FACTOR * (recurrence.chunk_body_vmem(geometry, bound) + (geometry.chunks_per_step - 1) * kept)
+    if not every_chunk:  # the states entering its chunks, walked from the segment's
+        body += 4 * geometry.chunks_per_step * geometry.padded_key_dim * geometry.value_block
     if packed:  # each sequence's terms recomputed and differentiated; the loops carry three (C, K) sums
         states = sequence_work(geometry, initial_state_dtype is not None, output_final_state)
         work = work + states * ((1 + VJP_WORK_FACTOR) * geometry.heads * geometry.value_tiles * num_seqs)
         body += 4 * 3 * geometry.chunk_size * geometry.padded_key_dim
     name = f"{recurrence.op}_{'fused' if num_seqs is None else 'varlen'}_backward"
     gradients = grid.grid_plan(name, geometry, forward.scalars, inputs, outputs, work, body, scratch=scratch)
-    return checkpoints, gradients if geometry.groups == 1 else _over_the_group(gradients, geometry)
+    gradients = gradients if geometry.groups == 1 else _over_the_group(gradients, geometry)
+    return (walk, gradients) if walked else (gradients,)
+
+
+def walks_every_chunk(recurrence: Recurrence, geometry: Geometry, packed: bool) -> bool:
+    """Whether the backward's first walk writes the state entering every chunk (and with the delta rule its inverse), or
+    else the state leaving every segment (grid step) but the last, the gradients kernel walking each segment's chunks
+    for their states from it, as simple_gla's fused backward does: no walk at all where one segment is the sequence.
+
+    Per chunk for packed sequences, whose states enter and leave by DMA in the walk, and with the delta rule over more
+    than one segment: the walk then hands on the inverses, which the gradients kernel computes again where it walks
+    the states itself. Modelled at the bench's shape (B=2 H=8 K=V=128 bf16), the backward's kernels against the floor,
+    walking every chunk -> walking the segments: gla any gates v6e 3.74x -> 3.23x, v5e (four segments) 3.12x -> 2.82x;
+    gated_delta_rule v6e (one segment) 6.40x -> 5.71x, but v5e (two segments of 2048) 4.64x -> 5.08x. Per chunk for
+    kda always: its per-key inverse's levels in the gradients kernel outgrow VMEM (v6e, K = V = 256 float32, T=1000:
+    Mosaic asked for 132 MiB of 128), though at K = V = 128 one segment gained (T=2048 on v6e, 7.66x -> 6.69x)."""
+    return packed or (recurrence.delta_rule and (recurrence.gate_per_key or geometry.time_steps > 1))
 
 
 def chunk_inverses(geometry: Geometry, dtype) -> Blocked:
@@ -220,10 +249,12 @@ def _over_the_group(plan: LaunchPlan, geometry: Geometry) -> LaunchPlan:
 
 
 def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstate, packed: list[PackedChunk] | None, *,
-                    scale: float, use_qk_l2norm: bool, activations: Activations, recurrence: Recurrence, wy: bool):
+                    scale: float, use_qk_l2norm: bool, activations: Activations, recurrence: Recurrence, wy: bool,
+                    entering_state: jax.Array | None):
     """A grid step's gradients, ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias)`` of each chunk (``dbeta`` None without the
     delta rule), and ``dS`` entering the first: the VJPs of the forward's pieces in reverse, ``dS`` leaving the last
-    chunk (``dstate``) and ``do`` given. ``packed``: each chunk's sequences, or None; ``wy``: the WY form (``_from_factors``).
+    chunk (``dstate``) and ``do`` given. ``packed``: each chunk's sequences, or None; ``wy``: the WY form (``_from_factors``);
+    ``entering_state``: the state entering the step, from which its chunks' are walked, or None: the walk's checkpoints.
 
     In three passes, as the forward (``chunk_steps``) computes: every chunk's inputs (the activations and
     ``prepared_queries_keys``) and factors, recomputed with their VJPs; then the chain of ``through_state``'s VJPs from
@@ -255,7 +286,7 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
 
     def from_factors(fine_size):
         return _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, operands=operands,
-                             fine_size=fine_size, recurrence=recurrence, wy=wy)
+                             fine_size=fine_size, recurrence=recurrence, wy=wy, entering_state=entering_state)
 
     # The choice around the whole step, each arm with its own VJPs: chosen around the factors alone, the backward would
     # take it again and linearise the chosen arm afresh, its factors computed twice (tops_core.tpu.fast_paths).
@@ -263,20 +294,34 @@ def _step_gradients(chunks: list[Chunk], refs: dict, head, A_log, dt_bias, dstat
 
 
 def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, dstate, packed, *, operands,
-                  fine_size: int | None, recurrence: Recurrence, wy: bool):
-    """``_step_gradients`` from the chunks' prepared inputs on: the factors at ``fine_size`` and their VJP, the chain of
-    ``through_state``'s VJPs, then the factors' and inputs' VJPs. ``wy``: the factors hold the WY form's ``W`` and ``u``
+                  fine_size: int | None, recurrence: Recurrence, wy: bool, entering_state: jax.Array | None):
+    """``_step_gradients`` from the chunks' prepared inputs on: the factors at ``fine_size`` and their VJP, the states
+    entering the chunks (the walk's checkpoints, or walked from ``entering_state``), the chain of ``through_state``'s
+    VJPs, then the factors' and inputs' VJPs. ``wy``: the factors hold the WY form's ``W`` and ``u``
     (``kda.chunkwise.with_wy``, differentiated with them, ``v`` among their inputs), so each link of the chain's VJP is
     two dependent products (``W^T ddelta`` after ``(k exp(b_C - b)) dS``) where the solve's takes three."""
+
+    # What a chunk's link takes that does not depend on the state, computed with the factors (and differentiated with
+    # them, v among their inputs) rather than inside each link's VJP, whose primal computed it again: the WY form's W
+    # and u, gla's writes and Aqk v (Recurrence.ahead; gla's fast path on v6e 326487 -> 275655 cycles, with the states
+    # walked in the step). The delta rule's solve has nothing ahead of the state.
+    if wy:
+        def ahead(q, k, v, beta, own):
+            return with_wy(k, v, beta, own, operands)
+    elif not recurrence.delta_rule:
+        def ahead(q, k, v, beta, own):
+            return recurrence.ahead(q, k, v, beta, own, operands)
+    else:
+        ahead = None
 
     def factors(prepared, values=None):
         chunk_rows = [(q, k, g, beta, chunk_resets) for (q, k, g, beta), chunk_resets in zip(prepared, resets)]
         every = recurrence.factors(chunk_rows, operands=operands, fine_size=fine_size, inverses=inverses)
         if values is None:
             return every
-        return [with_wy(k, v, beta, own, operands) for (_, k, _, beta), v, own in zip(prepared, values, every)]
+        return [ahead(q, k, v, beta, own) for (q, k, _, beta), v, own in zip(prepared, values, every)]
 
-    values = [v.astype(_F32) for _, _, v, _, _ in read] if wy else None
+    values = None if ahead is None else [v.astype(_F32) for _, _, v, _, _ in read]
     every_factors, factors_vjp = jax.vjp(factors, *((prepared,) if values is None else (prepared, values)))
 
     def through_state(q, k, v, beta, state, entering, factors):
@@ -289,6 +334,13 @@ def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, d
     # rule's links are products themselves, and split, each part recomputes the chunk's writes (kda's 1215853 ->
     # 1319697): they stay whole.
     split = not recurrence.delta_rule
+    if entering_state is None:
+        carried_states = [refs["checkpoints"][chunk.index] for chunk in chunks]
+    else:
+        carried_states = []
+        for (_, k, _, beta), (_, _, v, _, _), factors in zip(prepared, read, every_factors):
+            carried_states.append(entering_state)
+            entering_state = through_state(None, k, v, beta, entering_state, None, factors)[1]
     arguments, by_outputs = [], []
     for n, (chunk, (q, k, g, beta), (_, _, v, _, _), factors) in enumerate(zip(chunks, prepared, read, every_factors)):
         sequences = None if packed is None else packed[n]
@@ -296,7 +348,7 @@ def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, d
         if sequences is not None:
             sequence_gates, sequence_gates_vjp = jax.vjp(lambda g: recurrence.per_key_log_decays(g, k.shape[1]), g)
             entering = sequences.entering(q, k, sequence_gates, operands)
-        arguments.append(((q, k, v, beta, refs["checkpoints"][chunk.index], entering, factors), sequence_gates, sequence_gates_vjp))
+        arguments.append(((q, k, v, beta, carried_states[n], entering, factors), sequence_gates, sequence_gates_vjp))
         if split:
             _, outputs_vjp = jax.vjp(lambda *a: through_state(*a)[0], *arguments[n][0])
             by_outputs.append(outputs_vjp(chunk.read(refs["do"]).astype(_F32)))
@@ -331,7 +383,7 @@ def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, d
     for n, ((dq, dk, dv, dg, dbeta, _), (dq_factors, dk_factors, dg_factors, dbeta_factors), inputs_vjp) in enumerate(zip(
         cotangents, dprepared, inputs_vjps,
     )):
-        if wy:  # v reaches the factors in the WY form alone
+        if values is not None:  # v reaches the factors too
             dv = dv + dvalues[0][n]
         dbeta = None if dbeta is None else dbeta + dbeta_factors
         dq, dk, dg, dbeta, dA_log, ddt_bias = inputs_vjp((dq + dq_factors, dk + dk_factors, dg + dg_factors, dbeta))
@@ -375,9 +427,11 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
         first = forward_step * geometry.chunks_per_step
         along_lanes = recurrence.gates_along_lanes(geometry.chunk_size)
         packed_chunks = [PackedChunk.of(refs, first + chunk.index, geometry, states, along_lanes) for chunk in chunks]
+    # Without the walk's checkpoints of every chunk, the step walks its chunks' states from the one entering it.
+    entering_state = None if "checkpoints" in refs else segment_entering_state(refs, forward_step, state_block)
     every_gradients, dstate = _step_gradients(
         chunks, refs, head, A_log, dt_bias, dstate, packed_chunks, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        activations=activations, recurrence=recurrence, wy=wy,
+        activations=activations, recurrence=recurrence, wy=wy, entering_state=entering_state,
     )
     for chunk, (dq, dk, dv, dg, dbeta, dA_log, ddt_bias) in zip(chunks, every_gradients):
         for name, value in (("dq", dq), ("dk", dk), ("dv", dv), ("dg", dg), ("dbeta", dbeta)):
@@ -431,7 +485,7 @@ def gradients(
     B, T, H, K = q.shape
     value_heads, V = v.shape[2:]
     num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    geometry, (checkpoints_plan, gradients_plan), run = launch.prepare(
+    geometry, (*walk, gradients_plan), run = launch.prepare(
         plans, geometry_of(B, T, value_heads, K, V, config, value_heads // H, backward=True), q.dtype, config.interpret,
         gate_dtype=g.dtype, beta_dtype=None if beta is None else beta.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype, output_final_state=dht is not None,
@@ -448,7 +502,7 @@ def gradients(
     if cu_seqlens is not None:
         arrays.update(fused.packed_operands(cu_seqlens, T, geometry.chunk_size))
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence)
-    checkpoints = run(checkpoints_plan, fused.kernel, arrays, **static)
+    checkpoints = run(walk[0], fused.kernel, arrays, **static) if walk else {}
     wy = recurrence.delta_rule and fused.wy_gradients_of(config, launch.Target.lowered_for().chip)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, **static, wy=wy)
     grads = _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry)

@@ -299,6 +299,8 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
         if "o" in refs:
             refs["o"][chunk.rows, :] = o.astype(refs["o"].dtype)
     refs["state"][...] = state
+    if "segment_ends" in refs:  # or the state leaving every step but the last, where the gradients kernel walks the rest
+        refs["segment_ends"][...] = state
     if packed:  # each sequence's final state left where it ended
         states.finish(step == geometry.time_steps - 1)
     else:

@@ -31,7 +31,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
@@ -41,7 +40,7 @@ from tops_plugins_tpu_pallas.simple_gla.chunkwise import (
     advance_state, advance_state_work, constant_gates, step_gates,
 )
 from tops_plugins_tpu_pallas.simple_gla.fused import gates_along_lanes
-from tops_plugins_tpu_pallas.plan import Blocked, LaunchPlan, Scratch
+from tops_plugins_tpu_pallas.plan import LaunchPlan, Scratch
 from tops_plugins_tpu_pallas.layout import Geometry
 
 _F32 = jnp.float32
@@ -105,7 +104,7 @@ def plans(
         cut_scalars, next_starts = blocks.sequence_cuts(geometry)
         scalars, inputs = scalars + cut_scalars, [*inputs, steps(next_starts)]
     if walked:
-        inputs.append(steps(_entering_segment(geometry)))
+        inputs.append(steps(grid.entering_segment(geometry)))
     if initial_state_dtype is not None:
         inputs.append(blocks.state("initial_state", geometry, initial_state_dtype))
     if output_final_state:
@@ -139,23 +138,6 @@ def plans(
     return checkpoints, gradients_plan
 
 
-def _entering_segment(geometry: Geometry) -> Blocked:
-    """``grid.segment_ends`` as the gradients kernel reads them at segment ``s``: the state leaving segment ``s - 1``.
-    The first segment starts from the initial state (or zeros) instead; it maps to the block the second one read, which
-    is then not fetched again."""
-    ends = grid.segment_ends(geometry)
-
-    def index_map(b, h, tile, segment, *scalars):
-        return ends.index_map(b, h, tile, _previous(segment), *scalars)
-
-    return dataclasses.replace(ends, index_map=index_map)
-
-
-def _previous(index):
-    """``max(index - 1, 0)`` of a grid index: NumPy's on the traffic model's points, else jax's."""
-    return np.maximum(index - 1, 0) if isinstance(index, np.ndarray) else jnp.maximum(index - 1, 0)
-
-
 def segment_vmem(geometry: Geometry) -> int:
     """One chunk's values (``gradients.body_vmem``, which holds one ``dS``) and what the segment keeps for each of its
     chunks until that chunk's gradients: its gates (``C x C`` decays and two columns) and the ``dS`` leaving it."""
@@ -178,7 +160,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gra
     # last pass (gradients.reversed_gradients) may take every chunk's products of its inputs first.
     along_lanes = gates_along_lanes("g" in refs, geometry.chunk_size)
     every_gates = step_gates(chunks, refs, head, constant, along_lanes=along_lanes, key_column=True, step=segment)
-    state = _entering_state(refs, segment)
+    state = grid.segment_entering_state(refs, segment, refs["states"].shape[1:])
     refs["states"][0] = state
     for chunk in chunks[:-1]:
         k = chunk.read(refs["k"])
@@ -202,14 +184,6 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, form: gra
             refs["da"][chunk.index : chunk.index + 1, :] = da
 
     grid.finish_state_gradient(refs, step, geometry)
-
-
-def _entering_state(refs, segment) -> jax.Array:
-    """The float32 state entering ``segment``: the initial state (or zeros) at the first, else the walk's checkpoint."""
-    start = refs["initial_state"][...].astype(_F32) if "initial_state" in refs else jnp.zeros(refs["states"].shape[1:], _F32)
-    if "checkpoints" not in refs:
-        return start
-    return jnp.where(segment == 0, start, refs["checkpoints"][...])
 
 
 def backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqlens, config, sequence_starts: jax.Array | None = None):

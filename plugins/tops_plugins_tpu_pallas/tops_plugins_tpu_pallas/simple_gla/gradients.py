@@ -126,9 +126,7 @@ def checkpoints_plan(
     gated = gate_dtype is not None
     inputs = token_inputs(geometry, dtype, gate_dtype, ("k", "v"), gates_along_lanes(gated, geometry.chunk_size))
     scalars = (blocks.decay(geometry), *(blocks.sequence_cuts(geometry)[0] if cut_at_starts else ()))
-    walked = geometry if every_chunk else dataclasses.replace(
-        geometry, seq_len=(geometry.time_steps - 1) * geometry.rows_per_step, num_steps=geometry.chunks_per_step,
-    )
+    walked = geometry if every_chunk else grid.segments_but_the_last(geometry)
     work = advance_state_work(walked) * (walked.batch * walked.heads * walked.num_chunks)
     work = work + gates_work(walked, gated, attention=False) * gate_computations(walked, gated)
     checkpoints = grid.state_checkpoints(geometry) if every_chunk else grid.segment_ends(geometry)
@@ -159,7 +157,7 @@ def checkpoints_kernel(*refs, plan: LaunchPlan, geometry: Geometry, every_chunk:
         state = advance_state(state, keys, chunk.read(refs["v"]), gates, decay_gradient_operands(k.dtype), keys_transposed=along_lanes)
     refs["state"][...] = state
     if not every_chunk:
-        refs["checkpoints"][...] = state
+        refs["segment_ends"][...] = state
 
 
 # -- one chunk --------------------------------------------------------------------------------------
