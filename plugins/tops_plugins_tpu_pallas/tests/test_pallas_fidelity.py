@@ -13,11 +13,15 @@ multiple of the chunk checks that those rows are masked before any arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tops_core
+from tops_core.conformance.cases import grid as case_grid
+from tops_core.conformance.checks import run_case
 from tops_core.conformance.compare import measure, tolerance
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -404,3 +408,16 @@ def test_packed_prefill_into_pool_rows_under_the_faithful_interpreter(op, race_r
         jax.config.update("jax_enable_x64", previous)
     assert_matches("o", o, o_ref, jnp.float32)
     assert_matches("pool", updated, updated_ref, jnp.float32)
+
+
+@pytest.mark.parametrize("op_name, num_steps", [("gla", 1), ("gla", 2), ("gated_delta_rule", 1)])
+def test_states_walked_in_the_gradients_kernel_faithful_interpreter(op_name, num_steps, race_reports):
+    # kda.backward where the gradients kernel walks its segment's states itself (walks_every_chunk false): gla's base case
+    # (T=100, two chunks of 64) in two segments, the walk writing the first's end, and in one, no walk; gated_delta_rule's
+    # (one chunk of 128) in one. Two simulated cores in a random order, NaN-filled memory; forward and every gradient
+    # against the float64 reference through the kit.
+    impl = next(i for i in tops_core.op(op_name).implementations() if i.name == "tpu_pallas.fused")
+    case = next(c for c in case_grid(impl).supported if c.name == "base")
+    config = (("interpret", faithful(SEEDS[0])), ("num_steps", num_steps))
+    run_case(impl, dataclasses.replace(case, name=f"base-faithful-num_steps={num_steps}", config=config))
+    assert len(race_reports) >= 2 and not any(report.races_found for report in race_reports)
