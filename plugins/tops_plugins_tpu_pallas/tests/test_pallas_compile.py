@@ -62,11 +62,8 @@ def fused_backward_kernels(call: dict, config=None) -> int:
 
 
 def kda_family_backward_kernels(call: dict) -> int:
-    """The backward's pallas_calls of a kda, gla or gated_delta_rule call of ``compile_call``'s B and H on its chip: the
-    gradients kernel, after the walk where the call is packed or spans more than one of the segments that fit
-    (``kda.backward.plans``)."""
-    if call.get("num_seqs") is not None:
-        return 2
+    """The backward's pallas_calls of a kda, gla or gated_delta_rule call (B and H its own, else ``compile_call``'s) on
+    its chip: the gradients kernel, after the walk where there is one (``kda.backward.plans``, ``walks_every_chunk``)."""
     op = call.get("op", "kda")
     config, backward_plans = {
         "kda": (kda.fused.KdaFusedConfig, kda.backward.plans),
@@ -76,8 +73,11 @@ def kda_family_backward_kernels(call: dict) -> int:
     groups = call.get("groups", 1)
     dtype = jnp.dtype(call["dtype"])
     with jax.default_device(compile_only.device(call["generation"])):
-        geometry = kda.backward.geometry_of(2, call["T"], 3 * groups, call["K"], call["V"], config(), groups, backward=True)
+        geometry = kda.backward.geometry_of(
+            call.get("B", 2), call["T"], call.get("H", 3) * groups, call["K"], call["V"], config(), groups, backward=True,
+        )
         inputs = dict(
+            num_seqs=call.get("num_seqs"),
             initial_state_dtype=jnp.float32 if call["initial_state"] else None, output_final_state=call["final_state"],
             use_qk_l2norm=call.get("use_qk_l2norm", False), gate_dtype=dtype if call.get("use_gate") else jnp.float32,
         )
@@ -804,7 +804,7 @@ def test_gla_and_gated_delta_rule_packed_calls_compile_with_traced_cu_seqlens(wo
         assert facts["kernels"] == 1
         assert facts["implementations"] == ["tpu_pallas.varlen.forward"]
     else:
-        assert facts["kernels"] == 1 + 2
+        assert facts["kernels"] == 1 + kda_family_backward_kernels(call)
         assert facts["implementations"] == ["tpu_pallas.varlen.backward", "tpu_pallas.varlen.forward"]
 
 

@@ -541,10 +541,12 @@ def _previous(index):
     return np.maximum(index - 1, 0) if isinstance(index, np.ndarray) else jnp.maximum(index - 1, 0)
 
 
-def segment_entering_state(refs: dict, segment, shape: tuple[int, int]) -> jax.Array:
-    """The float32 state ``shape`` entering ``segment``: the initial state (or zeros) at the first, else the walk's
+def segment_entering_state(refs: dict, segment, shape: tuple[int, int], from_initial_state: bool = True) -> jax.Array:
+    """The float32 state ``shape`` entering ``segment``: the initial state (or zeros; always zeros when not
+    ``from_initial_state``, a packed call's, whose initial states enter per sequence) at the first, else the walk's
     ``segment_ends`` (``entering_segment``), where there is a walk."""
-    start = refs["initial_state"][...].astype(_F32) if "initial_state" in refs else jnp.zeros(shape, _F32)
+    given = from_initial_state and "initial_state" in refs
+    start = refs["initial_state"][...].astype(_F32) if given else jnp.zeros(shape, _F32)
     if "segment_ends" not in refs:
         return start
     return jnp.where(segment == 0, start, refs["segment_ends"][...])

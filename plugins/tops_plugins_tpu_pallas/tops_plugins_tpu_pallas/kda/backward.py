@@ -5,8 +5,8 @@ on the fused grid (one where there is no walk).
    ``o``, and reading no ``q``: without the queries it computes the states alone (no ``Aqk``, no ``o``;
    ``chunkwise.chunk_steps``), with the delta rule in the WY form (``chunkwise.ahead_of_walk``: two dependent products
    per link where the forward's solve takes three; the forward's states to the rounding of its bf16 operands). Which
-   states (``walks_every_chunk``): for kda, with the delta rule over more than one segment (grid step), and for packed
-   sequences, the state entering every chunk and the chunk's inverse, which the gradients kernel then need not
+   states (``walks_every_chunk``): for kda, and with the delta rule over more than one segment (grid step) or packed,
+   the state entering every chunk and the chunk's inverse, which the gradients kernel then need not
    compute; otherwise the state leaving every segment but the last, walking those alone (as simple_gla's fused
    backward), and no walk at all where one segment is the whole sequence: the gradients kernel walks each segment's
    chunks for their states from the one entering it.
@@ -100,7 +100,8 @@ def plans(
     call (``B == 1``) of that many sequences, whose per-sequence ``initial_state``, ``dht`` and ``dinitial_state`` sit in
     HBM and move by DMA where each sequence starts or ends; the other arguments as ``fused.plans``'."""
     geometry = backward_geometry(geometry)
-    every_chunk = walks_every_chunk(recurrence, geometry, packed=num_seqs is not None)
+    packed = num_seqs is not None
+    every_chunk = walks_every_chunk(recurrence, geometry, packed)
     forward_inputs = dict(
         gate_dtype=gate_dtype, beta_dtype=beta_dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
         with_A_log=with_A_log, dt_bias_dtype=dt_bias_dtype, num_seqs=num_seqs, recurrence=recurrence,
@@ -121,7 +122,7 @@ def plans(
         walk = dataclasses.replace(walk, grid=blocks.grid(segments_but_the_last(geometry)))
     steps = functools.partial(reversed_in_time, geometry=geometry)
     # The forward's inputs (but the initial state where the checkpoints hold it); dt_bias's block ignores the time step.
-    inputs = [steps(x) for x in forward.inputs if x.name != "initial_state" or not every_chunk]
+    inputs = [steps(x) for x in forward.inputs if x.name != "initial_state" or not (every_chunk or packed)]
     inputs += [steps(blocks.value_rows("do", geometry, dtype))]
     inputs += map(steps, walked) if every_chunk else [steps(entering_segment(geometry)) for _ in walked]
     # Per query/key head: grouped value heads sum dq and dk over their group in the kernel (_over_the_group).
@@ -155,7 +156,7 @@ def plans(
         outputs.append(_per_head_sums("dA_log", geometry, 1))
     if dt_bias_dtype is not None:
         outputs.append(_per_head_sums("ddt_bias", geometry, geometry.padded_key_dim))
-    bound, packed = activations.decay_lower_bound, num_seqs is not None
+    bound = activations.decay_lower_bound
     chunk = recurrence.chunk_work(geometry, use_qk_l2norm, bound, packed) + fused.activation_work(activations, geometry)
     work = chunk * (VJP_WORK_FACTOR * grid.chunks_of_the_grid(geometry))
     kept = recurrence.kept_vmem(geometry, bound)
@@ -177,14 +178,15 @@ def walks_every_chunk(recurrence: Recurrence, geometry: Geometry, packed: bool) 
     else the state leaving every segment (grid step) but the last, the gradients kernel walking each segment's chunks
     for their states from it, as simple_gla's fused backward does: no walk at all where one segment is the sequence.
 
-    Per chunk for packed sequences, whose states enter and leave by DMA in the walk, and with the delta rule over more
-    than one segment: the walk then hands on the inverses, which the gradients kernel computes again where it walks
+    Per chunk with the delta rule over more than one segment, or packed: the walk then hands on the inverses, which the gradients kernel computes again where it walks
     the states itself. Modelled at the bench's shape (B=2 H=8 K=V=128 bf16), the backward's kernels against the floor,
     walking every chunk -> walking the segments: gla any gates v6e 3.74x -> 3.23x, v5e (four segments) 3.12x -> 2.82x;
-    gated_delta_rule v6e (one segment) 6.40x -> 5.71x, but v5e (two segments of 2048) 4.64x -> 5.08x. Per chunk for
+    gated_delta_rule v6e (one segment) 6.40x -> 5.71x, but v5e (two segments of 2048) 4.64x -> 5.08x; packed gla (16
+    sequences, T=8192, v6e) 3.85x -> 3.57x, its sequences' initial states entering the gradients kernel's walk as they
+    enter its VJPs (``PackedChunk.entering``, once for both). Per chunk for
     kda always: its per-key inverse's levels in the gradients kernel outgrow VMEM (v6e, K = V = 256 float32, T=1000:
     Mosaic asked for 132 MiB of 128), though at K = V = 128 one segment gained (T=2048 on v6e, 7.66x -> 6.69x)."""
-    return packed or (recurrence.delta_rule and (recurrence.gate_per_key or geometry.time_steps > 1))
+    return recurrence.delta_rule and (recurrence.gate_per_key or packed or geometry.time_steps > 1)
 
 
 def chunk_inverses(geometry: Geometry, dtype) -> Blocked:
@@ -334,20 +336,25 @@ def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, d
     # rule's links are products themselves, and split, each part recomputes the chunk's writes (kda's 1215853 ->
     # 1319697): they stay whole.
     split = not recurrence.delta_rule
+    # A packed chunk's sequence gates and initial states' terms, once (they move the initial states by DMA): the states'
+    # walk and the VJPs take them.
+    sequence_terms = []
+    for n, (q, k, g, _) in enumerate(prepared):
+        if packed is None:
+            sequence_terms.append((None, None, None))
+            continue
+        sequence_gates, sequence_gates_vjp = jax.vjp(lambda g: recurrence.per_key_log_decays(g, k.shape[1]), g)
+        sequence_terms.append((packed[n].entering(q, k, sequence_gates, operands), sequence_gates, sequence_gates_vjp))
     if entering_state is None:
         carried_states = [refs["checkpoints"][chunk.index] for chunk in chunks]
     else:
         carried_states = []
-        for (_, k, _, beta), (_, _, v, _, _), factors in zip(prepared, read, every_factors):
+        for (_, k, _, beta), (_, _, v, _, _), factors, (entering, *_) in zip(prepared, read, every_factors, sequence_terms):
             carried_states.append(entering_state)
-            entering_state = through_state(None, k, v, beta, entering_state, None, factors)[1]
+            entering_state = through_state(None, k, v, beta, entering_state, entering, factors)[1]
     arguments, by_outputs = [], []
     for n, (chunk, (q, k, g, beta), (_, _, v, _, _), factors) in enumerate(zip(chunks, prepared, read, every_factors)):
-        sequences = None if packed is None else packed[n]
-        entering = sequence_gates = sequence_gates_vjp = None
-        if sequences is not None:
-            sequence_gates, sequence_gates_vjp = jax.vjp(lambda g: recurrence.per_key_log_decays(g, k.shape[1]), g)
-            entering = sequences.entering(q, k, sequence_gates, operands)
+        entering, sequence_gates, sequence_gates_vjp = sequence_terms[n]
         arguments.append(((q, k, v, beta, carried_states[n], entering, factors), sequence_gates, sequence_gates_vjp))
         if split:
             _, outputs_vjp = jax.vjp(lambda *a: through_state(*a)[0], *arguments[n][0])
@@ -428,7 +435,7 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
         along_lanes = recurrence.gates_along_lanes(geometry.chunk_size)
         packed_chunks = [PackedChunk.of(refs, first + chunk.index, geometry, states, along_lanes) for chunk in chunks]
     # Without the walk's checkpoints of every chunk, the step walks its chunks' states from the one entering it.
-    entering_state = None if "checkpoints" in refs else segment_entering_state(refs, forward_step, state_block)
+    entering_state = None if "checkpoints" in refs else segment_entering_state(refs, forward_step, state_block, not packed)
     every_gradients, dstate = _step_gradients(
         chunks, refs, head, A_log, dt_bias, dstate, packed_chunks, scale=scale, use_qk_l2norm=use_qk_l2norm,
         activations=activations, recurrence=recurrence, wy=wy, entering_state=entering_state,

@@ -301,8 +301,8 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
     refs["state"][...] = state
     if "segment_ends" in refs:  # or the state leaving every step but the last, where the gradients kernel walks the rest
         refs["segment_ends"][...] = state
-    if packed:  # each sequence's final state left where it ended
-        states.finish(step == geometry.time_steps - 1)
+    if packed:  # each sequence's final state left where it ended; the copies in flight waited for at the last step walked
+        states.finish(step == geometry.time_steps - (2 if "segment_ends" in refs else 1))
     else:
         finish_sequence(refs, step, geometry)
 
