@@ -417,9 +417,9 @@ def test_packed_prefill_into_pool_rows_under_the_faithful_interpreter(op, race_r
 def test_states_walked_in_the_gradients_kernel_faithful_interpreter(op_name, name, num_steps, race_reports):
     # kda.backward where the gradients kernel walks its segment's states itself (walks_every_chunk false): gla's base case
     # (T=100, two chunks of 64) in two segments, the walk writing the first's end, and in one, no walk; gated_delta_rule's
-    # (one chunk of 128) in one; gla's packed base (T=128, its sequences' states by DMA in both kernels) in two
-    # segments, the walk over the first. Two simulated cores in a random order, NaN-filled memory; forward and every gradient against the float64
-    # reference through the kit.
+    # (one chunk of 128) in one; gla's packed base (T=128, its sequences' states by DMA in both kernels) in two segments,
+    # the walk over the first. Two simulated cores in a random order, NaN-filled memory; forward and every gradient
+    # against the float64 reference through the kit.
     impl = next(i for i in tops_core.op(op_name).implementations() if i.name == name)
     case = next(c for c in case_grid(impl).supported if c.name == "base")
     config = (("interpret", faithful(SEEDS[0])), ("num_steps", num_steps))

@@ -367,9 +367,9 @@ def _delta_rule_family(
         explain_config=_explain_kda_grid_config,
         serves_pools=True,
         description=(
-            f"one pallas_call on kda's fused grid: state in VMEM along a sequential time axis, {label}; backward: the states "
-            "walked per segment (with the delta rule over several segments, per chunk, and kda's always), then each chunk's VJP with dS in VMEM "
-            "along the reverse time axis"
+            f"one pallas_call on kda's fused grid: state in VMEM along a sequential time axis, {label}; backward: the "
+            "states walked per segment (per chunk with the delta rule over several segments or packed), then each chunk's "
+            "VJP with dS in VMEM along the reverse time axis"
         ),
     )
     packed = tops_core.Implementation(

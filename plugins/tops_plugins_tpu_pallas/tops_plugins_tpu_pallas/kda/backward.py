@@ -110,21 +110,22 @@ def plans(
     # The forward's kernel walking for the states alone: no queries read, no Aqk, no o (kda.chunkwise.chunk_steps). It
     # writes the state entering every chunk, and with the delta rule each chunk's inverse too; or else the state leaving
     # every segment but the last, walking those alone, and none where one segment is the whole sequence.
-    if every_chunk:
-        walked = (state_checkpoints(geometry), *([chunk_inverses(geometry, dtype)] if recurrence.delta_rule else []))
-    else:
-        walked = (segment_ends(geometry),) if geometry.time_steps > 1 else ()
+    steps = functools.partial(reversed_in_time, geometry=geometry)
     walk = dataclasses.replace(
         forward, name=f"{recurrence.op}_backward_checkpoints", inputs=tuple(x for x in forward.inputs if x.name != "q"),
-        outputs=walked,
     )
-    if walked and not every_chunk:
-        walk = dataclasses.replace(walk, grid=blocks.grid(segments_but_the_last(geometry)))
-    steps = functools.partial(reversed_in_time, geometry=geometry)
+    if every_chunk:
+        walked = (state_checkpoints(geometry), *([chunk_inverses(geometry, dtype)] if recurrence.delta_rule else []))
+        walk, read = dataclasses.replace(walk, outputs=walked), [steps(x) for x in walked]
+    elif geometry.time_steps > 1:
+        walked = (segment_ends(geometry),)
+        walk = dataclasses.replace(walk, outputs=walked, grid=blocks.grid(segments_but_the_last(geometry)))
+        read = [steps(entering_segment(geometry))]
+    else:
+        walked, read = (), []
     # The forward's inputs (but the initial state where the checkpoints hold it); dt_bias's block ignores the time step.
     inputs = [steps(x) for x in forward.inputs if x.name != "initial_state" or not (every_chunk or packed)]
-    inputs += [steps(blocks.value_rows("do", geometry, dtype))]
-    inputs += map(steps, walked) if every_chunk else [steps(entering_segment(geometry)) for _ in walked]
+    inputs += [steps(blocks.value_rows("do", geometry, dtype)), *read]
     # Per query/key head: grouped value heads sum dq and dk over their group in the kernel (_over_the_group).
     outputs = [
         steps(blocks.key_rows("dq", geometry, dtype)),
@@ -178,14 +179,15 @@ def walks_every_chunk(recurrence: Recurrence, geometry: Geometry, packed: bool) 
     else the state leaving every segment (grid step) but the last, the gradients kernel walking each segment's chunks
     for their states from it, as simple_gla's fused backward does: no walk at all where one segment is the sequence.
 
-    Per chunk with the delta rule over more than one segment, or packed: the walk then hands on the inverses, which the gradients kernel computes again where it walks
-    the states itself. Modelled at the bench's shape (B=2 H=8 K=V=128 bf16), the backward's kernels against the floor,
-    walking every chunk -> walking the segments: gla any gates v6e 3.74x -> 3.23x, v5e (four segments) 3.12x -> 2.82x;
-    gated_delta_rule v6e (one segment) 6.40x -> 5.71x, but v5e (two segments of 2048) 4.64x -> 5.08x; packed gla (16
-    sequences, T=8192, v6e) 3.85x -> 3.57x, its sequences' initial states entering the gradients kernel's walk as they
-    enter its VJPs (``PackedChunk.entering``, once for both). Per chunk for
-    kda always: its per-key inverse's levels in the gradients kernel outgrow VMEM (v6e, K = V = 256 float32, T=1000:
-    Mosaic asked for 132 MiB of 128), though at K = V = 128 one segment gained (T=2048 on v6e, 7.66x -> 6.69x)."""
+    Per chunk with the delta rule over more than one segment, or packed: the walk then hands on the inverses, which the
+    gradients kernel would compute again where it walks the states itself. Modelled at the bench's shape (B=2 H=8
+    K=V=128 bf16), the backward's kernels against the floor, walking every chunk -> walking the segments: gla any gates
+    v6e 3.74x -> 3.23x, v5e (four segments) 3.12x -> 2.82x; gated_delta_rule v6e (one segment) 6.40x -> 5.71x, but v5e
+    (two segments of 2048) 4.64x -> 5.08x; packed gla (16 sequences, T=8192, v6e) 3.85x -> 3.57x, its sequences'
+    initial states entering the gradients kernel's walk as they enter its VJPs (``PackedChunk.entering``, once for
+    both). Per chunk for kda always: its per-key inverse's levels in the gradients kernel outgrow VMEM (v6e, K = V = 256
+    float32, T=1000: Mosaic asked for 132 MiB of 128), though at K = V = 128 one segment gained (T=2048 on v6e, 7.66x
+    -> 6.69x)."""
     return recurrence.delta_rule and (recurrence.gate_per_key or packed or geometry.time_steps > 1)
 
 
