@@ -212,6 +212,35 @@ def test_the_wy_form_gives_the_solves_states_and_writes(recurrence):
         np.testing.assert_allclose(np.asarray(got_delta), np.asarray(want_delta), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["solve", "wy"])
+@pytest.mark.parametrize("recurrence", [KDA, GATED_DELTA_RULE], ids=lambda r: r.op)
+def test_a_links_vjp_with_the_walks_products_known_is_its_vjp(recurrence, form):
+    # Where the gradients kernel walks its own states (kda.backward), each link's VJP takes the walk's products with the
+    # state as known (chunkwise.walked_link, mxu.known_product): the writes and every cotangent must be those of the VJP
+    # that computes them, with a packed chunk's initial-state terms entering and without.
+    rng = np.random.default_rng(11)
+    C, K, V = 64, 128, 128
+    q, k, v = (jnp.asarray(rng.standard_normal((C, d)), jnp.float32) for d in (K, K, V))
+    g = -np.logaddexp(0.0, -rng.standard_normal((C, K if recurrence.gate_per_key else 1))) / 8
+    beta = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((C, 1)))), jnp.float32)
+    q, k = chunkwise.l2_normalised(q), chunkwise.l2_normalised(k)
+    (factors,) = recurrence.factors([(q, k, jnp.asarray(g, jnp.float32), beta, None)], operands=jnp.float32, fine_size=None)
+    if form == "wy":
+        factors = chunkwise.with_wy(k, v, beta, factors, jnp.float32)
+    state = jnp.asarray(rng.standard_normal((K, V)), jnp.float32)
+    entering = tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((C, V), (C, V), (K, V)))
+    cotangents = tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((C, V), (K, V), (C, V)))
+    for terms in (None, entering):
+        walked_state, known = chunkwise.walked_link(k, v, beta, state, terms, factors, jnp.float32)
+        assert (known.solved is None) == (form == "wy")
+        arguments = (q, k, v, beta, state, terms, factors)
+        want, want_vjp = jax.vjp(functools.partial(chunkwise.through_state, operands=jnp.float32), *arguments)
+        got, got_vjp = jax.vjp(functools.partial(chunkwise.through_state, operands=jnp.float32, known=known), *arguments)
+        np.testing.assert_array_equal(np.asarray(walked_state), np.asarray(want[1]))
+        for got_leaf, want_leaf in zip(jax.tree.leaves((got, got_vjp(cotangents))), jax.tree.leaves((want, want_vjp(cotangents)))):
+            np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf), rtol=1e-6, atol=1e-6)
+
+
 def test_the_backward_walk_reads_no_queries_and_writes_the_inverses():
     geometry = kda_fused.geometry_of(2, 1024, 4, 128, 128, kda_fused.KdaFusedConfig())
     walk, gradients = kda_backward.plans(geometry, jnp.bfloat16, use_qk_l2norm=True)

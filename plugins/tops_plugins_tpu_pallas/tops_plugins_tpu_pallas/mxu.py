@@ -101,6 +101,31 @@ def _product_cotangents(operands, contracting, residuals, cotangent):
 _product.defvjp(_product_forward, _product_cotangents)
 
 
+def known_product(known: jax.Array, a: jax.Array, b: jax.Array, operands, contracting=ROWS_BY_COLUMNS) -> jax.Array:
+    """``matmul(a, b, operands, contracting)`` whose value is ``known``, computed from the same ``a`` and ``b`` earlier in the
+    kernel, with the product's cotangents: a VJP whose primal would compute the product again takes it as it is.
+    ``operands`` a dtype (one ``_product``)."""
+    return _known_product(known, a, b, jnp.dtype(operands), contracting)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _known_product(known, a, b, operands, contracting):
+    del a, b, operands, contracting
+    return known
+
+
+def _known_product_forward(known, a, b, operands, contracting):
+    del operands, contracting
+    return known, (a, b)
+
+
+def _known_product_cotangents(operands, contracting, residuals, cotangent):
+    return (jnp.zeros_like(cotangent), *_product_cotangents(operands, contracting, residuals, cotangent))
+
+
+_known_product.defvjp(_known_product_forward, _known_product_cotangents)
+
+
 def row_and_column_iotas(size: int) -> tuple[jax.Array, jax.Array]:
     return lax.broadcasted_iota(jnp.int32, (size, size), 0), lax.broadcasted_iota(jnp.int32, (size, size), 1)
 

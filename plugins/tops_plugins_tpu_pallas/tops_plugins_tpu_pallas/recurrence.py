@@ -54,6 +54,10 @@ class Recurrence:
     kda's and gla's ``kda.chunkwise.by_mildness``, gated_delta_rule's ``gated_delta_rule.chunkwise.by_finiteness``.
     ``resets``: each chunk's packed sequence starts (``(C, 1)`` bool, they reset the state), or None."""
     ahead: Callable | None = None
+    walked_link: Callable | None = None
+    """``walked_link(k, v, beta, state, entering, factors, operands)`` (optional): ``through_state`` for the states alone,
+    ``(S_out, known)``, where ``through_state`` takes ``known=`` (its products with the state, ``kda.chunkwise.StateProducts``)
+    from it: the backward's gradients kernel, walking its states itself, then computes no link's products twice."""
     fast_walk: bool = False
     """The forward kernel's and the checkpoints walk's factors take the fast arms the step's gates allow (``arms``): gla's
     where every chunk, or every 32 tokens, decays mildly (``kda.chunkwise.every_chunk_mild``), gated_delta_rule's where

@@ -30,7 +30,7 @@ from tops_core.tpu import fast_paths
 
 from tops_plugins_tpu_pallas.grid import Work
 from tops_plugins_tpu_pallas.kda.chunkwise import (
-    Factors, ahead_of_walk, inverse_work, inverses_of_strictly_lower, level_sizes, through_state,
+    Factors, ahead_of_walk, inverse_work, inverses_of_strictly_lower, level_sizes, through_state, walked_link,
 )
 from tops_plugins_tpu_pallas.layout import LANES, Geometry
 from tops_plugins_tpu_pallas.mxu import ROWS_BY_ROWS, matmul, row_and_column_iotas
@@ -132,7 +132,7 @@ def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
 
 
 GATED_DELTA_RULE = Recurrence(
-    op="gated_delta_rule", gate_per_key=False, delta_rule=True, factors=chunk_factors, through_state=through_state,
+    op="gated_delta_rule", gate_per_key=False, delta_rule=True, factors=chunk_factors, through_state=through_state, walked_link=walked_link,
     chunk_work=chunk_work, chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, arms=by_finiteness,
     ahead=ahead_of_walk, fast_walk=True, fast_gradients=True,
 )

@@ -328,8 +328,10 @@ def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, d
     values = None if ahead is None else [v.astype(_F32) for _, _, v, _, _ in read]
     every_factors, factors_vjp = jax.vjp(factors, *((prepared,) if values is None else (prepared, values)))
 
-    def through_state(q, k, v, beta, state, entering, factors):
-        return recurrence.through_state(q, k, v, beta, state, entering, factors, operands)
+    def through_state(q, k, v, beta, state, entering, factors, known=None):
+        if known is None:
+            return recurrence.through_state(q, k, v, beta, state, entering, factors, operands)
+        return recurrence.through_state(q, k, v, beta, state, entering, factors, operands, known=known)
 
     # Without the delta rule a link of the chain is elementwise (dS entering a chunk is its decay times dS leaving it,
     # plus do's part), so each chunk's VJP splits in two: from do, which no other chunk's depends on, for every chunk
@@ -347,13 +349,20 @@ def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, d
             continue
         sequence_gates, sequence_gates_vjp = jax.vjp(lambda g: recurrence.per_key_log_decays(g, k.shape[1]), g)
         sequence_terms.append((packed[n].entering(q, k, sequence_gates, operands), sequence_gates, sequence_gates_vjp))
+    # Walked here, the delta rule's links keep their products with the state for their VJPs (Recurrence.walked_link).
+    known = [None] * len(chunks)
     if entering_state is None:
         carried_states = [refs["checkpoints"][chunk.index] for chunk in chunks]
     else:
         carried_states = []
-        for (_, k, _, beta), (_, _, v, _, _), factors, (entering, *_) in zip(prepared, read, every_factors, sequence_terms):
+        for n, ((_, k, _, beta), (_, _, v, _, _), factors, (entering, *_)) in enumerate(
+            zip(prepared, read, every_factors, sequence_terms)
+        ):
             carried_states.append(entering_state)
-            entering_state = through_state(None, k, v, beta, entering_state, entering, factors)[1]
+            if recurrence.walked_link is None:
+                entering_state = through_state(None, k, v, beta, entering_state, entering, factors)[1]
+            else:
+                entering_state, known[n] = recurrence.walked_link(k, v, beta, entering_state, entering, factors, operands)
     arguments, by_outputs = [], []
     for n, (chunk, (q, k, g, beta), (_, _, v, _, _), factors) in enumerate(zip(chunks, prepared, read, every_factors)):
         entering, sequence_gates, sequence_gates_vjp = sequence_terms[n]
@@ -368,7 +377,7 @@ def _from_factors(chunks, refs, read, prepared, inputs_vjps, resets, inverses, d
         if split:
             (_, writes), state_vjp = jax.vjp(lambda *a: through_state(*a)[1:], *arguments[n][0])
         else:
-            (_, _, writes), state_vjp = jax.vjp(through_state, *arguments[n][0])
+            (_, _, writes), state_vjp = jax.vjp(functools.partial(through_state, known=known[n]), *arguments[n][0])
         leaving = None if sequences is None else sequences.leave_gradients(k, sequence_gates, writes, carried, operands)
         dwrites = jnp.zeros(writes.shape, _F32) if leaving is None else leaving[2]
         if split:

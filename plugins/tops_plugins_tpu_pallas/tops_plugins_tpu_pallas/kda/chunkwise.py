@@ -80,7 +80,9 @@ from tops_core.ops.kda import L2NORM_EPSILON
 from tops_core.tpu import fast_paths
 from tops_plugins_tpu_pallas.exponents import RESET_LOG_DECAY
 from tops_plugins_tpu_pallas.grid import Work
-from tops_plugins_tpu_pallas.mxu import COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, bf16_parts, matmul, mxu_operand_dtype, row_and_column_iotas
+from tops_plugins_tpu_pallas.mxu import (
+    COLUMNS_BY_COLUMNS, ROWS_BY_ROWS, bf16_parts, known_product, matmul, mxu_operand_dtype, row_and_column_iotas,
+)
 from tops_plugins_tpu_pallas.layout import LANES, SUBLANES, Geometry
 from tops_plugins_tpu_pallas.recurrence import Recurrence
 
@@ -658,19 +660,45 @@ def ahead_of_walk(q, k, v, beta, factors: Factors, operands) -> Factors:
     return factors if q is not None else with_wy(k, v, beta, factors, operands)
 
 
-def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
+def through_state(q, k, v, beta, state, entering, factors: Factors, operands, known: StateProducts | None = None):
     """``(o, S_out, delta)`` of one chunk from the state entering it and its ``factors``: the writes ``delta`` (float32
     ``(C, value block)``) and what they and ``state`` give; ``delta = D diag(beta) (v - k exp(b) S)``, solved after the
     state's product, or ``u - W S`` where ``factors.ahead`` holds ``(W, u)`` (``ahead_of_walk``).
 
     ``entering``: None, or a packed chunk's initial-state terms ``(keys, queries, leaving)`` (``kda.sequences``) added to
-    ``k S``, ``o`` and ``S_out``. ``q`` None: no ``o`` (None), the states alone. A pure function of its arrays, so its VJP
-    is the backward's (``kda.backward``)."""
+    ``k S``, ``o`` and ``S_out``. ``q`` None: no ``o`` (None), the states alone. ``known``: the products with the state
+    that a walk of the same link computed (``walked_link``), taken as they are. A pure function of its arrays, so its
+    VJP is the backward's (``kda.backward``)."""
+    return _link(q, k, v, beta, state, entering, factors, operands, known)[:3]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StateProducts:
+    """A link's products that depend on the state entering it, as a walk for the states computed them (``walked_link``):
+    the VJP of the same link takes them as known (``mxu.known_product``), where its primal would compute them again."""
+
+    keys_by_state: jax.Array  # (C, value block): k exp(b) S, or W S in the WY form (a packed chunk's terms not added)
+    solved: jax.Array | None  # (C, value block): the solve's product, delta; None in the WY form (no solve)
+
+
+def walked_link(k, v, beta, state, entering, factors: Factors, operands) -> tuple[jax.Array, StateProducts]:
+    """``through_state`` for the states alone (no queries): ``(S_out, StateProducts)``."""
+    _, state_out, _, products = _link(None, k, v, beta, state, entering, factors, operands, None)
+    return state_out, products
+
+
+def _link(q, k, v, beta, state, entering, factors: Factors, operands, known: StateProducts | None):
     C = k.shape[0]
     solved = factors.ahead is None  # else the WY form: keys are W, and what they give already went through D
     keys = k * factors.to_token if solved else factors.ahead[0]
-    by_state = matmul(keys if q is None else jnp.concatenate([keys, q * factors.to_token], axis=0), state, operands)
-    keys_by_state, o = by_state[:C], None if q is None else by_state[C:]  # one product: the state is loaded into the MXU once
+    if known is None:
+        by_state = matmul(keys if q is None else jnp.concatenate([keys, q * factors.to_token], axis=0), state, operands)
+        keys_by_state, o = by_state[:C], None if q is None else by_state[C:]  # one product: the state is loaded into the MXU once
+    else:
+        keys_by_state = known_product(known.keys_by_state, keys, state, operands)
+        o = None if q is None else matmul(q * factors.to_token, state, operands)
+    products = keys_by_state
     state_out = factors.whole * state
     if entering is not None:
         entering_keys, queries, leaving = entering
@@ -678,13 +706,17 @@ def through_state(q, k, v, beta, state, entering, factors: Factors, operands):
         o = None if q is None else o + queries
         keys_by_state = keys_by_state + (entering_keys if solved else matmul(factors.inverse, beta * entering_keys, operands))
     if solved:
-        delta = matmul(factors.inverse, beta * (v.astype(_F32) - keys_by_state), operands)
+        residual = beta * (v.astype(_F32) - keys_by_state)
+        if known is None:
+            delta = matmul(factors.inverse, residual, operands)
+        else:
+            delta = known_product(known.solved, factors.inverse, residual, operands)
     else:
         delta = factors.ahead[1] - keys_by_state
     if q is not None:
         o = o + matmul(factors.aqk, delta, operands)
     state_out = state_out + matmul(k * factors.to_end, delta, operands, COLUMNS_BY_COLUMNS)
-    return o, state_out, delta
+    return o, state_out, delta, StateProducts(products, delta if solved else None)
 
 
 MILD_LOG_DECAY = FINE_EXPONENT_LIMIT / 2
@@ -823,6 +855,6 @@ def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int
 
 
 KDA = Recurrence(
-    op="kda", gate_per_key=True, delta_rule=True, factors=chunk_factors, through_state=through_state, chunk_work=chunk_work,
+    op="kda", gate_per_key=True, delta_rule=True, factors=chunk_factors, through_state=through_state, walked_link=walked_link, chunk_work=chunk_work,
     chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, arms=by_mildness, ahead=ahead_of_walk,
 )
