@@ -143,24 +143,31 @@ def test_chunk_pairs_and_inverse_match_their_definitions(size, gate):
 
 
 @pytest.mark.parametrize("known", [False, True], ids=["computed", "known"])
-def test_the_inverse_of_a_strictly_lower_n_and_its_cotangent_are_their_definitions(known):
-    # gated_delta_rule's inverse (I + N)^-1 from N whole, and its VJP dN = -D^T dD D^T on N's strictly lower triangle alone.
-    size = 128
+def test_a_product_with_the_inverse_of_a_strictly_lower_n_and_its_cotangents_are_their_definitions(known):
+    # gated_delta_rule's inverse D = (I + N)^-1 from N whole, and Y = D R (chunkwise.solved, with Y computed or known)
+    # with its VJP taken to N directly: dR = D^T dY, dN = -D^T dD D^T with dD = dY R^T, on N's strictly lower triangle
+    # alone; no gradient flows through D besides (chunkwise.inverses_of).
+    size, width = 128, 256
     rng = np.random.default_rng(3)
-    every_n = np.tril(rng.standard_normal((2, size, size)) * 0.05, -1)
-    inverses = [np.linalg.inv(np.eye(size) + n) for n in every_n]
-    given = tuple(jnp.asarray(d, jnp.float32) for d in inverses) if known else None
-    got, vjp = jax.vjp(
-        lambda every_n: chunkwise.inverses_of_strictly_lower(every_n, jnp.float32, given), tuple(jnp.asarray(every_n, jnp.float32)),
-    )
-    every_dd = rng.standard_normal((2, size, size))
-    (every_dn,) = vjp(tuple(jnp.asarray(every_dd, jnp.float32)))
-    for d, want, dd, dn in zip(got, inverses, every_dd, every_dn):
-        want_dn = np.tril(-want.T @ dd @ want.T, -1)
-        for name, x, y in (("inverse", d, want), ("dN", dn, want_dn)):
-            error = np.sqrt(np.mean((np.asarray(x, np.float64) - y) ** 2) / np.mean(y**2))
-            assert error < 1e-6, (name, error)
-        np.testing.assert_array_equal(np.triu(np.asarray(dn)), 0)
+    n = np.tril(rng.standard_normal((size, size)) * 0.05, -1)
+    rhs = rng.standard_normal((size, width))
+    want = np.linalg.inv(np.eye(size) + n)
+    given = jnp.asarray(want @ rhs, jnp.float32) if known else None
+    ones = jnp.ones((size, 1), jnp.float32)
+
+    def product(n, rhs):
+        (inverse,) = chunkwise.inverses_of_strictly_lower((n,), jnp.float32)
+        factors = chunkwise.Factors(ones, ones, ones, None, inverse, pairs=n)
+        return inverse, chunkwise.solved(factors, rhs, jnp.float32, given)
+
+    (inverse, y), vjp = jax.vjp(product, jnp.asarray(n, jnp.float32), jnp.asarray(rhs, jnp.float32))
+    dy = rng.standard_normal((size, width))
+    dn, drhs = vjp((jnp.zeros((size, size), jnp.float32), jnp.asarray(dy, jnp.float32)))
+    want_dn = np.tril(-want.T @ (dy @ rhs.T) @ want.T, -1)
+    for name, x, y_want in (("inverse", inverse, want), ("Y", y, want @ rhs), ("dN", dn, want_dn), ("dR", drhs, want.T @ dy)):
+        error = np.sqrt(np.mean((np.asarray(x, np.float64) - y_want) ** 2) / np.mean(y_want**2))
+        assert error < 1e-6, (name, error)
+    np.testing.assert_array_equal(np.triu(np.asarray(dn)), 0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)

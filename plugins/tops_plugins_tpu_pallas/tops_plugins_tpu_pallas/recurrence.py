@@ -28,7 +28,7 @@ class Recurrence:
     k, g, beta, resets)`` each (``beta`` None without the delta rule; ``g`` as the kernel read it, ``-inf`` a reset;
     ``resets`` None or a packed chunk's ``(C, 1)`` sequence starts; ``fine_size``: kda's bounded sub-chunk,
     ``kda.chunkwise.sub_chunk_size``, or None; ``inverses``: the chunks' inverses where they are
-    known, ``kda.chunkwise.known_inverses``); a pure function of its arrays, so its VJP is the backward's.
+    known, ``kda.chunkwise.inverses_of``); a pure function of its arrays, so its VJP is the backward's.
     ``through_state(q, k, v, beta, state, entering, factors, operands)``: ``(o, state leaving, writes)``, the writes being
     what each row adds to the state (``delta`` of the delta rule, ``v`` itself without it).
     ``ahead(q, k, v, beta, factors, operands)`` (optional): ``factors`` with ``Factors.ahead`` set to what

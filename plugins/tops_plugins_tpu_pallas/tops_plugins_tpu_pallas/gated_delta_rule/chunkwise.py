@@ -63,7 +63,10 @@ def chunk_factors(chunks, *, operands, fine_size: int | None = None, inverses=No
         aqk.append(None if q is None else products[C:] * own.decays)
         every_n.append(beta_akk)
     inverses = inverses_of_strictly_lower(tuple(every_n), operands, None if inverses is None else tuple(inverses))
-    return [Factors(to_token=own.query, to_end=own.key, whole=own.chunk, aqk=a, inverse=d) for own, a, d in zip(gates, aqk, inverses)]
+    return [
+        Factors(to_token=own.query, to_end=own.key, whole=own.chunk, aqk=a, inverse=d, pairs=n)
+        for own, a, d, n in zip(gates, aqk, inverses, every_n)
+    ]
 
 
 def _column_across_lanes(log: LogDecays, key_dim: int) -> LogDecays:

@@ -194,7 +194,7 @@ def walks_every_chunk(recurrence: Recurrence, geometry: Geometry, packed: bool) 
 def chunk_inverses(geometry: Geometry, dtype) -> Blocked:
     """Each chunk's ``(I + diag(beta) Akk)^-1`` as the walk computes it, ``[B, HV, steps, chunks per step, C, C]``, in the
     dtype its products round it to (``mxu_operand_dtype``: bf16 for bf16 inputs, so nothing is lost): the gradients
-    kernel reads it (``chunkwise.known_inverses``) rather than recomputing it, ``2 C`` or ``4 C`` bytes per token."""
+    kernel reads it (``chunkwise.inverses_of``'s ``known``) rather than recomputing it, ``2 C`` or ``4 C`` bytes per token."""
     g, C = geometry, geometry.chunk_size
 
     def step_inverses(b, h, tile, t, *_):

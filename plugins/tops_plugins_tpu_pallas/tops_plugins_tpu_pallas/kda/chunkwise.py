@@ -386,6 +386,7 @@ def l2_normalised(x: jax.Array) -> jax.Array:
 class Pairs:
     aqk: jax.Array  # (C, C), zero above the diagonal
     inverse: jax.Array | None  # (C, C): (I + diag(beta) Akk)^-1, unit lower-triangular; None without the delta rule
+    pairs: jax.Array | None = None  # (C, C): N = diag(beta) Akk, the levels' sum, which ``solved`` differentiates
 
 
 def crossings(resets: jax.Array) -> jax.Array:
@@ -447,15 +448,12 @@ def _doubled(inverse: jax.Array | None, level_pairs: jax.Array, size: int, opera
     return _with_earlier_rows(inverse, later_inverse - matmul(later_inverse, pairs_by_inverse, operands), size)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def exact_inverses(every_levels, operands) -> tuple[jax.Array, ...]:
     """Each chunk's ``D = (I + N)^-1`` from its levels' pairs ``P_s`` (``every_levels``: per chunk, one ``(C, C)`` per
     level of ``level_sizes``, finest first, each zero off its level's pairs; ``N`` their sum), by ``D_2s = D_s - D_s P_s
     D_s``, level by level across the chunks (their chains are independent: issued level-major, each waits on the
-    MXU while the others run).
-
-    The cotangent is ``dN = -D^T dD D^T`` on each level's pairs: two products, where the recursion's own VJP takes
-    four per level, a chain twice as long as the forward's."""
+    MXU while the others run). Not differentiated (``inverses_of`` stops its inputs' gradients): ``solved``
+    differentiates each product with ``D`` to ``N`` itself."""
     inverses = [None] * len(every_levels)
     sizes = level_sizes(every_levels[0][0].shape[0])
     for level in range(len(every_levels[0])):
@@ -463,79 +461,21 @@ def exact_inverses(every_levels, operands) -> tuple[jax.Array, ...]:
     return tuple(inverses)
 
 
-def _exact_inverses_forward(every_levels, operands):
-    inverses = exact_inverses(every_levels, operands)
-    return inverses, inverses
-
-
-def _exact_inverses_cotangents(operands, inverses, dinverses):
-    C = inverses[0].shape[0]
-    masks = [level_pairs_mask(C, size) for size in level_sizes(C)]
-    every_dlevels = []
-    for inverse, dinverse in zip(inverses, dinverses):
-        dn = _pairs_cotangent(inverse, dinverse, operands)
-        every_dlevels.append(tuple(jnp.where(mask, dn, 0.0) for mask in masks))
-    return (tuple(every_dlevels),)
-
-
-def _pairs_cotangent(inverse: jax.Array, dinverse: jax.Array, operands) -> jax.Array:
-    """``dN = -D^T dD D^T``, the cotangent of ``N`` in ``D = (I + N)^-1`` (every entry; the caller keeps ``N``'s own)."""
-    return -matmul(matmul(inverse, dinverse, operands, COLUMNS_BY_COLUMNS), inverse, operands, ROWS_BY_ROWS)
-
-
-exact_inverses.defvjp(_exact_inverses_forward, _exact_inverses_cotangents)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def known_inverses(every_levels, inverses, operands) -> tuple[jax.Array, ...]:
-    """``exact_inverses`` of levels whose inverses are known (``inverses``: the backward's walk wrote them, float32): those,
-    differentiated as ``exact_inverses`` is, so the backward's gradients kernel need not recompute them."""
-    del every_levels
-    return tuple(inverses)
-
-
-def _known_inverses_forward(every_levels, inverses, operands):
-    return known_inverses(every_levels, inverses, operands), tuple(inverses)
-
-
-def _known_inverses_cotangents(operands, inverses, dinverses):
-    (every_dlevels,) = _exact_inverses_cotangents(operands, inverses, dinverses)
-    return every_dlevels, tuple(jnp.zeros_like(inverse) for inverse in inverses)
-
-
-known_inverses.defvjp(_known_inverses_forward, _known_inverses_cotangents)
-
-
 def inverses_of(every_levels, operands, known=None) -> tuple[jax.Array, ...]:
-    """Each chunk's inverse from its levels' pairs: ``exact_inverses``, or ``known_inverses`` of the ``known`` ones."""
-    every_levels = tuple(tuple(levels) for levels in every_levels)
-    return exact_inverses(every_levels, operands) if known is None else known_inverses(every_levels, tuple(known), operands)
+    """Each chunk's inverse from its levels' pairs: ``exact_inverses``, or the ``known`` ones (the backward's walk wrote
+    them, so its gradients kernel need not recompute them). No gradient flows through an inverse: the products with it
+    take theirs to ``N`` (``solved``), one product where ``D``'s cotangent and then ``N``'s from it took three."""
+    if known is not None:
+        return tuple(known)
+    return exact_inverses(tuple(tuple(lax.stop_gradient(level) for level in levels) for levels in every_levels), operands)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def inverses_of_strictly_lower(every_n, operands, known=None) -> tuple[jax.Array, ...]:
     """``inverses_of`` each chunk's ``N`` ``(C, C)`` as it is, strictly lower triangular (its levels' pairs taken here;
-    ``known`` as there), for an op whose pairs are one product (gated_delta_rule's). Its VJP is ``dN`` on the strictly
-    lower triangle at once: split into levels by ``inverses_of``'s and summed again by the split's, it took 14 selects and
-    6 sums of ``C x C`` per chunk (the gradients kernel on v6e, cycles in the backward's program: 462189 -> 442253)."""
+    ``known`` as there), for an op whose pairs are one product (gated_delta_rule's)."""
     C = every_n[0].shape[0]
     masks = [level_pairs_mask(C, size) for size in level_sizes(C)]
     return inverses_of([tuple(jnp.where(mask, n, 0.0) for mask in masks) for n in every_n], operands, known)
-
-
-def _inverses_of_strictly_lower_forward(every_n, operands, known):
-    inverses = inverses_of_strictly_lower(every_n, operands, known)
-    return inverses, (inverses, known)
-
-
-def _inverses_of_strictly_lower_cotangents(operands, residuals, dinverses):
-    inverses, known = residuals
-    i, j = row_and_column_iotas(inverses[0].shape[0])
-    every_dn = tuple(jnp.where(j < i, _pairs_cotangent(d, dd, operands), 0.0) for d, dd in zip(inverses, dinverses))
-    return every_dn, None if known is None else tuple(jnp.zeros_like(inverse) for inverse in known)
-
-
-inverses_of_strictly_lower.defvjp(_inverses_of_strictly_lower_forward, _inverses_of_strictly_lower_cotangents)
 
 
 def pairs(q: jax.Array, k: jax.Array, beta: jax.Array, decays: Decays, operands, resets: jax.Array | None = None) -> Pairs:
@@ -596,7 +536,10 @@ def interleaved_pairs(chunks, operands, delta_rule: bool = True, inverses=None) 
                 every_levels[n].append(beta * jnp.where(same_block, rows_of(products[:half]), 0.0))
     if not delta_rule:
         return [Pairs(aqk=a, inverse=None) for a in aqk]
-    return [Pairs(aqk=a, inverse=d) for a, d in zip(aqk, inverses_of(every_levels, operands, inverses))]
+    return [
+        Pairs(aqk=a, inverse=d, pairs=functools.reduce(operator.add, levels))
+        for a, d, levels in zip(aqk, inverses_of(every_levels, operands, inverses), every_levels)
+    ]
 
 
 def prepared_queries_keys(q, k, *, scale: float, use_qk_l2norm: bool) -> tuple[jax.Array | None, jax.Array]:
@@ -623,6 +566,7 @@ class Factors:
     aqk: jax.Array | None  # (C, C); None without the queries (a walk for the states alone)
     inverse: jax.Array | None  # (C, C): (I + diag(beta) Akk)^-1; None without the delta rule (gla)
     ahead: Any = None  # what the op's ``Recurrence.ahead`` computed of the way through the state before the chain, or None
+    pairs: jax.Array | None = None  # (C, C): N = diag(beta) Akk, strictly lower, which ``solved`` differentiates; or None
 
 
 def chunk_factors(chunks, *, operands, fine_size: int | None, inverses=None) -> list[Factors]:
@@ -635,7 +579,7 @@ def chunk_factors(chunks, *, operands, fine_size: int | None, inverses=None) -> 
     every_pairs = interleaved_pairs(
         [(q, k, beta, d, resets) for (q, k, _, beta, resets), d in zip(chunks, decays)], operands, inverses=inverses,
     )
-    return [Factors(d.to_token, d.to_end, d.whole, p.aqk, p.inverse) for d, p in zip(decays, every_pairs)]
+    return [Factors(d.to_token, d.to_end, d.whole, p.aqk, p.inverse, pairs=p.pairs) for d, p in zip(decays, every_pairs)]
 
 
 def with_wy(k, v, beta, factors: Factors, operands) -> Factors:
@@ -645,7 +589,7 @@ def with_wy(k, v, beta, factors: Factors, operands) -> Factors:
     form). The backward's checkpoints walk takes it (``ahead_of_walk``) and, where ``wy_gradients`` says so, its
     gradients kernel (``kda.backward``)."""
     K = k.shape[1]
-    both = matmul(factors.inverse, beta * jnp.concatenate([k * factors.to_token, v.astype(_F32)], axis=1), operands)
+    both = solved(factors, beta * jnp.concatenate([k * factors.to_token, v.astype(_F32)], axis=1), operands)
     return dataclasses.replace(factors, ahead=(both[:, :K], both[:, K:]))
 
 
@@ -682,6 +626,36 @@ class StateProducts:
     solved: jax.Array | None  # (C, value block): the solve's product, delta; None in the WY form (no solve)
 
 
+def solved(factors: Factors, rhs: jax.Array, operands, known: jax.Array | None = None) -> jax.Array:
+    """``Y = D rhs`` (``D = factors.inverse``; ``known``: its value, where a walk of the same link computed it), whose
+    cotangents go to ``N`` (``factors.pairs``) and ``rhs``: ``drhs = D^T dY`` and ``dN = -drhs Y^T`` on ``N``'s strictly
+    lower triangle, since ``dN = -D^T dD D^T`` and ``dD = dY rhs^T``. One product for ``dN`` where going through ``D``'s
+    cotangent took three; the inverse itself is not differentiated (``inverses_of``). ``operands`` a dtype."""
+    return _solved(factors.pairs, factors.inverse, rhs, known, jnp.dtype(operands))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _solved(pairs, inverse, rhs, known, operands):
+    del pairs
+    return matmul(inverse, rhs, operands) if known is None else known
+
+
+def _solved_forward(pairs, inverse, rhs, known, operands):
+    value = _solved(pairs, inverse, rhs, known, operands)
+    return value, (inverse, value, known)
+
+
+def _solved_cotangents(operands, residuals, dvalue):
+    inverse, value, known = residuals
+    drhs = matmul(inverse, dvalue, operands, COLUMNS_BY_COLUMNS)
+    i, j = row_and_column_iotas(inverse.shape[0])
+    dpairs = jnp.where(j < i, -matmul(drhs, value, operands, ROWS_BY_ROWS), 0.0)
+    return dpairs, jnp.zeros_like(inverse), drhs, None if known is None else jnp.zeros_like(known)
+
+
+_solved.defvjp(_solved_forward, _solved_cotangents)
+
+
 def walked_link(k, v, beta, state, entering, factors: Factors, operands) -> tuple[jax.Array, StateProducts]:
     """``through_state`` for the states alone (no queries): ``(S_out, StateProducts)``."""
     _, state_out, _, products = _link(None, k, v, beta, state, entering, factors, operands, None)
@@ -690,8 +664,8 @@ def walked_link(k, v, beta, state, entering, factors: Factors, operands) -> tupl
 
 def _link(q, k, v, beta, state, entering, factors: Factors, operands, known: StateProducts | None):
     C = k.shape[0]
-    solved = factors.ahead is None  # else the WY form: keys are W, and what they give already went through D
-    keys = k * factors.to_token if solved else factors.ahead[0]
+    solves = factors.ahead is None  # else the WY form: keys are W, and what they give already went through D
+    keys = k * factors.to_token if solves else factors.ahead[0]
     if known is None:
         by_state = matmul(keys if q is None else jnp.concatenate([keys, q * factors.to_token], axis=0), state, operands)
         keys_by_state, o = by_state[:C], None if q is None else by_state[C:]  # one product: the state is loaded into the MXU once
@@ -704,19 +678,15 @@ def _link(q, k, v, beta, state, entering, factors: Factors, operands, known: Sta
         entering_keys, queries, leaving = entering
         state_out = state_out + leaving
         o = None if q is None else o + queries
-        keys_by_state = keys_by_state + (entering_keys if solved else matmul(factors.inverse, beta * entering_keys, operands))
-    if solved:
-        residual = beta * (v.astype(_F32) - keys_by_state)
-        if known is None:
-            delta = matmul(factors.inverse, residual, operands)
-        else:
-            delta = known_product(known.solved, factors.inverse, residual, operands)
+        keys_by_state = keys_by_state + (entering_keys if solves else solved(factors, beta * entering_keys, operands))
+    if solves:
+        delta = solved(factors, beta * (v.astype(_F32) - keys_by_state), operands, None if known is None else known.solved)
     else:
         delta = factors.ahead[1] - keys_by_state
     if q is not None:
         o = o + matmul(factors.aqk, delta, operands)
     state_out = state_out + matmul(k * factors.to_end, delta, operands, COLUMNS_BY_COLUMNS)
-    return o, state_out, delta, StateProducts(products, delta if solved else None)
+    return o, state_out, delta, StateProducts(products, delta if solves else None)
 
 
 MILD_LOG_DECAY = FINE_EXPONENT_LIMIT / 2
