@@ -164,7 +164,8 @@ def test_a_product_with_the_inverse_of_a_strictly_lower_n_and_its_cotangents_are
     dy = rng.standard_normal((size, width))
     dn, drhs = vjp((jnp.zeros((size, size), jnp.float32), jnp.asarray(dy, jnp.float32)))
     want_dn = np.tril(-want.T @ (dy @ rhs.T) @ want.T, -1)
-    for name, x, y_want in (("inverse", inverse, want), ("Y", y, want @ rhs), ("dN", dn, want_dn), ("dR", drhs, want.T @ dy)):
+    expected = (("inverse", inverse, want), ("Y", y, want @ rhs), ("dN", dn, want_dn), ("dR", drhs, want.T @ dy))
+    for name, x, y_want in expected:
         error = np.sqrt(np.mean((np.asarray(x, np.float64) - y_want) ** 2) / np.mean(y_want**2))
         assert error < 1e-6, (name, error)
     np.testing.assert_array_equal(np.triu(np.asarray(dn)), 0)
@@ -231,7 +232,8 @@ def test_a_links_vjp_with_the_walks_products_known_is_its_vjp(recurrence, form):
     g = -np.logaddexp(0.0, -rng.standard_normal((C, K if recurrence.gate_per_key else 1))) / 8
     beta = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((C, 1)))), jnp.float32)
     q, k = chunkwise.l2_normalised(q), chunkwise.l2_normalised(k)
-    (factors,) = recurrence.factors([(q, k, jnp.asarray(g, jnp.float32), beta, None)], operands=jnp.float32, fine_size=None)
+    chunk = (q, k, jnp.asarray(g, jnp.float32), beta, None)
+    (factors,) = recurrence.factors([chunk], operands=jnp.float32, fine_size=None)
     if form == "wy":
         factors = chunkwise.with_wy(k, v, beta, factors, jnp.float32)
     state = jnp.asarray(rng.standard_normal((K, V)), jnp.float32)
@@ -244,7 +246,9 @@ def test_a_links_vjp_with_the_walks_products_known_is_its_vjp(recurrence, form):
         want, want_vjp = jax.vjp(functools.partial(chunkwise.through_state, operands=jnp.float32), *arguments)
         got, got_vjp = jax.vjp(functools.partial(chunkwise.through_state, operands=jnp.float32, known=known), *arguments)
         np.testing.assert_array_equal(np.asarray(walked_state), np.asarray(want[1]))
-        for got_leaf, want_leaf in zip(jax.tree.leaves((got, got_vjp(cotangents))), jax.tree.leaves((want, want_vjp(cotangents)))):
+        got_leaves, want_leaves = (jax.tree.leaves((x, vjp(cotangents))) for x, vjp in ((got, got_vjp), (want, want_vjp)))
+        assert len(got_leaves) == len(want_leaves)
+        for got_leaf, want_leaf in zip(got_leaves, want_leaves):
             np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf), rtol=1e-6, atol=1e-6)
 
 

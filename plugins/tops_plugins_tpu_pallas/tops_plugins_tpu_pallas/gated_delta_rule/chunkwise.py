@@ -135,7 +135,7 @@ def kept_vmem(geometry: Geometry, lower_bound: float | None = None) -> int:
 
 
 GATED_DELTA_RULE = Recurrence(
-    op="gated_delta_rule", gate_per_key=False, delta_rule=True, factors=chunk_factors, through_state=through_state, walked_link=walked_link,
-    chunk_work=chunk_work, chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, arms=by_finiteness,
+    op="gated_delta_rule", gate_per_key=False, delta_rule=True, factors=chunk_factors, through_state=through_state,
+    walked_link=walked_link, chunk_work=chunk_work, chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, arms=by_finiteness,
     ahead=ahead_of_walk, fast_walk=True, fast_gradients=True,
 )

@@ -566,7 +566,7 @@ class Factors:
     aqk: jax.Array | None  # (C, C); None without the queries (a walk for the states alone)
     inverse: jax.Array | None  # (C, C): (I + diag(beta) Akk)^-1; None without the delta rule (gla)
     ahead: Any = None  # what the op's ``Recurrence.ahead`` computed of the way through the state before the chain, or None
-    pairs: jax.Array | None = None  # (C, C): N = diag(beta) Akk, strictly lower, which ``solved`` differentiates; or None
+    pairs: jax.Array | None = None  # (C, C): N = diag(beta) Akk, strictly lower, which ``solved`` differentiates
 
 
 def chunk_factors(chunks, *, operands, fine_size: int | None, inverses=None) -> list[Factors]:
@@ -825,6 +825,7 @@ def chunk_body_vmem(geometry: Geometry, lower_bound: float | None = None) -> int
 
 
 KDA = Recurrence(
-    op="kda", gate_per_key=True, delta_rule=True, factors=chunk_factors, through_state=through_state, walked_link=walked_link, chunk_work=chunk_work,
-    chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, arms=by_mildness, ahead=ahead_of_walk,
+    op="kda", gate_per_key=True, delta_rule=True, factors=chunk_factors, through_state=through_state,
+    walked_link=walked_link, chunk_work=chunk_work, chunk_body_vmem=chunk_body_vmem, kept_vmem=kept_vmem, arms=by_mildness,
+    ahead=ahead_of_walk,
 )
