@@ -5,9 +5,9 @@ decays and query pairs, no delta rule).
 The forward is one ``pallas_call`` on the fused grid ``(batch, head, value block, time step)``, the float32 state in
 VMEM along the sequential time axis; ``g`` ``[B, T, H, K]`` is read in place, laid out as ``k``. Packed, every key's
 decay is reset on a sequence's first row and the sequence's states move by DMA where it starts and ends
-(``kda.sequences``). The backward is kda's: the state leaving every segment but the last (none where one segment is
-the whole sequence; packed, the state entering every chunk), then each segment's chunks' states walked from the one
-entering it and each chunk's VJP in reverse with ``dS`` in VMEM (``kda.backward``).
+(``kda.sequences``). The backward is kda's: the state leaving every segment but the last, packed too (none where one
+segment is the whole sequence), then each segment's chunks' states walked from the one entering it and each chunk's
+VJP in reverse with ``dS`` in VMEM (``kda.backward``).
 """
 
 from __future__ import annotations
