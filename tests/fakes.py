@@ -46,18 +46,53 @@ def vjp_backward(q, k, v, do, *, g, g_gamma, scale, initial_state, dht, cu_seqle
     return SimpleGLAGrads(dq, dk, dv, dg, dg_gamma, dh0)
 
 
+def states_of(q, k, v, *, g, g_gamma, initial_state):
+    """The state after every token, ``[B, H, T, K, V]`` float32: what ``keeping_forward`` hands its backward."""
+    B, T, H, K = q.shape
+    decay = jnp.zeros((B, T, H), jnp.float32)
+    for gate in (g, g_gamma):
+        decay = decay if gate is None else decay + gate
+    state = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+    def step(state, inputs):
+        k_t, v_t, a_t = inputs
+        state = jnp.exp(a_t)[..., None, None] * state + k_t[..., :, None] * v_t[..., None, :]
+        return state, state
+
+    _, states = jax.lax.scan(step, state, [x.swapaxes(0, 1).astype(jnp.float32) for x in (k, v, decay)])
+    return jnp.moveaxis(states, 0, 2)
+
+
+def keeping_forward(q, k, v, *, residuals=False, **kwargs):
+    """``scan_forward``, which with ``residuals=True`` also hands on every token's state (``Implementation.residuals``)."""
+    outputs = scan_forward(q, k, v, **kwargs)
+    if not residuals:
+        return outputs
+    return outputs, {"states": states_of(q, k, v, g=kwargs["g"], g_gamma=kwargs["g_gamma"], initial_state=kwargs["initial_state"])}
+
+
+def backward_from_states(q, k, v, do, *, residuals=None, **kwargs):
+    """``vjp_backward``, but ``dq = scale do S_t^T`` from the forward's states when it hands them on: a backward given
+    zeros in their place would return a zero ``dq``."""
+    grads = vjp_backward(q, k, v, do, **kwargs)
+    if residuals is None:
+        return grads
+    dq = kwargs["scale"] * jnp.einsum("bthv,bhtkv->bthk", do.astype(jnp.float32), residuals["states"])
+    return dataclasses.replace(grads, dq=dq.astype(q.dtype))
+
+
 @dataclasses.dataclass(frozen=True)
 class FakeConfig:
     chunk_size: int = 64
 
 
-def implementation(name="scan", *, forward=scan_forward, backward=vjp_backward, priority=None, **capabilities):
+def implementation(name="scan", *, forward=scan_forward, backward=vjp_backward, priority=None, residuals=False, **capabilities):
     capabilities.setdefault("features", FEATURES)
     capabilities.setdefault("ndims", {"g_gamma": {0, 1}})
     return Implementation(
         op="simple_gla", name=name, forward=forward, backward=backward,
         capabilities=Capabilities(**capabilities), priority=priority if priority is not None else {"cpu": 10},
-        config=FakeConfig(), description=f"test fake {name}",
+        config=FakeConfig(), description=f"test fake {name}", residuals=residuals,
     )
 
 

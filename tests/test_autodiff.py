@@ -241,3 +241,76 @@ def test_forward_mode_autodiff_is_not_available_through_the_custom_vjp(registry,
     q, k, v, g, g_gamma, h0 = args
     with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
         jax.jvp(lambda q: sg.forward(q, k, v, g_gamma=g_gamma)[0], (q,), (q,))
+
+
+def test_a_forward_hands_its_residuals_to_its_own_backward_under_grad_jit_and_vmap(registry, args):
+    fakes.register(forward=fakes.keeping_forward, backward=fakes.backward_from_states, residuals=True)
+    want = jax.grad(loss_of(direct), argnums=range(6))(*args)
+    for got in (jax.grad(loss_of(through_op), argnums=range(6))(*args), jax.jit(jax.grad(loss_of(through_op), argnums=range(6)))(*args)):
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dg_gamma", "dinitial_state"), got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+    q, k, v, g, g_gamma, h0 = args
+    stacked = jnp.stack([q, 2 * q])
+    batched = jax.vmap(jax.grad(lambda q: loss_of(through_op)(q, k, v, g, g_gamma, h0)))(stacked)
+    for i in range(2):
+        np.testing.assert_allclose(batched[i], jax.grad(loss_of(direct))(stacked[i], k, v, g, g_gamma, h0), rtol=1e-5, atol=1e-6)
+
+
+def _spying(seen):
+    def backward(*a, residuals=None, **kw):
+        seen.append(residuals is not None)
+        return fakes.backward_from_states(*a, residuals=residuals, **kw)
+    return backward
+
+
+def test_a_backward_gets_residuals_only_after_its_own_forward(registry, args):
+    seen = []
+    fakes.register(forward=fakes.keeping_forward, backward=_spying(seen), residuals=True)
+    q, k, v, g, g_gamma, h0 = args
+    jax.grad(lambda q: jnp.sum(sg.forward(q, k, v, g=g)[0]))(q)
+    assert seen == [True]
+    sg.backward(q, k, v, jnp.ones_like(v), g=g)  # on its own: nothing to take, it recomputes
+    assert seen == [True, False]
+
+
+def test_a_forward_of_another_implementation_hands_on_no_residuals(registry, args):
+    def refuses(*a, residuals=False, **kw):
+        assert not residuals, "asked for residuals its backward would not take"
+        return fakes.scan_forward(*a, **kw)
+
+    seen = []
+    fakes.register("forward_only", forward=refuses, backward=None, residuals=True, priority={"cpu": 20})
+    fakes.register(backward=_spying(seen))
+    q, k, v, g, g_gamma, h0 = args
+    got = jax.grad(loss_of(through_op), argnums=range(6))(*args)
+    want = jax.grad(loss_of(direct), argnums=range(6))(*args)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert seen == [False]
+
+
+def test_residuals_lowered_for_a_platform_whose_implementation_keeps_none_are_zeros_it_ignores(registry, args):
+    seen = []
+    fakes.register(forward=fakes.keeping_forward, backward=_spying(seen), residuals=True)
+    fakes.register("elsewhere", priority={"tpu": 10, "gpu": 10})  # plain jax: lowers for any platform
+    grad = jax.jit(jax.grad(loss_of(through_op), argnums=range(6)))
+    exported = jax.export.export(grad, platforms=("cpu", "tpu"))(*args)
+    assert exported.platforms == ("cpu", "tpu")
+    assert seen == [True]  # the CPU branch takes them; the TPU branch's forward fills their place with zeros, unread
+
+
+def test_residuals_must_be_arrays_batch_and_heads_first(registry, args):
+    def misshapen(*a, residuals=False, **kw):
+        outputs = fakes.scan_forward(*a, **kw)
+        return (outputs, {"states": jnp.zeros((3,))}) if residuals else outputs
+
+    fakes.register(forward=misshapen, residuals=True)
+    q, k, v, g, g_gamma, h0 = args
+    with pytest.raises(ContractError, match=r"a residual of shape \(3,\); residuals are \[B, HV, ...\] = \[2, 3, ...\]"):
+        jax.grad(lambda q: jnp.sum(sg.forward(q, k, v, g=g)[0]))(q)
+
+
+def test_explain_says_when_a_forward_hands_its_backward_residuals(registry, args):
+    fakes.register(forward=fakes.keeping_forward, backward=fakes.backward_from_states, residuals=True)
+    q, k, v, g, g_gamma, h0 = args
+    assert "residuals: under grad or vjp fake.scan's forward hands its backward" in str(sg.explain(q, k, v, g=g))

@@ -68,7 +68,14 @@ class Decision:
 
 
 def pairing_note(forward: Decision, backward: Decision) -> str | None:
-    """A line saying that a forward-only implementation is paired with another's backward."""
+    """A line saying that a forward-only implementation is paired with another's backward, or that a forward hands its
+    own backward its residuals (``Implementation.residuals``)."""
+    same = forward.implementation is backward.implementation and forward.config == backward.config
+    if same and forward.implementation.residuals:
+        return (
+            f"residuals: under grad or vjp {forward.implementation.name}'s forward hands its backward what it would "
+            "recompute (op.backward called on its own recomputes it)"
+        )
     if forward.implementation.backward is not None or forward.implementation is backward.implementation:
         return None
     return (

@@ -35,6 +35,12 @@ class Implementation:
     ``[P, ...]``, ``ssm_state_indices=`` passed as a keyword) and returns the updated pool, reading and
     writing the rows in place. For every other implementation the core gathers the rows into a dense
     call and writes the final states back (``tops_core.ops.pool``). Backwards always get the dense call.
+
+    ``residuals``: the forward, passed ``residuals=True``, returns ``(outputs, residuals)``: a dict of arrays, each
+    ``[B, HV, ...]`` (batch and value heads first; ``{}`` where the call gains nothing), which the backward then takes
+    as ``residuals=`` rather than recomputing them. The core passes them where this implementation runs both
+    directions of a differentiated call (``grad``, ``vjp``); a backward called on its own (``op.backward``), or paired
+    with another forward, gets none and recomputes (``OpContract.kept_residuals``).
     """
 
     op: str
@@ -48,6 +54,7 @@ class Implementation:
     explain_config: Callable[[Any, CallSpec, str], str] | None = None
     description: str = ""
     serves_pools: bool = False
+    residuals: bool = False
 
     def reasons(self, spec: CallSpec, direction: str) -> list[str]:
         """Why this implementation cannot serve the call in ``direction``; empty when it can."""

@@ -210,7 +210,7 @@ def stage_per_platform(
     """
     groups: list[tuple[Choice, list[str]]] = []
     for platform, choice in choices.items():
-        same = next((platforms for other, platforms in groups if _same_choice(other, choice)), None)
+        same = next((platforms for other, platforms in groups if same_choice(other, choice)), None)
         if same is None:
             groups.append((choice, [platform]))
         else:
@@ -233,7 +233,8 @@ def stage_per_platform(
     return per_platform(operands, branches, warn)
 
 
-def _same_choice(a: Choice, b: Choice) -> bool:
+def same_choice(a: Choice, b: Choice) -> bool:
+    """Whether two choices are the same implementation with the same config (so they stage one branch)."""
     if isinstance(a, Decision) and isinstance(b, Decision):
         return a.implementation is b.implementation and a.config == b.config
     return False

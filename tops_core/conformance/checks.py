@@ -56,16 +56,32 @@ def _force(impl: Implementation, case: Case):
     return (impl.name, dict(case.config)) if case.config else impl.name
 
 
-def evaluate(case: Case, implementation, backward: bool) -> tuple[tuple, Any]:
+def evaluate(case: Case, implementation, backward: bool, through_vjp: bool = False) -> tuple[tuple, Any]:
     """``(o, final_state)`` and, when ``backward``, the gradients of ``implementation`` (a name, or
-    ``(name, config overrides)``) on the case's data; gradients are None otherwise."""
+    ``(name, config overrides)``) on the case's data; gradients are None otherwise. ``through_vjp``: both by
+    ``jax.vjp`` of the forward, the path a training step takes, whose backward gets what the forward hands on
+    (``Implementation.residuals``); otherwise by ``forward`` and ``backward`` called on their own."""
     contract = op(case.op)
     inputs = data.forward_inputs(case)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LayoutWarning)  # the grid's data is time-major, even where T < H
+        if through_vjp:
+            return _through_vjp(contract, inputs, data.backward_inputs(case, inputs), implementation)
         outputs = contract.forward(**inputs, implementation=implementation)
         grads = contract.backward(**data.backward_inputs(case, inputs), implementation=implementation) if backward else None
     return outputs, grads
+
+
+def _through_vjp(contract, inputs: dict[str, Any], cotangents: dict[str, Any], implementation) -> tuple[tuple, Any]:
+    names = [name for name in contract.differentiable if inputs.get(name) is not None]
+
+    def forward(*arrays):
+        return contract.forward(**{**inputs, **dict(zip(names, arrays))}, implementation=implementation)
+
+    outputs, pullback = jax.vjp(forward, *(inputs[name] for name in names))
+    gradients = pullback((cotangents["do"], cotangents.get("dht")))
+    given = dict(zip(names, gradients))
+    return outputs, contract.grads_type(**{"d" + name: given.get(name) for name in contract.differentiable})
 
 
 def compare(case: Case, got: tuple[tuple, Any], want: tuple[tuple, Any]) -> list[Measurement]:
@@ -99,6 +115,9 @@ def run_case(impl: Implementation, case: Case, reference: str = REFERENCE) -> li
     want = _reference_results(dataclasses.replace(case, config=(), slow=False), default_registry().get(case.op, reference), backward)
     with _scope(interpreted_here(impl), case):
         measurements = compare(case, evaluate(case, _force(impl, case), backward), want)
+        if backward and impl.residuals:  # the gradients again, its backward taking what its forward handed on
+            through_vjp = compare(case, evaluate(case, _force(impl, case), backward, through_vjp=True), want)
+            measurements += [dataclasses.replace(m, name=f"{m.name} (vjp)") for m in through_vjp]
     failures = [m for m in measurements if not m.passed]
     if failures:
         lines = [f"{impl.name} disagrees with {reference} on case {case.name} ({case.dtype}):"]

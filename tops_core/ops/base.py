@@ -4,7 +4,8 @@ An op contract (one module per op) validates a call into a ``Prepared`` call and
 call an implementation's forward and backward; this base turns that into a ``jax.custom_vjp``
 function whose forward and backward implementations are selected separately. The residuals
 are the original inputs: a backward recomputes what it needs, so any backward pairs with any
-forward.
+forward. Where one implementation runs both (``Implementation.residuals``), its forward hands its
+backward what it would otherwise recompute (``Residuals``).
 
 Where a call runs: the device of its inputs when none is traced (an eager call). A traced call
 (under ``jit``, ``grad``, ``vmap``, or lowered ahead of time from abstract inputs, perhaps for
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from tops_core import environment, parallel
 from tops_core.callspec import PLATFORMS, CallSpec
 from tops_core.dispatch import Decision, NoImplementationError, pairing_note, select
-from tops_core.lowering import Choice, stage_per_platform
+from tops_core.lowering import Choice, same_choice, stage_per_platform
 from tops_core.ops import pool, validation
 from tops_core.ops.validation import is_concrete
 from tops_core.partitioning import Plan, SequenceShards, Split, partitioned
@@ -356,7 +357,35 @@ class OpContract:
         """The explicit VJP, compiled once per static half of the call as ``forward`` is."""
         return _compiled_backward(self._static(prepared, policy), dict(prepared.arrays), do, dht)
 
-    def _run_forward(self, prepared: Prepared, policy: Policy, split: Split | None) -> tuple[Any, Any]:
+    def kept_residuals(self, prepared: Prepared, policy: Policy, split: Split | None) -> Residuals | None:
+        """The residuals the call's forward hands its backward under ``grad`` or ``vjp``, or None: the backward recomputes.
+
+        Kept where the implementation the call's platform (its mesh's, split) decides runs both directions
+        (``Implementation.residuals``), and where the call is split over no sequence: a pool call (whose forward writes
+        rows in place), one split over the sequence, or one the compiler might split over it (several devices, lowered
+        for anything but a TPU, whose lowering keeps a call whole: ``tops_core.partitioning``) hands on nothing."""
+        if prepared.arrays.get("ssm_state_indices") is not None:
+            return None
+        if split["t"] if split is not None else (jax.device_count() > 1 and prepared.spec.platform != "tpu"):
+            return None
+        try:
+            forward = self.decide(_split_spec(prepared, split), "forward", policy, warn=False)
+            backward = self.decide(_split_spec(prepared, split), "backward", policy, warn=False)
+        except NoImplementationError:
+            return None
+        if not (forward.implementation.residuals and same_choice(forward, backward)):
+            return None
+        call = functools.partial(self.call_forward, functools.partial(forward.implementation.forward, residuals=True))
+        shapes = jax.eval_shape(lambda arrays: call(dataclasses.replace(prepared, arrays=arrays), forward.config)[1], dict(prepared.arrays))
+        self._check_residuals(forward.implementation.name, prepared, shapes)
+        return Residuals(forward, shapes)
+
+    def _run_forward(
+        self, prepared: Prepared, policy: Policy, split: Split | None, residuals: Residuals | None = None,
+    ) -> tuple[Any, Any]:
+        """The call's outputs; with ``residuals``, and those residuals: ``(outputs, residuals)``."""
+        if residuals is not None:  # never a pool call (kept_residuals)
+            return self._checked(prepared, lambda trusted: self._partitioned("forward", trusted, policy, (), split, residuals))
         indices = prepared.arrays.get("ssm_state_indices")
         if indices is not None and split is None:
             # Decided per implementation (_staged): one that serves pools reads and writes the rows in place.
@@ -366,7 +395,13 @@ class OpContract:
             return _pool_written(prepared, self._run_forward(_dense(prepared), policy, split))
         return self._checked(prepared, lambda trusted: self._partitioned("forward", trusted, policy, (), split))
 
-    def _run_backward(self, prepared: Prepared, policy: Policy, do: Any, dht: Any, split: Split | None) -> Any:
+    def _run_backward(
+        self, prepared: Prepared, policy: Policy, do: Any, dht: Any, split: Split | None,
+        residuals: tuple[Residuals, Any] | None = None,
+    ) -> Any:
+        """The call's gradients; ``residuals``: what its forward kept (``kept_residuals``) and their values."""
+        if residuals is not None:
+            return self._checked(prepared, lambda trusted: self._partitioned("backward", trusted, policy, (do, dht), split, residuals))
         indices = prepared.arrays.get("ssm_state_indices")
         if indices is not None:
             states = prepared.arrays["initial_state"]
@@ -394,31 +429,50 @@ class OpContract:
         results = run(trusted)
         return jax.tree.map(lambda x: jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype)), results)
 
-    def _staged(self, direction: str, policy: Policy, prepared: Prepared, cotangents: tuple[Any, ...]) -> Any:
-        """The call run by the implementation each platform's dispatcher chose (staged per platform)."""
+    def _staged(
+        self, direction: str, policy: Policy, prepared: Prepared, cotangents: tuple[Any, ...],
+        residuals: tuple[Residuals, Any] | Residuals | None = None,
+    ) -> Any:
+        """The call run by the implementation each platform's dispatcher chose (staged per platform). With ``residuals``
+        (``Residuals`` forward, ``(Residuals, values)`` backward), the platforms whose decision is theirs hand them on and
+        take them; every other platform's forward returns zeros in their place and its backward ignores them."""
         choices = self.decide_per_platform(prepared, direction, policy)
+        kept = residuals[0] if isinstance(residuals, tuple) else residuals
         if direction == "forward":
             def run_forward(decision: Decision, operands: tuple[dict[str, Any], Any]) -> tuple[Any, Any]:
                 arrays, rules_kept = operands  # a branch may close over no traced value: rules_kept comes as an operand
                 call = dataclasses.replace(prepared, arrays=arrays, rules_kept=rules_kept)
                 if arrays.get("ssm_state_indices") is not None:
                     return self._pool_forward(decision, call, run_forward)
+                forward = decision.implementation.forward
+                keeps = kept is not None and same_choice(decision, kept.decision)
                 with _named(decision):
-                    outputs = self.call_forward(decision.implementation.forward, call, decision.config)
+                    results = self.call_forward(functools.partial(forward, residuals=True) if keeps else forward, call, decision.config)
+                outputs = results[0] if keeps else results
                 self._check_outputs(decision.implementation.name, call, outputs)
-                return outputs
+                if kept is None:
+                    return outputs
+                if keeps:
+                    self._check_residuals(decision.implementation.name, call, results[1], kept.shapes)
+                    return results
+                return outputs, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), kept.shapes)
 
             operands = (dict(prepared.arrays), prepared.rules_kept)
-            return stage_per_platform(choices, run_forward, operands, lambda: self.expected_outputs(prepared))
+            expected = (lambda: self.expected_outputs(prepared)) if kept is None else (lambda: (self.expected_outputs(prepared), kept.shapes))
+            return stage_per_platform(choices, run_forward, operands, expected)
 
         def run_backward(decision: Decision, operands: tuple[dict[str, Any], Any, Any]) -> Any:
-            arrays, do, dht = operands
+            arrays, do, dht, *values = operands
+            backward = decision.implementation.backward
+            if values and same_choice(decision, kept.decision):
+                backward = functools.partial(backward, residuals=values[0])
             with _named(decision):
-                grads = self.call_backward(decision.implementation.backward, dataclasses.replace(prepared, arrays=arrays), do, dht, decision.config)
+                grads = self.call_backward(backward, dataclasses.replace(prepared, arrays=arrays), do, dht, decision.config)
             self._check_grads(decision.implementation.name, arrays, grads)
             return grads
 
-        return stage_per_platform(choices, run_backward, (dict(prepared.arrays), *cotangents), lambda: self.expected_grads(prepared))
+        operands = (dict(prepared.arrays), *cotangents, *(() if residuals is None else (residuals[1],)))
+        return stage_per_platform(choices, run_backward, operands, lambda: self.expected_grads(prepared))
 
     def _pool_forward(self, decision: Decision, call: Prepared, run_forward: Any) -> tuple[Any, Any]:
         """A pool call's forward by ``decision``: in place by an implementation that serves pools, else on the
@@ -453,32 +507,44 @@ class OpContract:
 
     def _partitioned(
         self, direction: str, prepared: Prepared, policy: Policy, cotangents: tuple[Any, ...], split: Split | None,
+        residuals: tuple[Residuals, Any] | Residuals | None = None,
     ) -> Any:
         """The staged call, split over devices (``tops_core.partitioning``): over ``split``
         (``tops_core.parallel.shard``), or, when it is ``None``, as the compiler finds the inputs sharded.
 
         Each device's block is decided afresh by the dispatcher for its own shapes, on the mesh's
-        platform; a split sequence goes through ``split_sequence``.
+        platform; a split sequence goes through ``split_sequence``. ``residuals``: as ``_staged``'s, split
+        with the batch and the heads (a sequence is never split where they are kept).
         """
+        kept = residuals[0] if isinstance(residuals, tuple) else residuals
         named = [(name, prepared.arrays[name]) for name in self.dims if prepared.arrays[name] is not None]  # q first
         named += [(name, x) for name, x in zip(("do", "dht"), cotangents) if x is not None]
+        values = jax.tree.leaves(residuals[1]) if isinstance(residuals, tuple) else []
         names = [name for name, _ in named]
 
-        def unflatten(flat: tuple[Any, ...]) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        def unflatten(flat: tuple[Any, ...]) -> tuple[dict[str, Any], tuple[Any, ...], Any]:
             given = dict(zip(names, flat))
             arrays = {name: given.get(name) for name in prepared.arrays}
-            return arrays, tuple(given.get(name) for name in ("do", "dht")[: len(cotangents)])
+            cotangents_given = tuple(given.get(name) for name in ("do", "dht")[: len(cotangents)])
+            if not isinstance(residuals, tuple):
+                return arrays, cotangents_given, kept
+            return arrays, cotangents_given, (kept, jax.tree.unflatten(jax.tree.structure(residuals[1]), flat[len(names):]))
 
         def whole(*flat: Any) -> Any:
-            arrays, cotangents = unflatten(flat)
-            return self._staged(direction, policy, dataclasses.replace(prepared, arrays=arrays), cotangents)
+            arrays, cotangents, residuals = unflatten(flat)
+            return self._staged(direction, policy, dataclasses.replace(prepared, arrays=arrays), cotangents, residuals)
 
         def local(platform: str | None, sequence: SequenceShards | None, *flat: Any) -> Any:
-            arrays, cotangents = unflatten(flat)
+            arrays, cotangents, residuals = unflatten(flat)
+            if residuals is not None:
+                if sequence is not None:
+                    raise AssertionError("a call whose residuals are kept is never split over its sequence (kept_residuals)")
+                block = kept.block(arrays["q"].shape[0], arrays["v"].shape[2])
+                residuals = (block, residuals[1]) if isinstance(residuals, tuple) else block
 
             def run(arrays: dict[str, Any], cotangents: tuple[Any, ...] = cotangents, *, forward: bool = False, **options: Any) -> Any:
                 block = self._block(prepared, arrays, platform, options)
-                return self._staged("forward" if forward else direction, policy, block, () if forward else cotangents)
+                return self._staged("forward" if forward else direction, policy, block, () if forward else cotangents, residuals)
 
             if sequence is None:
                 return run(arrays)
@@ -487,17 +553,21 @@ class OpContract:
         if direction == "forward":
             expected = self.expected_outputs(prepared)
             results = [("o", expected[0])] + ([("final_state", expected[1])] if expected[1] is not None else [])
+            if kept is not None:
+                expected = (expected, kept.shapes)
         else:
             expected = self.expected_grads(prepared)
             results = [("d" + name, getattr(expected, "d" + name)) for name in self.differentiable if prepared.arrays[name] is not None]
+        residual_dims = [] if kept is None else [_residual_dims(n, x.ndim) for n, x in enumerate(jax.tree.leaves(kept.shapes))]
         plan = Plan(
-            operand_dims=tuple(self._dims(name, x.ndim, prepared) for name, x in named),
-            result_dims=tuple(self._dims(name, len(x.shape), prepared) for name, x in results),
+            operand_dims=tuple(self._dims(name, x.ndim, prepared) for name, x in named) + tuple(residual_dims if values else ()),
+            result_dims=tuple(self._dims(name, len(x.shape), prepared) for name, x in results)
+            + tuple(residual_dims if direction == "forward" else ()),
             out_tree=jax.tree.structure(expected),
             local=local,
             unsplittable_sequence=self.sequence_unsplittable(prepared),
         )
-        return partitioned(plan, [x for _, x in named], whole, split)
+        return partitioned(plan, [x for _, x in named] + values, whole, split)
 
     dims: ClassVar[Mapping[str, str]]
     """Each array's dimensions as factors (``"b t h k"``): ``b`` batch, ``t`` time and ``h`` heads may
@@ -569,6 +639,19 @@ class OpContract:
                 described = None if got is None else f"{tuple(got.shape)} {jnp.dtype(got.dtype).name}"
                 raise ContractError(f"{impl} returned {label} {described}; the contract says {want.shape} {want.dtype.name}")
 
+    def _check_residuals(self, impl: str, prepared: Prepared, residuals: Any, expected: Any = None) -> None:
+        """A forward's residuals are arrays ``[B, HV, ...]`` (batch and value heads first: they split with the call), and
+        the same wherever the call is traced."""
+        leaves = jax.tree.leaves(residuals)
+        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+            raise ContractError(f"{impl} forward returned residuals that are not arrays: {residuals!r}")
+        B, HV = prepared.arrays["q"].shape[0], prepared.arrays["v"].shape[2]
+        for x in leaves:
+            if len(x.shape) < 2 or tuple(x.shape[:2]) != (B, HV):
+                raise ContractError(f"{impl} forward returned a residual of shape {tuple(x.shape)}; residuals are [B, HV, ...] = [{B}, {HV}, ...]")
+        if expected is not None and jax.tree.structure(residuals) != jax.tree.structure(expected):
+            raise ContractError(f"{impl} forward returned residuals {jax.tree.structure(residuals)}; traced before as {jax.tree.structure(expected)}")
+
     def _check_grads(self, impl: str, arrays: Mapping[str, Any], grads: Any) -> None:
         if not isinstance(grads, self.grads_type):
             raise ContractError(f"{impl} backward must return {self.grads_type.__name__}, got {type(grads).__name__}")
@@ -585,6 +668,34 @@ class OpContract:
                     f"{impl} returned d{name} {tuple(dx.shape)} {jnp.dtype(dx.dtype).name}; "
                     f"expected {tuple(x.shape)} {jnp.dtype(x.dtype).name} like {name}"
                 )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Residuals:
+    """What a call's forward hands its backward beyond the inputs (``OpContract.kept_residuals``): ``decision``'s
+    implementation's, with their ``shapes`` (a pytree of ``ShapeDtypeStruct``, each ``[B, HV, ...]``)."""
+
+    decision: Decision
+    shapes: Any
+
+    def block(self, batch: int, value_heads: int) -> Residuals:
+        """Those of one device's block of ``batch`` sequences and ``value_heads`` heads."""
+        def blocked(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct((batch, value_heads, *x.shape[2:]), x.dtype)
+
+        return Residuals(self.decision, jax.tree.map(blocked, self.shapes))
+
+
+def _split_spec(prepared: Prepared, split: Split | None) -> CallSpec:
+    """The call's spec on the platform of the mesh it is split over, where that is known."""
+    if split is None or split.platform is None:
+        return prepared.spec
+    return dataclasses.replace(prepared.spec, platform=split.platform)
+
+
+def _residual_dims(leaf: int, ndim: int) -> tuple[str, ...]:
+    """A residual's factors: the batch and the heads, split with the call, then its own (``r<leaf>d<axis>``), whole."""
+    return ("b", "h", *(f"r{leaf}d{axis}" for axis in range(2, ndim)))
 
 
 def _dense(prepared: Prepared) -> Prepared:
@@ -636,15 +747,26 @@ def _differentiable(static: _Static, arrays: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _differentiable_fwd(static: _Static, arrays: dict[str, Any]):
-    return static.contract._run_forward(static.prepared(arrays), static.policy, static.split), arrays
+    prepared = static.prepared(arrays)
+    kept = static.contract.kept_residuals(prepared, static.policy, static.split)
+    if kept is None:
+        return static.contract._run_forward(prepared, static.policy, static.split), (arrays, None)
+    outputs, values = static.contract._run_forward(prepared, static.policy, static.split, kept)
+    return outputs, (arrays, values)
 
 
 def _explicit_backward(static: _Static, arrays: dict[str, Any], do: Any, dht: Any) -> Any:
     return static.contract._run_backward(static.prepared(arrays), static.policy, do, dht, static.split)
 
 
-def _differentiable_bwd(static: _Static, arrays: dict[str, Any], cotangents: tuple[Any, Any]):
-    grads = _explicit_backward(static, arrays, *cotangents)
+def _differentiable_bwd(static: _Static, residuals: tuple[dict[str, Any], Any], cotangents: tuple[Any, Any]):
+    arrays, values = residuals
+    prepared = static.prepared(arrays)
+    kept = None
+    if values is not None:  # the forward's decision (cached), with the shapes of what it kept
+        decision = static.contract.decide(_split_spec(prepared, static.split), "forward", static.policy, warn=False)
+        kept = (Residuals(decision, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), values)), values)
+    grads = static.contract._run_backward(prepared, static.policy, *cotangents, static.split, kept)
     return ({name: getattr(grads, "d" + name) if name in static.contract.differentiable else None for name in arrays},)
 
 
