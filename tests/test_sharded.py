@@ -305,3 +305,13 @@ def test_float64_sequence_split_is_exact(worker64, case):
 @pytest.mark.parametrize("case", [c for c in sweep() if c["mesh"] == [8] and c["features"] in (ALL, OTHER_ALL)], ids=lambda case: case["name"])
 def test_float64_sequence_split_against_the_reference(worker64, case):
     assert_within_tolerance(case, worker64.ask("compare", dict(case, against="ref.recurrent", strong_decay=True)))
+
+
+def test_tpu_batch_and_heads_hand_the_forwards_residuals_to_the_backward_on_every_chip(worker, libtpu):
+    # kda's backward walks every chunk for its states and inverses unless its forward hands them on
+    # (Implementation.residuals): split over the batch and the heads, each chip's forward hands on its own.
+    case = dict(TPU, op="kda", name="tpu-kda-batch-heads", mode="shard", mesh=[2, 2], split={"batch": 0, "heads": 1},
+                features=["output_final_state"])
+    answer = worker.ask("tpu", case)
+    assert answer["implementations"] == ["tpu_pallas.fused.backward", "tpu_pallas.fused.forward"]
+    assert answer["kernels"] == 1 + 1  # the forward, writing the states and inverses too, and the gradients kernel

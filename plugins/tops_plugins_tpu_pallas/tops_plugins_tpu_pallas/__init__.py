@@ -310,6 +310,7 @@ KDA_FUSED = tops_core.Implementation(
     config_sweep=(PADDED_GRID, {"chunk_size": 128}, WY_GRADIENTS),
     explain_config=_explain_kda_grid_config,
     serves_pools=True,
+    residuals=True,
     description=(
         "one pallas_call: state in VMEM along a sequential time axis, exact per-chunk inverse; "
         "backward: the state and inverse entering every chunk, then each chunk's VJP with dS in VMEM along the reverse "
@@ -336,6 +337,7 @@ KDA_VARLEN = tops_core.Implementation(
     config_sweep=(PADDED_GRID, WY_GRADIENTS),
     explain_config=_explain_kda_grid_config,
     serves_pools=True,
+    residuals=True,
     description=(
         "fused's pallas_call over packed sequences: cu_seqlens in SMEM, every key's decay 0 on each sequence's first token "
         "(the state reset), per-sequence states moved by DMA where each sequence starts and ends; "
@@ -346,12 +348,13 @@ KDA_VARLEN = tops_core.Implementation(
 
 def _delta_rule_family(
     op: str, kernels, features: set[str], label: str, config=KDA_FUSED_CONFIG, packed_explain_config=None, config_sweep=(),
-    packed_config_sweep=(),
+    packed_config_sweep=(), residuals: bool = False,
 ) -> tuple[tops_core.Implementation, ...]:
     """``tpu_pallas.fused`` and, packed, ``tpu_pallas.varlen`` for an op on kda's machinery (``kernels``: its module with
     ``forward``, ``packed_forward``, ``backward``, ``plans`` and ``backward_plans``), kda's priorities and ``config``
     (a ``KdaFusedConfig``); ``packed_explain_config``: the packed one's ``explain_config``, if any; ``config_sweep`` and
-    ``packed_config_sweep``: the unpacked and the packed one's configs for the kit besides ``PADDED_GRID``."""
+    ``packed_config_sweep``: the unpacked and the packed one's configs for the kit besides ``PADDED_GRID``; ``residuals``:
+    the forwards hand their backward what it would recompute (``Implementation.residuals``, ``grid.handed_on``)."""
     unpacked = tops_core.Implementation(
         op=op,
         name="fused",
@@ -366,6 +369,7 @@ def _delta_rule_family(
         config_sweep=(PADDED_GRID, *config_sweep),
         explain_config=_explain_kda_grid_config,
         serves_pools=True,
+        residuals=residuals,
         description=(
             f"one pallas_call on kda's fused grid: state in VMEM along a sequential time axis, {label}; backward: the "
             "states walked per segment (per chunk with the delta rule over several segments or packed), then each chunk's "
@@ -389,6 +393,7 @@ def _delta_rule_family(
         config_sweep=(PADDED_GRID, *packed_config_sweep),
         explain_config=packed_explain_config or _explain_kda_grid_config,
         serves_pools=True,
+        residuals=residuals,
         description=(
             "fused's pallas_call over packed sequences: cu_seqlens in SMEM, the state reset on each sequence's first token, "
             "per-sequence states moved by DMA where each sequence starts and ends; backward: fused's, dS from dht where each "
@@ -422,7 +427,7 @@ GATED_DELTA_RULE_FUSED, GATED_DELTA_RULE_VARLEN = _delta_rule_family(
     "gated_delta_rule", gated_delta_rule.fused, {"initial_state", "output_final_state", "use_qk_l2norm", "grouped_value_heads"},
     "the pair products of its gate per head dense and kda's exact per-chunk inverse",
     gated_delta_rule.fused.GatedDeltaRuleFusedConfig(), _explain_packed_gated_delta_rule_config,
-    config_sweep=(WY_GRADIENTS, GATES_AS_COLUMNS), packed_config_sweep=(WY_GRADIENTS, GATES_AS_COLUMNS),
+    config_sweep=(WY_GRADIENTS, GATES_AS_COLUMNS), packed_config_sweep=(WY_GRADIENTS, GATES_AS_COLUMNS), residuals=True,
 )
 
 

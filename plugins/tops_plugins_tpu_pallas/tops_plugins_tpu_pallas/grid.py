@@ -8,6 +8,7 @@ Op-independent; ``simple_gla/`` and ``kda/`` hold what a chunk of each op comput
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,11 @@ from tops_core.ops import pool
 
 from tops_plugins_tpu_pallas import blocks, launch
 from tops_plugins_tpu_pallas.layout import LANES, Geometry, caller_output, caller_state, kernel_operands
+from tops_plugins_tpu_pallas.mxu import mxu_operand_dtype
 from tops_plugins_tpu_pallas.plan import Blocked, DmaSemaphores, InHbm, LaunchPlan, Relayout, ScalarScratch, Scalars, Scratch
+
+if TYPE_CHECKING:  # recurrence imports this module's users
+    from tops_plugins_tpu_pallas.recurrence import Recurrence
 
 _F32 = jnp.float32
 
@@ -85,7 +90,7 @@ def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Wor
 
 
 def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config, operands=None,
-        ssm_state_indices=None):
+        ssm_state_indices=None, hands_on: tuple[str, ...] = ()):
     """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
 
     ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (the signature of
@@ -97,6 +102,8 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
     heads, kda), each group reads its query/key head in place (``blocks.key_rows``). With ``ssm_state_indices``,
     ``initial_state`` is a pool whose rows the sequences read and write in place: the plans get ``pool_rows``, the
     kernel the indices as ``state_rows`` (``SequenceStates``), and the final state returned is the pool.
+    ``hands_on``: outputs of the kernel besides those (``build_plans`` gets it: ``"checkpoints"``, ``"inverses"``),
+    returned after them chunk by chunk (``by_chunk``): ``((o, final_state), {name: array})``.
     """
     B, T, H, K = q.shape
     value_heads = v.shape[2]
@@ -104,6 +111,7 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
         gate_dtype=None if g is None else g.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype,
         output_final_state=output_final_state,
+        **({"hands_on": hands_on} if hands_on else {}),
     )
     if ssm_state_indices is not None:
         inputs["pool_rows"] = initial_state.shape[0]
@@ -115,7 +123,24 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
         arrays["state_rows"] = ssm_state_indices
     results = run_plan(plan, kernel, arrays, scale=scale)
     final_state = caller_state(results["final_state"], geometry) if output_final_state else None
-    return caller_output(results["o"], geometry), final_state
+    outputs = caller_output(results["o"], geometry), final_state
+    if not hands_on:
+        return outputs
+    return outputs, {name: by_chunk(results[name], geometry) for name in hands_on}
+
+
+def by_chunk(x: jax.Array, geometry: Geometry) -> jax.Array:
+    """A per-chunk output ``[B, H, steps, chunks per step, ...]`` as ``[B, H, chunks, ...]`` (a reshape where the steps hold
+    no chunk past the end): what a forward hands its backward, whose steps may hold other counts (``by_step``)."""
+    B, H, steps, per_step, *rest = x.shape
+    return x.reshape(B, H, steps * per_step, *rest)[:, :, : geometry.num_chunks]
+
+
+def by_step(x: jax.Array, geometry: Geometry) -> jax.Array:
+    """``by_chunk``'s ``[B, H, chunks, ...]`` laid out in ``geometry``'s steps, ``[B, H, steps, chunks per step, ...]``."""
+    B, H, chunks, *rest = x.shape
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, geometry.grid_chunks - chunks)] + [(0, 0)] * len(rest))
+    return x.reshape(B, H, geometry.time_steps, geometry.chunks_per_step, *rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,6 +527,51 @@ def state_checkpoints(geometry: Geometry) -> Blocked:
         "checkpoints", (g.batch, g.heads, g.time_steps, per_step, g.padded_key_dim, g.padded_value_dim), _F32,
         (None, None, None, per_step, g.padded_key_dim, g.padded_value_dim), step_states,
     )
+
+
+def chunk_inverses(geometry: Geometry, dtype) -> Blocked:
+    """Each chunk's ``(I + diag(beta) Akk)^-1`` as the delta rule's forward kernel computes it, ``[B, HV, steps, chunks per
+    step, C, C]``, in the dtype its products round it to (``mxu_operand_dtype``: bf16 for bf16 inputs, so nothing is lost):
+    the gradients kernel reads it (``kda.chunkwise.inverses_of``'s ``known``) rather than recomputing it, ``2 C`` or
+    ``4 C`` bytes per token."""
+    g, C = geometry, geometry.chunk_size
+
+    def step_inverses(b, h, tile, t, *_):
+        return (b, h, t, 0, 0, 0)
+
+    return Blocked(
+        "inverses", (g.batch, g.heads, g.time_steps, g.chunks_per_step, C, C), mxu_operand_dtype(dtype),
+        (None, None, None, g.chunks_per_step, C, C), step_inverses,
+    )
+
+
+def walks_every_chunk(recurrence: Recurrence, geometry: Geometry, packed: bool) -> bool:
+    """Whether the backward's first walk writes the state entering every chunk (and with the delta rule its inverse), or
+    else the state leaving every segment (grid step) but the last, the gradients kernel walking each segment's chunks
+    for their states from it, as simple_gla's fused backward does: no walk at all where one segment is the sequence.
+
+    Per chunk with the delta rule over more than one segment, or packed: the walk then hands on the inverses, which the
+    gradients kernel would compute again where it walks the states itself. Modelled at the bench's shape (B=2 H=8
+    K=V=128 bf16), the backward's kernels against the floor, walking every chunk -> walking the segments: gla any gates
+    v6e 3.74x -> 3.23x, v5e (four segments) 3.12x -> 2.82x; gated_delta_rule v6e (one segment) 6.40x -> 5.71x, but v5e
+    (two segments of 2048) 4.64x -> 5.08x; packed gla (16 sequences, T=8192, v6e) 3.85x -> 3.57x, its sequences'
+    initial states entering the gradients kernel's walk as they enter its VJPs (``PackedChunk.entering``, once for
+    both). Per chunk for kda always: its per-key inverse's levels in the gradients kernel outgrow VMEM (v6e, K = V = 256
+    float32, T=1000: Mosaic asked for 132 MiB of 128), though at K = V = 128 one segment gained (T=2048 on v6e, 7.66x
+    -> 6.69x)."""
+    return recurrence.delta_rule and (recurrence.gate_per_key or packed or geometry.time_steps > 1)
+
+
+def handed_on(recurrence: Recurrence, geometry: Geometry, packed: bool) -> tuple[str, ...]:
+    """What the forward of a call at ``geometry`` (the backward's, ``backward=True``) hands its backward, by the names of
+    the backward's inputs (``plans``' ``handed_on``): where the backward walks every chunk, the states entering them
+    and their inverses, and it walks no chunk; where one segment is the sequence, the inverses, and the gradients
+    kernel walks the states itself. Nothing without the delta rule, whose chunks have no inverse to spare.
+    Modelled at the bench's shape (B=2 T=4096 H=8 K=V=128 bf16, v6e) as an ablation (2026-12-07), backward's kernels
+    against the floor: gated_delta_rule 5.02x -> 4.17x, kda 7.37x -> 5.57x (plugin README, "The forward's residuals")."""
+    if not recurrence.delta_rule:
+        return ()
+    return ("checkpoints", "inverses") if walks_every_chunk(recurrence, geometry, packed) else ("inverses",)
 
 
 def segment_ends(geometry: Geometry) -> Blocked:

@@ -10,8 +10,9 @@ chunks' log decays the kernel takes at once (``gated_delta_rule.chunkwise``). Pa
 row is a reset (``g = -inf`` there, which ``ChunkGates`` takes exactly) and its states move by DMA where it starts and
 ends (``kda.sequences``, the gate given to every key). The backward is kda's: the state and inverse entering every chunk
 (or, where one segment is the whole sequence, no walk: the gradients kernel walks the states), then each chunk's VJP
-in reverse with ``dS`` in VMEM; ``dg`` and ``dbeta`` leave as a row per chunk. It recomputes the
-states itself, so it may walk chunks of its own size (``backward_config``).
+in reverse with ``dS`` in VMEM; ``dg`` and ``dbeta`` leave as a row per chunk. Under ``grad`` or ``vjp`` the forward hands
+it every chunk's inverse, and its states where the backward would walk them (``residuals_to_hand_on``); called on its
+own it recomputes them, so it may walk chunks of its own size (``backward_config``; then the forward hands on nothing).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tops_plugins_tpu_pallas.plan import LaunchPlan
 
 __all__ = [
     "GatedDeltaRuleFusedConfig", "backward", "backward_config", "backward_plans", "forward", "geometry_of", "packed_forward",
-    "plans",
+    "plans", "residuals_to_hand_on",
 ]
 
 
@@ -76,24 +77,33 @@ def backward_plans(geometry: Geometry, dtype, **inputs) -> tuple[LaunchPlan, ...
 
 
 def forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config,
-            ssm_state_indices=None):
+            ssm_state_indices=None, residuals: bool = False):
     """The ``Forward`` protocol of ``tops_core.ops.gated_delta_rule`` (``cu_seqlens`` is rejected by the capabilities), a
-    state pool served in place."""
+    state pool served in place; ``residuals``: also return what the backward would recompute (``kda.fused.forward``'s)."""
     del cu_seqlens
     return pool_states(
         kda_fused.run, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm, config=config, ssm_state_indices=ssm_state_indices, recurrence=GATED_DELTA_RULE,
+        hands_on=residuals_to_hand_on(q, v, config, packed=False, with_initial_states=initial_state is not None) if residuals else None,
     )
 
 
 def packed_forward(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, config,
-                   ssm_state_indices=None):
+                   ssm_state_indices=None, residuals: bool = False):
     """The ``Forward`` protocol for packed input (``B == 1``, ``cu_seqlens`` given), a state pool served in place."""
     return pool_states(
         kda_varlen.run, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm, config=config, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
         recurrence=GATED_DELTA_RULE,
+        hands_on=residuals_to_hand_on(q, v, config, packed=True, with_initial_states=initial_state is not None) if residuals else None,
     )
+
+
+def residuals_to_hand_on(q, v, config, packed: bool, with_initial_states: bool) -> tuple[str, ...]:
+    """What the forward hands its backward, which runs at ``backward_config`` (``kda.fused.residuals_to_hand_on``)."""
+    chip = launch.Target.lowered_for().chip
+    at = backward_config(config, q.dtype, packed_with_initial_states=packed and with_initial_states, chip=chip)
+    return kda_fused.residuals_to_hand_on(q, v, config, GATED_DELTA_RULE, packed, backward_config=at)
 
 
 PACKED_BACKWARD_AT_CHUNK_64 = frozenset({"v5e", "v5p"})
@@ -112,13 +122,14 @@ def backward_config(config: GatedDeltaRuleFusedConfig, dtype, *, packed_with_ini
     return config
 
 
-def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config) -> GatedDeltaRuleGrads:
+def backward(q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config,
+             residuals=None) -> GatedDeltaRuleGrads:
     """The ``Backward`` protocol of ``tops_core.ops.gated_delta_rule``, unpacked or packed, at ``backward_config``."""
     packed_with_initial_states = cu_seqlens is not None and initial_state is not None
     chip = launch.Target.lowered_for().chip
     config = backward_config(config, q.dtype, packed_with_initial_states=packed_with_initial_states, chip=chip)
     grads = kda_backward.gradients(
         q, k, v, g, beta, do, scale=scale, initial_state=initial_state, dht=dht, cu_seqlens=cu_seqlens,
-        use_qk_l2norm=use_qk_l2norm, config=config, recurrence=GATED_DELTA_RULE,
+        use_qk_l2norm=use_qk_l2norm, config=config, recurrence=GATED_DELTA_RULE, residuals=residuals,
     )
     return GatedDeltaRuleGrads(**{name: grads[name] for name in ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")})

@@ -9,7 +9,9 @@ on the fused grid (one where there is no walk).
    the state entering every chunk and the chunk's inverse, which the gradients kernel then need not
    compute; otherwise the state leaving every segment but the last, walking those alone (as simple_gla's fused
    backward), and no walk at all where one segment is the whole sequence: the gradients kernel walks each segment's
-   chunks for their states from the one entering it.
+   chunks for their states from the one entering it. Under ``grad`` or ``vjp`` the forward kernel has written what this
+   walk would (``residuals``, ``grid.handed_on``: the forward's own states and inverses, ``Implementation.residuals``),
+   and no walk runs: one segment reads the forward's inverses, more read its states too.
 2. **gradients**: the grid's time axis reversed (``grid.reversed_in_time``; nothing flipped or
    copied). A step's gradients are the VJPs of the forward's own chunk functions, taken by ``jax.vjp`` inside
    the kernel at the chunks' inputs and entering states (``_step_gradients``), in three passes: every chunk's
@@ -51,8 +53,9 @@ from tops_core.ops.kda import Activations, KDAGrads
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
-    Chunk, backward_geometry, entering_segment, finish_state_gradient, reversed_in_time, segment_ends, segment_entering_state,
-    segments_but_the_last, start_state_gradient, state_checkpoints, state_gradient, step_chunks,
+    Chunk, backward_geometry, by_step, chunk_inverses, entering_segment, finish_state_gradient, reversed_in_time, segment_ends,
+    segment_entering_state, segments_but_the_last, start_state_gradient, state_checkpoints, state_gradient, step_chunks,
+    walks_every_chunk,
 )
 from tops_plugins_tpu_pallas.kda import fused
 from tops_plugins_tpu_pallas.kda.chunkwise import KDA, fine_block_size, prepared_queries_keys, with_wy
@@ -93,12 +96,14 @@ def _per_head_sums(name: str, geometry: Geometry, width: int) -> Blocked:
 def plans(
     geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None, output_final_state: bool = False,
     use_qk_l2norm: bool = False, activations: Activations = Activations(), with_A_log: bool = False, dt_bias_dtype=None,
-    num_seqs: int | None = None, recurrence: Recurrence = KDA,
+    num_seqs: int | None = None, recurrence: Recurrence = KDA, handed_on: frozenset[str] = frozenset(),
 ) -> tuple[LaunchPlan, ...]:
     """The checkpoints and gradients plans of one call, or the gradients plan alone where there is no walk
-    (``walks_every_chunk``); ``output_final_state``: a ``dht`` is given; ``num_seqs``: a packed
-    call (``B == 1``) of that many sequences, whose per-sequence ``initial_state``, ``dht`` and ``dinitial_state`` sit in
-    HBM and move by DMA where each sequence starts or ends; the other arguments as ``fused.plans``'."""
+    (``walks_every_chunk``, or the forward handed on what it would write: ``handed_on``, ``"checkpoints"`` and
+    ``"inverses"``, read by the gradients kernel as the walk's); ``output_final_state``: a ``dht`` is given;
+    ``num_seqs``: a packed call (``B == 1``) of that many sequences, whose per-sequence ``initial_state``, ``dht`` and
+    ``dinitial_state`` sit in HBM and move by DMA where each sequence starts or ends; the other arguments as
+    ``fused.plans``'."""
     geometry = backward_geometry(geometry)
     packed = num_seqs is not None
     every_chunk = walks_every_chunk(recurrence, geometry, packed)
@@ -114,15 +119,18 @@ def plans(
     walk = dataclasses.replace(
         forward, name=f"{recurrence.op}_backward_checkpoints", inputs=tuple(x for x in forward.inputs if x.name != "q"),
     )
+    inverses = (chunk_inverses(geometry, dtype),) if recurrence.delta_rule else ()
     if every_chunk:
-        walked = (state_checkpoints(geometry), *([chunk_inverses(geometry, dtype)] if recurrence.delta_rule else []))
+        walked = (state_checkpoints(geometry), *inverses)
         walk, read = dataclasses.replace(walk, outputs=walked), [steps(x) for x in walked]
+        if {x.name for x in walked} <= handed_on:
+            walked = ()
     elif geometry.time_steps > 1:
         walked = (segment_ends(geometry),)
         walk = dataclasses.replace(walk, outputs=walked, grid=blocks.grid(segments_but_the_last(geometry)))
         read = [steps(entering_segment(geometry))]
-    else:
-        walked, read = (), []
+    else:  # one segment, its states walked in the gradients kernel: the forward's inverses read, if it handed them on
+        walked, read = (), [steps(x) for x in inverses if x.name in handed_on]
     # The forward's inputs (but the initial state where the checkpoints hold it); dt_bias's block ignores the time step.
     inputs = [steps(x) for x in forward.inputs if x.name != "initial_state" or not (every_chunk or packed)]
     inputs += [steps(blocks.value_rows("do", geometry, dtype)), *read]
@@ -172,38 +180,6 @@ def plans(
     gradients = grid.grid_plan(name, geometry, forward.scalars, inputs, outputs, work, body, scratch=scratch)
     gradients = gradients if geometry.groups == 1 else _over_the_group(gradients, geometry)
     return (walk, gradients) if walked else (gradients,)
-
-
-def walks_every_chunk(recurrence: Recurrence, geometry: Geometry, packed: bool) -> bool:
-    """Whether the backward's first walk writes the state entering every chunk (and with the delta rule its inverse), or
-    else the state leaving every segment (grid step) but the last, the gradients kernel walking each segment's chunks
-    for their states from it, as simple_gla's fused backward does: no walk at all where one segment is the sequence.
-
-    Per chunk with the delta rule over more than one segment, or packed: the walk then hands on the inverses, which the
-    gradients kernel would compute again where it walks the states itself. Modelled at the bench's shape (B=2 H=8
-    K=V=128 bf16), the backward's kernels against the floor, walking every chunk -> walking the segments: gla any gates
-    v6e 3.74x -> 3.23x, v5e (four segments) 3.12x -> 2.82x; gated_delta_rule v6e (one segment) 6.40x -> 5.71x, but v5e
-    (two segments of 2048) 4.64x -> 5.08x; packed gla (16 sequences, T=8192, v6e) 3.85x -> 3.57x, its sequences'
-    initial states entering the gradients kernel's walk as they enter its VJPs (``PackedChunk.entering``, once for
-    both). Per chunk for kda always: its per-key inverse's levels in the gradients kernel outgrow VMEM (v6e, K = V = 256
-    float32, T=1000: Mosaic asked for 132 MiB of 128), though at K = V = 128 one segment gained (T=2048 on v6e, 7.66x
-    -> 6.69x)."""
-    return recurrence.delta_rule and (recurrence.gate_per_key or packed or geometry.time_steps > 1)
-
-
-def chunk_inverses(geometry: Geometry, dtype) -> Blocked:
-    """Each chunk's ``(I + diag(beta) Akk)^-1`` as the walk computes it, ``[B, HV, steps, chunks per step, C, C]``, in the
-    dtype its products round it to (``mxu_operand_dtype``: bf16 for bf16 inputs, so nothing is lost): the gradients
-    kernel reads it (``chunkwise.inverses_of``'s ``known``) rather than recomputing it, ``2 C`` or ``4 C`` bytes per token."""
-    g, C = geometry, geometry.chunk_size
-
-    def step_inverses(b, h, tile, t, *_):
-        return (b, h, t, 0, 0, 0)
-
-    return Blocked(
-        "inverses", (g.batch, g.heads, g.time_steps, g.chunks_per_step, C, C), mxu_operand_dtype(dtype),
-        (None, None, None, g.chunks_per_step, C, C), step_inverses,
-    )
 
 
 GROUP_WIDE = ("dinitial_state", "dA_log", "ddt_bias")
@@ -483,28 +459,32 @@ def _kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2
 def backward(
     q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm,
     use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
-    config: KdaFusedConfig,
+    config: KdaFusedConfig, residuals=None,
 ) -> KDAGrads:
     """The ``Backward`` protocol of ``tops_core.ops.kda``: unpacked (fused's), or packed (``cu_seqlens`` given, ``B == 1``: varlen's)."""
     activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True)
     return KDAGrads(**gradients(
         q, k, v, g, beta, do, scale=scale, initial_state=initial_state, dht=dht, cu_seqlens=cu_seqlens,
         use_qk_l2norm=use_qk_l2norm, activations=activations, A_log=A_log, dt_bias=dt_bias, config=config, recurrence=KDA,
+        residuals=residuals,
     ))
 
 
 def gradients(
     q, k, v, g, beta, do, *, scale, initial_state, dht, cu_seqlens, use_qk_l2norm, config, recurrence: Recurrence,
-    activations: Activations = Activations(), A_log=None, dt_bias=None,
+    activations: Activations = Activations(), A_log=None, dt_bias=None, residuals=None,
 ) -> dict[str, jax.Array | None]:
     """Every gradient of a call of ``recurrence``'s op by name, in the caller's shapes and dtypes: ``dq``, ``dk``, ``dv``,
     ``dg``, ``dbeta`` (with the delta rule), ``dinitial_state``, ``dA_log`` and ``ddt_bias`` (None where there is no
-    such input); unpacked, or packed (``cu_seqlens`` given, ``B == 1``)."""
+    such input); unpacked, or packed (``cu_seqlens`` given, ``B == 1``). ``residuals``: what the forward handed on
+    (``handed_on``), read where it fits this backward's chunks, else recomputed."""
     B, T, H, K = q.shape
     value_heads, V = v.shape[2:]
     num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    unfitted = geometry_of(B, T, value_heads, K, V, config, value_heads // H, backward=True)
+    residuals = _fitting(residuals or {}, unfitted)
     geometry, (*walk, gradients_plan), run = launch.prepare(
-        plans, geometry_of(B, T, value_heads, K, V, config, value_heads // H, backward=True), q.dtype, config.interpret,
+        plans, unfitted, q.dtype, config.interpret, handed_on=frozenset(residuals),
         gate_dtype=g.dtype, beta_dtype=None if beta is None else beta.dtype,
         initial_state_dtype=None if initial_state is None else initial_state.dtype, output_final_state=dht is not None,
         use_qk_l2norm=use_qk_l2norm, activations=activations, with_A_log=A_log is not None,
@@ -520,6 +500,8 @@ def gradients(
     if cu_seqlens is not None:
         arrays.update(fused.packed_operands(cu_seqlens, T, geometry.chunk_size))
     static = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence)
+    read = {x.name for x in gradients_plan.inputs}
+    arrays.update({name: by_step(x, geometry) for name, x in residuals.items() if name in read})
     checkpoints = run(walk[0], fused.kernel, arrays, **static) if walk else {}
     wy = recurrence.delta_rule and fused.wy_gradients_of(config, launch.Target.lowered_for().chip)
     results = run(gradients_plan, _kernel, {**arrays, **checkpoints}, **static, wy=wy)
@@ -527,6 +509,16 @@ def gradients(
     if cu_seqlens is not None and initial_state is not None:
         grads["dinitial_state"] = with_empty_sequences(grads["dinitial_state"], cu_seqlens, dht)
     return grads
+
+
+def _fitting(residuals: dict[str, jax.Array], geometry: Geometry) -> dict[str, jax.Array]:
+    """The forward's residuals (``grid.by_chunk``) that fit a backward at ``geometry``: its chunks, of its size."""
+    g = geometry
+    shapes = {
+        "checkpoints": (g.batch, g.heads, g.num_chunks, g.padded_key_dim, g.padded_value_dim),
+        "inverses": (g.batch, g.heads, g.num_chunks, g.chunk_size, g.chunk_size),
+    }
+    return {name: x for name, x in residuals.items() if tuple(x.shape) == shapes.get(name)}
 
 
 def _caller_gradients(results, q, g, beta, initial_state, A_log, dt_bias, geometry: Geometry) -> dict[str, jax.Array | None]:

@@ -25,7 +25,8 @@ KDA's own inputs, read in place:
 
 Its backward (``kda/backward.py``) runs this kernel again for the state entering every chunk (``checkpoints`` in
 place of ``o``), then the VJPs of a step's pieces (``activated_gate_and_strength``, the recurrence's ``factors`` and
-``through_state``) in reverse.
+``through_state``) in reverse. Under ``grad`` or ``vjp`` the forward writes those states, and each chunk's inverse, beside
+``o`` (``residuals=True``, ``hands_on``), and its backward runs no walk.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from tops_core.tpu.generations import GENERATIONS
 
 from tops_plugins_tpu_pallas import blocks, grid, launch
 from tops_plugins_tpu_pallas.grid import (
-    Chunk, Work, chunks_of_the_grid, finish_sequence, geometry_of, pool_aliases, pool_states, sequence_states, start_sequence,
-    state_buffers, state_rows, step_chunks,
+    Chunk, Work, chunk_inverses, chunks_of_the_grid, finish_sequence, geometry_of, handed_on, pool_aliases, pool_states,
+    sequence_states, start_sequence, state_buffers, state_checkpoints, state_rows, step_chunks,
 )
 from tops_plugins_tpu_pallas.config import CHUNK_SIZES, check_common_fields
 from tops_plugins_tpu_pallas.kda.chunkwise import KDA, chunk_steps
@@ -155,7 +156,7 @@ def plans(
     geometry: Geometry, dtype, *, gate_dtype=None, beta_dtype=None, initial_state_dtype=None,
     output_final_state: bool = False, use_qk_l2norm: bool = False, activations: Activations = Activations(),
     with_A_log: bool = False, dt_bias_dtype=None, num_seqs: int | None = None, pool_rows: int | None = None,
-    recurrence: Recurrence = KDA,
+    recurrence: Recurrence = KDA, hands_on: tuple[str, ...] = (),
 ) -> tuple[LaunchPlan]:
     """The (single) launch plan of one call of ``recurrence``'s op; ``initial_state_dtype`` and ``dt_bias_dtype`` None when
     there is no such input, ``with_A_log`` whether ``A_log`` is given.
@@ -167,7 +168,8 @@ def plans(
     VMEM are the unpacked kernel's at ``B = 1``, and its
     per-sequence states sit in HBM, moved through VMEM buffers, their work counted per sequence. With
     ``pool_rows``, packed or not, the states are rows of a pool of that many rows, moved so and updated in place
-    (``grid.state_rows``).
+    (``grid.state_rows``). ``hands_on``: what it writes for its backward besides (``grid.handed_on``), the state entering
+    every chunk (``"checkpoints"``) and every chunk's inverse (``"inverses"``), as the backward's walk writes them.
     """
     scalars = [Scalars("A_log", (geometry.heads,), jnp.float32)] if with_A_log else []
     if num_seqs is not None:
@@ -185,6 +187,8 @@ def plans(
     if dt_bias_dtype is not None:
         inputs.append(_gate_bias(geometry, dt_bias_dtype))
     outputs = [blocks.value_rows("o", geometry, dtype)]
+    outputs += [{"checkpoints": state_checkpoints, "inverses": functools.partial(chunk_inverses, dtype=dtype)}[name](geometry)
+                for name in hands_on]
     scratch = None
     if num_seqs is None and pool_rows is None:
         if initial_state_dtype is not None:
@@ -310,19 +314,34 @@ def kernel(*refs, plan: LaunchPlan, geometry: Geometry, scale: float, use_qk_l2n
 def forward(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
     use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
-    config: KdaFusedConfig, ssm_state_indices=None,
+    config: KdaFusedConfig, ssm_state_indices=None, residuals: bool = False,
 ):
     """The ``Forward`` protocol of ``tops_core.ops.kda`` (``cu_seqlens`` is rejected by the capabilities).
 
     The op always passes every argument; the gate's and beta's default to off (g and beta as given) for direct callers.
-    A state pool (``ssm_state_indices``) is served in place (``Implementation.serves_pools``)."""
+    A state pool (``ssm_state_indices``) is served in place (``Implementation.serves_pools``). ``residuals``: also
+    return what the backward would recompute (``Implementation.residuals``, ``residuals_to_hand_on``)."""
     del cu_seqlens
     return pool_states(
         run, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm,
         activations=Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True),
         A_log=A_log, dt_bias=dt_bias, config=config, ssm_state_indices=ssm_state_indices,
+        hands_on=residuals_to_hand_on(q, v, config, KDA, packed=False) if residuals else None,
     )
+
+
+def residuals_to_hand_on(q, v, config, recurrence: Recurrence, packed: bool, backward_config=None) -> tuple[str, ...]:
+    """What a forward asked for its residuals hands on (``grid.handed_on``, at the backward's geometry, ``backward_config``
+    where that is not ``config``): nothing where the backward's chunks are not the forward's, nor where the forward's
+    grid splits the values into blocks (``full_values`` off), whose grid points hold no whole state."""
+    B, T, H, K = q.shape
+    value_heads, V = v.shape[2:]
+    forward = geometry_of(B, T, value_heads, K, V, config, value_heads // H)
+    backward = geometry_of(B, T, value_heads, K, V, backward_config or config, value_heads // H, backward=True)
+    if backward.chunk_size != forward.chunk_size or not forward.full_values:
+        return ()
+    return handed_on(recurrence, backward, packed)
 
 
 def gate_operands(g, beta, A_log, dt_bias, geometry: Geometry, recurrence: Recurrence) -> dict:
@@ -373,16 +392,18 @@ def packed_operands(cu_seqlens: jax.Array, seq_len: int, chunk_size: int) -> dic
 def run(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm, activations: Activations = Activations(),
     A_log=None, dt_bias=None, config, cu_seqlens=None, ssm_state_indices=None, recurrence: Recurrence = KDA,
+    hands_on: tuple[str, ...] | None = None,
 ):
     """One launch of ``recurrence``'s kernel: unpacked, or (``cu_seqlens`` given, ``B == 1``) packed, ``kda/varlen.py``'s,
-    its states perhaps rows of a pool (``ssm_state_indices``); ``beta`` None without the delta rule."""
+    its states perhaps rows of a pool (``ssm_state_indices``); ``beta`` None without the delta rule. ``hands_on``: a
+    forward asked for its residuals (``grid.run``'s ``hands_on``; perhaps none): ``((o, final_state), residuals)``."""
     geometry = geometry_of(*q.shape, v.shape[-1], config)
     operands = gate_operands(g, beta, A_log, dt_bias, geometry, recurrence)
     num_seqs = None
     if cu_seqlens is not None:
         num_seqs = cu_seqlens.shape[0] - 1
         operands.update(packed_operands(cu_seqlens, q.shape[1], geometry.chunk_size))
-    return grid.run(
+    results = grid.run(
         functools.partial(kernel, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence),
         functools.partial(
             plans, beta_dtype=None if beta is None else beta.dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
@@ -390,5 +411,6 @@ def run(
             recurrence=recurrence,
         ),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        config=config, operands=operands, ssm_state_indices=ssm_state_indices,
+        config=config, operands=operands, ssm_state_indices=ssm_state_indices, hands_on=hands_on or (),
     )
+    return (results, {}) if hands_on == () else results

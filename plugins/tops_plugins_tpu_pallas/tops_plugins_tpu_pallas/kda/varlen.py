@@ -24,6 +24,7 @@ from tops_core.ops.kda import Activations
 
 from tops_plugins_tpu_pallas import launch
 from tops_plugins_tpu_pallas.kda import fused
+from tops_plugins_tpu_pallas.kda.chunkwise import KDA
 from tops_plugins_tpu_pallas.kda.fused import KdaFusedConfig, geometry_of
 from tops_plugins_tpu_pallas.layout import Geometry
 from tops_plugins_tpu_pallas.plan import LaunchPlan
@@ -46,29 +47,31 @@ def fitted_plans(geometry: Geometry, dtype, num_seqs: int, *, target: launch.Tar
 def forward(
     q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
     use_gate=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid=False, allow_neg_eigval=False,
-    config: KdaFusedConfig, ssm_state_indices=None,
+    config: KdaFusedConfig, ssm_state_indices=None, residuals: bool = False,
 ):
     """The ``Forward`` protocol of ``tops_core.ops.kda`` for packed input (``B == 1``, ``cu_seqlens`` given), a state pool
-    served in place (``Implementation.serves_pools``)."""
+    served in place (``Implementation.serves_pools``); ``residuals`` as ``fused.forward``'s."""
     activations = Activations.of(use_gate, lower_bound, use_beta_sigmoid, allow_neg_eigval, keep_promise=True)
     return pool_states(
         run, q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=use_qk_l2norm, activations=activations, A_log=A_log, dt_bias=dt_bias, config=config, cu_seqlens=cu_seqlens,
         ssm_state_indices=ssm_state_indices,
+        hands_on=fused.residuals_to_hand_on(q, v, config, KDA, packed=True) if residuals else None,
     )
 
 
-def run(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, ssm_state_indices, **options):
+def run(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, ssm_state_indices, hands_on=None, **options):
     """``fused.run`` over packed sequences (any ``recurrence`` among ``options``), an empty sequence's final state its
-    initial state."""
+    initial state; with ``hands_on`` (not None) ``fused.run``'s residuals after the outputs."""
     if cu_seqlens is None:
         raise ValueError("tpu_pallas.varlen takes packed calls only: cu_seqlens is required")
     if q.shape[0] != 1:
         raise ValueError(f"a packed call has B == 1, got q of shape {q.shape}")
-    o, final_state = fused.run(
+    results = fused.run(
         q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        ssm_state_indices=ssm_state_indices, **options,
+        ssm_state_indices=ssm_state_indices, hands_on=hands_on, **options,
     )
-    if final_state is None or ssm_state_indices is not None:  # a pool: an empty sequence's row is as it was
-        return o, final_state
-    return o, with_empty_sequences(final_state, cu_seqlens, initial_state)
+    (o, final_state), residuals = results if hands_on is not None else (results, None)
+    if final_state is not None and ssm_state_indices is None:  # a pool: an empty sequence's row is as it was
+        final_state = with_empty_sequences(final_state, cu_seqlens, initial_state)
+    return (o, final_state) if hands_on is None else ((o, final_state), residuals)
