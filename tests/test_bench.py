@@ -5,6 +5,7 @@ import io
 import json
 import re
 
+import jax
 import pytest
 
 import tops_plugins_ref
@@ -472,3 +473,36 @@ def test_the_modelled_backward_takes_the_final_states_cotangent_where_the_worklo
     assert do.shape == (B, 24, 2, 8)
     assert [x.shape for x in dht] == ([final_state] if final_state else [])
     assert all(str(x.dtype) == "float32" for x in dht)
+
+
+def test_the_modelled_training_step_hands_the_backward_what_the_forward_wrote():
+    # kda's Pallas forward hands its backward every chunk's state and inverse (Implementation.residuals): the model's
+    # backward takes them as parameters, and its training forward writes them, so neither is counted twice or left out.
+    pytest.importorskip("libtpu", reason="compiling for TPU without one needs libtpu (the test extra installs it)")
+    from tops_core.tpu import compile_only
+    from tops_core.tpu import model as tpu_model
+
+    case = bench.workload("kda", (1, 256, 2, 128, 128), "bfloat16", ["use_qk_l2norm"])
+    training, arrays = tpu_model.program(bench.case_json(case), "tpu_pallas.fused", "training", chip="v6e")
+    with jax.default_device(compile_only.device("v6e")):  # as compile_only.lower_for traces it
+        _, written = jax.eval_shape(training, arrays)
+    _, pullback, do = tpu_model.program(bench.case_json(case), "tpu_pallas.fused", "backward", chip="v6e")
+    inputs = sorted(x.shape for x in jax.tree.leaves(arrays))
+    handed_on = sorted(x.shape for x in jax.tree.leaves(pullback))
+    assert handed_on == sorted(x.shape for x in written)
+    for shape in inputs:
+        handed_on.remove(shape)
+    assert handed_on == [(1, 2, 2, 128, 128), (1, 2, 2, 128, 128)]  # chunks of 128 on v6e: two states, two inverses
+
+
+def test_a_training_step_in_a_layer_takes_the_forward_kernels_that_write_what_they_hand_on():
+    from tops_core.tpu import model as tpu_model
+
+    def kernel(seconds):
+        return dataclasses.replace(kernel_issuing(1, ("vector ALU", 1)), issue_seconds=seconds)
+
+    layer, backward = tpu_model.Setting(0, 0, 0.5, 3.0), tpu_model.Setting(1, 0, 0.25, 4.25)
+    inference = tpu_model.Modelled("x", (kernel(2.0),), layer, layer, 0, 0, (kernel(4.0),), backward)
+    assert inference.forward_backward_in_a_layer == 3.0 + 4.0
+    training = dataclasses.replace(inference, training_kernels=(kernel(2.5),))
+    assert training.forward_backward_in_a_layer == 3.0 + 0.5 + 4.0

@@ -26,8 +26,10 @@ them (read off the compiled program) at HBM bandwidth, in two settings:
   them per token) comes from ``x @ W`` reshaped to heads, and ``o`` is reshaped back and projected, as in
   a model.
 
-An implementation with its own backward is modelled backward too: its backward alone (``op.backward``,
-with the final state's cotangent ``dht`` when the workload outputs the final state; its kernels modelled the same way), against the backward's floor, which reads ``q``, ``k``, ``v``,
+An implementation with its own backward is modelled backward too: its backward alone as a training step runs it (the
+pullback of ``jax.vjp``, given the inputs and what the forward hands on, ``Implementation.residuals``; with the final
+state's cotangent ``dht`` when the workload outputs the final state; its kernels modelled the same way), against the
+backward's floor, which reads ``q``, ``k``, ``v``,
 ``do`` and writes ``dq``, ``dk``, ``dv`` once, and reads each gate given per token (``g``, kda's ``beta``) and
 writes its gradient; any other gradient, and recomputing the forward's states, is above it.
 
@@ -130,7 +132,9 @@ class Setting:
 class Modelled:
     """One implementation compiled for the TPU: its kernels, the op alone and in a layer, and XLA's cost analysis of it alone.
 
-    ``backward_kernels`` and ``backward`` (alone): its own backward's, when it has one.
+    ``backward_kernels`` and ``backward`` (alone): its own backward's, when it has one. ``training_kernels``: the forward's
+    kernels as a training step runs them, where they differ (writing what the forward hands the backward,
+    ``Implementation.residuals``); ``forward_backward_in_a_layer``: a training step's modelled time in a layer.
     """
 
     implementation: str
@@ -141,6 +145,13 @@ class Modelled:
     xla_flops: float
     backward_kernels: tuple[KernelModel, ...] = ()
     backward: Setting | None = None
+    training_kernels: tuple[KernelModel, ...] = ()
+
+    @property
+    def forward_backward_in_a_layer(self) -> float:
+        """The forward in a layer, its kernels as a training step runs them, and the backward's kernels."""
+        training = sum(k.seconds for k in self.training_kernels) - sum(k.seconds for k in self.kernels) if self.training_kernels else 0.0
+        return self.in_a_layer.seconds + training + self.backward.seconds - self.backward.copy_seconds
 
     @property
     def limit(self) -> str:
@@ -239,7 +250,7 @@ def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = Non
             for impl in candidates:
                 def compiled(setting: str, arm: str = fast_paths.GENERAL) -> compile_only.Dumped:
                     return compiler.compile(generation, f"{__name__}:program", case=case_json(case), implementation=impl.name,
-                                            setting=setting, arm=arm)
+                                            setting=setting, arm=arm, chip=generation)
 
                 try:
                     alone = compiled("alone")
@@ -247,7 +258,10 @@ def model(case: Case, generation: str = "v6e", names: Sequence[str] | None = Non
                         not_modelled.append((impl.name, NO_TPU_KERNEL))
                         continue
                     own_backward = impl.backward is not None and not impl.reasons(spec, "backward")
-                    settings = ("alone", "in a layer", "backward" if own_backward else None)
+                    # An implementation whose forward hands its backward residuals runs another forward kernel in a training
+                    # step: the same, writing them too.
+                    training = own_backward and impl.residuals
+                    settings = ("alone", "in a layer", "backward" if own_backward else None, "training" if training else None)
                     dumped = (alone, *(None if setting is None else compiled(setting) for setting in settings[1:]))
                     # A kernel that chooses fast paths from its data: its general sides above, each fast arm in a row of
                     # its own, named "implementation (arm)": what inputs that take it cost.
@@ -271,7 +285,10 @@ def tpu_spec(case: Case, generation: str) -> CallSpec:
     return dataclasses.replace(case.spec("tpu", interpret=False), chip=generation)
 
 
-def _modelled(name: str, tpu: TpuGeneration, share: float, alone: compile_only.Dumped, in_layer: compile_only.Dumped, backward: compile_only.Dumped | None) -> Modelled:
+def _modelled(
+    name: str, tpu: TpuGeneration, share: float, alone: compile_only.Dumped, in_layer: compile_only.Dumped,
+    backward: compile_only.Dumped | None, training: compile_only.Dumped | None,
+) -> Modelled:
     bandwidth, peak = tpu.hbm_bytes_per_second * share, tpu.peak_bf16_flops * share
 
     def kernels_of(dumped: compile_only.Dumped) -> tuple[KernelModel, ...]:
@@ -287,7 +304,10 @@ def _modelled(name: str, tpu: TpuGeneration, share: float, alone: compile_only.D
     if backward is None:
         return modelled
     backward_kernels = kernels_of(backward)
-    return dataclasses.replace(modelled, backward_kernels=backward_kernels, backward=setting(backward.facts, backward_kernels))
+    return dataclasses.replace(
+        modelled, backward_kernels=backward_kernels, backward=setting(backward.facts, backward_kernels),
+        training_kernels=() if training is None else kernels_of(training),
+    )
 
 
 def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwidth: float, peak: float) -> KernelModel:
@@ -314,12 +334,15 @@ def _kernel(tpu: TpuGeneration, kernel: llo.DumpedKernel, hbm_bytes: int, bandwi
     )
 
 
-def program(case: dict[str, Any], implementation: str, setting: str, arm: str = fast_paths.GENERAL) -> tuple[Any, ...]:
-    """The workload's forward forced to ``implementation``, alone or in a layer, or its backward alone, and the
-    abstract arguments (``DumpingCompiler``'s factory); every kernel's choices traced alone as ``arm`` has them
-    (``fast_paths.assume``)."""
-    function, *arguments = _program(case, implementation, setting)
+def program(
+    case: dict[str, Any], implementation: str, setting: str, arm: str = fast_paths.GENERAL, chip: str | None = None,
+) -> tuple[Any, ...]:
+    """The workload's forward forced to ``implementation``, alone or in a layer, or its backward alone as a training step
+    runs it, and the abstract arguments (``DumpingCompiler``'s factory) for a ``chip`` TPU (a generation); every kernel's choices
+    traced alone as ``arm`` has them (``fast_paths.assume``)."""
     jax.clear_caches()  # the op's inner programs were traced under whichever arm the previous compile assumed
+    with fast_paths.assume(arm):  # the backward's arguments come from tracing the forward (what it hands on)
+        function, *arguments = _program(case, implementation, setting, chip)
 
     def traced(*args):
         with fast_paths.assume(arm):
@@ -328,24 +351,33 @@ def program(case: dict[str, Any], implementation: str, setting: str, arm: str = 
     return (traced, *arguments)
 
 
-def _program(case: dict[str, Any], implementation: str, setting: str) -> tuple[Any, ...]:
+def _program(case: dict[str, Any], implementation: str, setting: str, chip: str | None = None) -> tuple[Any, ...]:
     case = Case(**{
         **case, "features": frozenset(case["features"]), "ndims": tuple(tuple(pair) for pair in case["ndims"]),
         "seqlens": None if case["seqlens"] is None else tuple(case["seqlens"]),
         "config": tuple(tuple(pair) for pair in case["config"]),
     })
     arrays, static = _arguments(case)
+    forward = functools.partial(op(case.op).forward, **static, implementation=implementation)
+    if setting == "training":  # the forward as a training step runs it, with what it hands the backward
+        def training(arrays):
+            outputs, pullback = jax.vjp(lambda arrays: forward(**arrays), arrays)
+            return outputs, jax.tree.leaves(pullback)
+
+        return (training, arrays)
     if setting == "backward":
-        options = {name: value for name, value in static.items() if name != "output_final_state"}
-        backward = functools.partial(op(case.op).backward, **options, implementation=implementation)
+        # As a training step runs it: the pullback of jax.vjp, whose leaves (the program's parameters) are the inputs and
+        # whatever else the forward hands on (Implementation.residuals).
+        # Traced for the chip, as compile_only.lower_for traces the program, so the forward hands on what it would there.
+        with contextlib.nullcontext() if chip is None else jax.default_device(compile_only.device(chip)):
+            pullback = jax.eval_shape(lambda arrays: jax.vjp(lambda arrays: forward(**arrays), arrays)[1], arrays)
         do = jax.ShapeDtypeStruct((case.batch, case.seq_len, case.value_heads, case.value_dim), jnp.dtype(case.dtype))
         if not static.get("output_final_state"):
-            return (lambda arrays, do: backward(**arrays, do=do), arrays, do)
+            return (lambda pullback, do: pullback((do, None)), pullback, do)
         # The final state is an output: under grad its cotangent reaches the backward (zeros where nothing uses it).
         num_seqs = case.batch if case.seqlens is None else len(case.seqlens)
         dht = jax.ShapeDtypeStruct((num_seqs, case.value_heads, case.key_dim, case.value_dim), state_dtype(case.dtype))
-        return (lambda arrays, do, dht: backward(**arrays, do=do, dht=dht), arrays, do, dht)
-    forward = functools.partial(op(case.op).forward, **static, implementation=implementation)
+        return (lambda pullback, do, dht: pullback((do, dht)), pullback, do, dht)
     if setting == "alone":
         return (lambda arrays: forward(**arrays), arrays)
     return in_a_layer(forward, arrays)
@@ -415,7 +447,8 @@ def format_model(model: TpuModel) -> str:
     lines = [title, ""]
     kernels = [("implementation", "pass", "kernel", "B/token", "cycles/token", "MXU rows/token", "HBM", "issue", "MXU", "modelled", "limit")]
     for row in model.rows:
-        passes = [("forward", kernel) for kernel in row.kernels] + [("backward", kernel) for kernel in row.backward_kernels]
+        passes = [("forward", kernel) for kernel in row.kernels] + [("training", kernel) for kernel in row.training_kernels]
+        passes += [("backward", kernel) for kernel in row.backward_kernels]
         for index, (direction, kernel) in enumerate(passes):
             kernels.append((
                 row.implementation if index == 0 else "", direction, kernel.name, f"{kernel.hbm_bytes / tokens:.0f}",
@@ -442,7 +475,7 @@ def format_model(model: TpuModel) -> str:
                 f"{row.backward.bytes / tokens:.0f} ({row.backward.bytes / model.backward_floor_bytes:.2f}x)",
                 f"{_time(row.backward.seconds)} ({row.backward.seconds / model.backward_floor_seconds:.2f}x)",
                 f"{_time(kernels_seconds)} ({kernels_seconds / model.backward_floor_seconds:.2f}x)",
-                _time(row.in_a_layer.seconds + kernels_seconds),
+                _time(row.forward_backward_in_a_layer),
             ))
     if len(backwards) > 1:
         lines += [*_table(backwards), ""]
@@ -460,7 +493,9 @@ def format_model(model: TpuModel) -> str:
         lines.append(
             "Backward (an implementation's own): alone, its kernels and the copies around them; (x) is against its floor "
             f"({model.backward_floor_moves}): {model.backward_floor_bytes / tokens:.0f} B/token, {_time(model.backward_floor_seconds)}. "
-            "Forward+backward in a layer: the forward in a layer and the backward's kernels."
+            "Forward+backward in a layer: the forward in a layer and the backward's kernels"
+            + ("; a training row's forward kernels write what they hand the backward, in place of the forward's."
+               if any(row.training_kernels for row in model.rows) else ".")
         )
     lines += [f"{name}: not modelled, {why}." for name, why in model.not_modelled]
     return "\n".join(lines)
@@ -503,6 +538,8 @@ def model_json(model: TpuModel) -> dict[str, Any]:
                 },
                 "kernels_seconds": row.backward.seconds - row.backward.copy_seconds,
                 "kernels_times_floor": (row.backward.seconds - row.backward.copy_seconds) / model.backward_floor_seconds,
+                "training_forward_kernels": [_kernel_json(kernel, model.tokens) for kernel in row.training_kernels],
+                "forward_backward_in_a_layer_seconds": row.forward_backward_in_a_layer,
             },
         })
     return document
