@@ -52,7 +52,7 @@ import jax.numpy as jnp
 
 from tops_core import KDAGrads
 from tops_core.ops.base import state_dtype
-from tops_core.ops.kda import Activations, l2norm
+from tops_core.ops.kda import l2norm
 from tops_plugins_xla.chunk_layout import ChunkLayout, dense_layout, packed_layout
 from tops_plugins_xla import intra, intra_per_head
 from tops_plugins_xla.sweep import einsum, flat_states, forward_sweep, heads_first, put, reverse_sweep
