@@ -381,6 +381,37 @@ def test_config_names_the_bad_field():
         kda_fused.KdaFusedConfig(full_values=1)
     with pytest.raises(TypeError, match="wy_gradients"):
         kda_fused.KdaFusedConfig(wy_gradients=1)
+    with pytest.raises(TypeError, match="keep_residuals"):
+        kda_fused.KdaFusedConfig(keep_residuals=1)
+
+
+@pytest.mark.parametrize("op_name", ["kda", "gated_delta_rule"])
+def test_a_training_step_keeps_the_forwards_residuals_unless_the_config_says(op_name):
+    # Under grad the forward writes what the backward's walk would (T = 640: five chunks of 128, more than one segment for
+    # gated_delta_rule too), and the backward runs no walk; with keep_residuals off it walks again (the kit checks the
+    # gradients of both paths: op.backward alone recomputes as this does).
+    S = jax.ShapeDtypeStruct
+    B, T, H, K, V = 1, 640, 2, 128, 128
+    per_key = op_name == "kda"
+    shapes = dict(
+        q=S((B, T, H, K), jnp.bfloat16), k=S((B, T, H, K), jnp.bfloat16), v=S((B, T, H, V), jnp.bfloat16),
+        g=S((B, T, H, K) if per_key else (B, T, H), jnp.float32), beta=S((B, T, H), jnp.float32),
+    )
+    config = dict(num_steps=2)
+
+    def kernels(**overrides):
+        def loss(arrays):
+            implementation = ("tpu_pallas.fused", {**config, **overrides})
+            o, _ = tops_core.op(op_name).forward(**arrays, use_qk_l2norm=True, implementation=implementation)
+            return jnp.sum(o.astype(jnp.float32) ** 2)
+
+        # Traced with a TPU as the default device, as on a TPU host: the host's decision keeps the residuals.
+        with jax.default_device(compile_only.device("v6e")):
+            text = jax.jit(jax.grad(loss)).trace(shapes).lower(lowering_platforms=("tpu",)).as_text()
+        return text.count("tpu_custom_call")
+
+    assert kernels() == 1 + 1  # the forward, writing the states and inverses too; the gradients kernel
+    assert kernels(keep_residuals=False) == 1 + 2  # the walk again
 
 
 def test_the_wy_gradients_are_taken_on_a_256_wide_mxu_unless_the_config_says():

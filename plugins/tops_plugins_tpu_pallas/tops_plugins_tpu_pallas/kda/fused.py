@@ -93,7 +93,12 @@ class KdaFusedConfig:
     not per 128-lane value tile). ``wy_gradients`` (the delta rule's backward; gla has no solve to replace): the
     gradients kernel differentiates each chunk in flash-linear-attention's WY form (``kda.backward``); None: where the
     chip lowered for has a 256-wide MXU (``WY_GRADIENTS_MXU``), the solve elsewhere and in the interpreter.
-    ``interpret``: as ``FusedConfig``'s.
+    ``keep_residuals`` (the delta rule's): under ``grad`` the forward hands its backward each chunk's inverse (``2 C``
+    bytes per token and value head in bf16) and, where the backward would walk them, the states entering the chunks
+    (``4 K V / C`` bytes: 512 at ``K = V = 128``, chunks of 128), which a training step then keeps from the layer's
+    forward to its backward beside the inputs (``grid.handed_on``); False keeps the inputs alone, and the backward
+    recomputes them (its walk again; less memory held across the layers, as under ``jax.checkpoint``, which reruns the
+    forward in the backward anyway). ``interpret``: as ``FusedConfig``'s.
     """
 
     TPU_NUM_STEPS: ClassVar[int] = 16
@@ -107,6 +112,7 @@ class KdaFusedConfig:
     num_steps: int | None = None
     full_values: bool = True
     wy_gradients: bool | None = None
+    keep_residuals: bool = True
     interpret: Any = None
 
     def __post_init__(self):
@@ -115,6 +121,8 @@ class KdaFusedConfig:
             raise TypeError(f"KdaFusedConfig.full_values must be a bool, got {self.full_values!r}")
         if self.wy_gradients is not None and not isinstance(self.wy_gradients, bool):
             raise TypeError(f"KdaFusedConfig.wy_gradients must be None or a bool, got {self.wy_gradients!r}")
+        if not isinstance(self.keep_residuals, bool):
+            raise TypeError(f"KdaFusedConfig.keep_residuals must be a bool, got {self.keep_residuals!r}")
 
 
 WY_GRADIENTS_MXU = 256
@@ -333,13 +341,14 @@ def forward(
 
 def residuals_to_hand_on(q, v, config, recurrence: Recurrence, packed: bool, backward_config=None) -> tuple[str, ...]:
     """What a forward asked for its residuals hands on (``grid.handed_on``, at the backward's geometry, ``backward_config``
-    where that is not ``config``): nothing where the backward's chunks are not the forward's, nor where the forward's
-    grid splits the values into blocks (``full_values`` off), whose grid points hold no whole state."""
+    where that is not ``config``): nothing where ``config.keep_residuals`` is off, where the backward's chunks are not the
+    forward's, nor where the forward's grid splits the values into blocks (``full_values`` off), whose grid points hold
+    no whole state."""
     B, T, H, K = q.shape
     value_heads, V = v.shape[2:]
     forward = geometry_of(B, T, value_heads, K, V, config, value_heads // H)
     backward = geometry_of(B, T, value_heads, K, V, backward_config or config, value_heads // H, backward=True)
-    if backward.chunk_size != forward.chunk_size or not forward.full_values:
+    if not config.keep_residuals or backward.chunk_size != forward.chunk_size or not forward.full_values:
         return ()
     return handed_on(recurrence, backward, packed)
 
