@@ -243,12 +243,15 @@ def test_forward_mode_autodiff_is_not_available_through_the_custom_vjp(registry,
         jax.jvp(lambda q: sg.forward(q, k, v, g_gamma=g_gamma)[0], (q,), (q,))
 
 
-def test_a_forward_hands_its_residuals_to_its_own_backward_under_grad_jit_and_vmap(registry, args):
+def test_a_forward_hands_its_residuals_to_its_own_backward_under_grad_jit_checkpoint_and_vmap(registry, args):
     fakes.register(forward=fakes.keeping_forward, backward=fakes.backward_from_states, residuals=True)
     want = jax.grad(loss_of(direct), argnums=range(6))(*args)
     for got in (jax.grad(loss_of(through_op), argnums=range(6))(*args), jax.jit(jax.grad(loss_of(through_op), argnums=range(6)))(*args)):
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dg_gamma", "dinitial_state"), got, want):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+    rematerialised = jax.grad(jax.checkpoint(loss_of(through_op)), argnums=range(6))(*args)  # the forward rerun in the backward
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dg_gamma", "dinitial_state"), rematerialised, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
     q, k, v, g, g_gamma, h0 = args
     stacked = jnp.stack([q, 2 * q])
     batched = jax.vmap(jax.grad(lambda q: loss_of(through_op)(q, k, v, g, g_gamma, h0)))(stacked)
