@@ -73,8 +73,8 @@ def pairing_note(forward: Decision, backward: Decision) -> str | None:
     same = forward.implementation is backward.implementation and forward.config == backward.config
     if same and forward.implementation.residuals:
         return (
-            f"residuals: under grad or vjp {forward.implementation.name}'s forward hands its backward what it would "
-            "recompute (op.backward called on its own recomputes it)"
+            f"residuals: under grad or vjp {forward.implementation.name}'s backward takes whatever its own forward hands "
+            "on (Implementation.residuals) rather than recomputing it; op.backward called on its own recomputes it"
         )
     if forward.implementation.backward is not None or forward.implementation is backward.implementation:
         return None
