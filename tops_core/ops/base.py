@@ -368,9 +368,10 @@ class OpContract:
             return None
         if split["t"] if split is not None else (jax.device_count() > 1 and prepared.spec.platform != "tpu"):
             return None
+        spec = _split_spec(prepared, split)
         try:
-            forward = self.decide(_split_spec(prepared, split), "forward", policy, warn=False)
-            backward = self.decide(_split_spec(prepared, split), "backward", policy, warn=False)
+            forward = self.decide(spec, "forward", policy, warn=False)
+            backward = self.decide(spec, "backward", policy, warn=False)
         except NoImplementationError:
             return None
         if not (forward.implementation.residuals and same_choice(forward, backward)):

@@ -90,7 +90,7 @@ def grid_plan(name: str, geometry: Geometry, scalars, inputs, outputs, work: Wor
 
 
 def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, config, operands=None,
-        ssm_state_indices=None, hands_on: tuple[str, ...] = ()):
+        ssm_state_indices=None, hands_on: tuple[str, ...] | None = None):
     """One ``pallas_call`` over the fused grid, for this kernel and for any kernel on the same grid and layout.
 
     ``kernel(*refs, plan=, geometry=, scale=)`` runs the grid that ``build_plans`` (the signature of
@@ -102,8 +102,9 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
     heads, kda), each group reads its query/key head in place (``blocks.key_rows``). With ``ssm_state_indices``,
     ``initial_state`` is a pool whose rows the sequences read and write in place: the plans get ``pool_rows``, the
     kernel the indices as ``state_rows`` (``SequenceStates``), and the final state returned is the pool.
-    ``hands_on``: outputs of the kernel besides those (``build_plans`` gets it: ``"checkpoints"``, ``"inverses"``),
-    returned after them chunk by chunk (``by_chunk``): ``((o, final_state), {name: array})``.
+    ``hands_on``: a forward asked for its residuals, the kernel's outputs besides those (``build_plans`` gets them:
+    ``"checkpoints"``, ``"inverses"``; perhaps none), returned after them chunk by chunk (``by_chunk``):
+    ``((o, final_state), {name: array})``.
     """
     B, T, H, K = q.shape
     value_heads = v.shape[2]
@@ -124,7 +125,7 @@ def run(kernel, build_plans, q, k, v, *, g, g_gamma, scale, initial_state, outpu
     results = run_plan(plan, kernel, arrays, scale=scale)
     final_state = caller_state(results["final_state"], geometry) if output_final_state else None
     outputs = caller_output(results["o"], geometry), final_state
-    if not hands_on:
+    if hands_on is None:
         return outputs
     return outputs, {name: by_chunk(results[name], geometry) for name in hands_on}
 

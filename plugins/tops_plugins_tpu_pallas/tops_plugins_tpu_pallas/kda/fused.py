@@ -412,7 +412,7 @@ def run(
     if cu_seqlens is not None:
         num_seqs = cu_seqlens.shape[0] - 1
         operands.update(packed_operands(cu_seqlens, q.shape[1], geometry.chunk_size))
-    results = grid.run(
+    return grid.run(
         functools.partial(kernel, use_qk_l2norm=use_qk_l2norm, activations=activations, recurrence=recurrence),
         functools.partial(
             plans, beta_dtype=None if beta is None else beta.dtype, use_qk_l2norm=use_qk_l2norm, activations=activations,
@@ -420,6 +420,5 @@ def run(
             recurrence=recurrence,
         ),
         q, k, v, g=g, g_gamma=None, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        config=config, operands=operands, ssm_state_indices=ssm_state_indices, hands_on=hands_on or (),
+        config=config, operands=operands, ssm_state_indices=ssm_state_indices, hands_on=hands_on,
     )
-    return (results, {}) if hands_on == () else results
